@@ -1,0 +1,6 @@
+"""The networks of the cascade, registered under the class names their checkpoint json files use."""
+from .loading import (MODEL_CLASSES, CheckpointError, build_model, load_model, load_state_into, read_spec,
+                      register_model, save_model)
+
+__all__ = ["MODEL_CLASSES", "CheckpointError", "build_model", "load_model", "load_state_into", "read_spec",
+           "register_model", "save_model"]

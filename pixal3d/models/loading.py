@@ -1,0 +1,163 @@
+"""Checkpoints are a contract: build on ``meta``, load strictly, keep the reference dtype placement.
+
+A checkpoint is a pair ``<stem>.json`` (``{"name": <class>, "args": {...}}``) and
+``<stem>.safetensors``. ``build_model`` turns the json into a module on the ``meta`` device whose
+parameters already carry the reference dtype placement (bf16 block weights, fp32 norms, ...);
+``load_model`` then reads every tensor straight onto the target device, casts it to the dtype of the
+parameter it replaces and assigns it (``load_state_dict(assign=True, strict=True)``): no random
+initialisation, no CPU copy on the way to the device. Any missing, unexpected or mis-shaped key is one
+``CheckpointError`` naming the file and the keys.
+
+Model classes register under the class names that checkpoint json files use::
+
+    @register_model("SLatFlowModel", "ElasticSLatFlowModel")
+    class SLatFlowModel(nn.Module):
+        training_only_args = ("initialization", "use_checkpoint")  # accepted, ignored
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint does not match the network it is loaded into (or cannot be read)."""
+
+
+def register_model(*names: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: make ``build_model({"name": n, ...})`` construct this class for each ``n``."""
+    def decorate(cls: type[nn.Module]) -> type[nn.Module]:
+        for name in names or (cls.__name__,):
+            if name in MODEL_CLASSES and MODEL_CLASSES[name] is not cls:
+                raise ValueError(f"model name {name!r} registered twice "
+                                 f"({MODEL_CLASSES[name].__qualname__} and {cls.__qualname__})")
+            MODEL_CLASSES[name] = cls
+        return cls
+    return decorate
+
+
+def constructor_args(cls: type[nn.Module], args: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
+    """Validate ``args`` against ``cls.__init__``: drop declared training-only ones, reject the rest."""
+    params = inspect.signature(cls.__init__).parameters
+    accepted = {k for k, p in params.items() if k != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    ignored = set(getattr(cls, "training_only_args", ()))
+    kept, dropped, unknown = {}, [], []
+    for key, value in args.items():
+        if key in accepted:
+            kept[key] = value
+        elif key in ignored:
+            dropped.append(key)
+        else:
+            unknown.append(key)
+    if dropped:
+        logger.debug("%s: ignoring training-only arguments %s of %s", source, sorted(dropped), cls.__name__)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown argument(s) {sorted(unknown)} for {cls.__name__}; "
+                              f"accepted: {sorted(accepted)}")
+    missing = [k for k, p in params.items()
+               if k in accepted and p.default is inspect.Parameter.empty and k not in kept]
+    if missing:
+        raise CheckpointError(f"{source}: missing required argument(s) {missing} for {cls.__name__}")
+    return kept
+
+
+def build_model(spec: Mapping[str, Any], *, device: torch.device | str = "meta", source: str = "config") -> nn.Module:
+    """Construct the network described by ``{"name": ..., "args": {...}}`` on ``device`` (default meta)."""
+    name = spec.get("name")
+    if name not in MODEL_CLASSES:
+        raise CheckpointError(f"{source}: unknown model class {name!r}; known: {sorted(MODEL_CLASSES)}")
+    cls = MODEL_CLASSES[name]
+    kwargs = constructor_args(cls, spec.get("args", {}), source=source)
+    with torch.device(device):
+        return cls(**kwargs)
+
+
+def read_spec(json_path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint's ``{name, args}`` json with a clear error when it is missing or malformed."""
+    path = Path(json_path)
+    try:
+        spec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint config {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint config {path} is not valid JSON: {err}") from None
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise CheckpointError(f"checkpoint config {path} must be an object with 'name' and 'args'")
+    return spec
+
+
+def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch.device | str) -> nn.Module:
+    """Strictly fill a meta-built ``model`` from a safetensors file, tensors created on ``device``."""
+    path = Path(weights_path)
+    expected = dict(model.state_dict(keep_vars=True).items())
+    state: dict[str, torch.Tensor] = {}
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(torch.device(device)))
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file {path} does not exist") from None
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"weights file {path} is not a readable safetensors file ({err}); "
+                              f"delete it and download it again") from None
+    with handle as f:
+        keys = set(f.keys())
+        missing = sorted(set(expected) - keys)
+        unexpected = sorted(keys - set(expected))
+        mismatched = []
+        for key in sorted(keys & set(expected)):
+            shape = tuple(f.get_slice(key).get_shape())
+            if shape != tuple(expected[key].shape):
+                mismatched.append(f"{key}: file {list(shape)} vs model {list(expected[key].shape)}")
+        if missing or unexpected or mismatched:
+            lines = [f"{path} does not match {type(model).__name__}:"]
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+                if items:
+                    shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+                    lines.append(f"  {label}: {shown}")
+            raise CheckpointError("\n".join(lines))
+        for key in sorted(keys):
+            try:
+                tensor = f.get_tensor(key)
+            except Exception as err:
+                raise CheckpointError(f"weights file {path} is truncated or corrupt at tensor {key!r} ({err}); "
+                                      f"delete it and download it again") from None
+            state[key] = tensor.to(expected[key].dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    leftover = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"{path}: tensors left on meta after loading {type(model).__name__}: {leftover[:8]} "
+                              f"(a model must not hold buffers that are neither stored nor derived on the fly)")
+    return model.eval().requires_grad_(False)
+
+
+def load_model(stem: str | Path, *, device: torch.device | str = "cpu") -> nn.Module:
+    """Load ``<stem>.json`` + ``<stem>.safetensors`` onto ``device`` with the reference dtype placement."""
+    stem = Path(stem)
+    spec = read_spec(stem.with_suffix(".json"))
+    model = build_model(spec, device="meta", source=str(stem.with_suffix(".json")))
+    return load_state_into(model, stem.with_suffix(".safetensors"), device=device)
+
+
+def save_model(model: nn.Module, spec: Mapping[str, Any], stem: str | Path, *,
+               dtype: torch.dtype | None = None) -> None:
+    """Write ``<stem>.json`` and ``<stem>.safetensors`` (optionally every tensor cast to ``dtype``,
+    as the published files store them: bf16 flows, fp16 decoders)."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
+             for k, v in model.state_dict().items()}
+    tmp = stem.with_name(stem.name + ".safetensors.tmp")
+    save_file(state, str(tmp))
+    tmp.replace(stem.with_suffix(".safetensors"))
+    stem.with_suffix(".json").write_text(json.dumps(dict(spec), indent=2) + "\n")

@@ -1,0 +1,4 @@
+"""Building blocks: sparse tensors, attention, RoPE, norms, sparse convolution."""
+from .sparse_tensor import SparseTensor
+
+__all__ = ["SparseTensor"]

@@ -1,0 +1,41 @@
+"""Package metadata for the Pixal3D fork with built-in staging."""
+from setuptools import find_packages, setup
+
+setup(
+    name="pixal3d-staged",
+    version="0.1.0",
+    description="Pixal3D image-to-3D (1024_cascade) with stage-aware model loading and memory telemetry",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["pixal3d", "pixal3d.*", "pipelines", "pipelines.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "pillow",
+        "safetensors",
+        "huggingface_hub",
+        "transformers>=4.56",  # DINOv3ViTModel first shipped in 4.56
+        "rembg[cpu]",
+        "trimesh",
+        "xatlas",
+        "fast-simplification",
+        "scipy",
+        "psutil",
+        "tqdm",
+        "pyyaml",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        # MoGe is not on the package index: pip install "git+https://github.com/microsoft/MoGe.git"
+        "moge": [],
+        "dev": ["pytest>=7", "ruff"],
+    },
+    entry_points={
+        "console_scripts": [
+            "pixal3d-image-to-mesh=pipelines.cli:main",
+            "pixal3d-guard=pixal3d.guard:main",
+        ],
+    },
+)
