@@ -1,0 +1,304 @@
+"""Device policy: what this machine is, how much memory the run needs, and where idle models live.
+
+Policies (``--policy``):
+
+- ``resident``: load each model on first use and keep it (fastest when everything fits).
+- ``staged``: release idle models to ``meta``; reload from disk when a later stage needs them.
+- ``offload``: park idle models in pinned host memory (discrete GPUs only).
+- ``eager``: load everything up front and keep it — the reference behaviour, for comparisons.
+- ``auto``: choose from the memory plan and the machine, with the reasons as text.
+
+The plan reads model sizes from safetensors headers only; no tensor is read to plan.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+from .events import EventSink
+from .registry import StagedModels
+
+logger = logging.getLogger(__name__)
+
+HEADROOM = 0.15
+"""Fraction of available memory the plan leaves free: "fits" means fits in the other 85%."""
+
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header size
+
+
+class Policy(str, enum.Enum):
+    """Where idle models live; see the module docstring."""
+
+    resident = "resident"
+    staged = "staged"
+    offload = "offload"
+    eager = "eager"
+    auto = "auto"
+
+
+class PolicyError(ValueError):
+    """A policy that cannot work on this machine, or a plan that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The compute device and the memory it can use, in bytes.
+
+    ``unified`` is True when device and host share one pool (MPS, integrated CUDA, CPU-only):
+    then ``device_available`` is the host's available memory.
+    """
+
+    device: str
+    name: str
+    unified: bool
+    device_total: int
+    device_available: int
+    host_total: int
+    host_available: int
+
+
+def detect_machine(device: str | torch.device | None = None) -> Machine:
+    """Describe ``device`` (default: the first CUDA device, else MPS, else CPU) and its free memory."""
+    vm = psutil.virtual_memory()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        if props.is_integrated:
+            return Machine(f"cuda:{index}", props.name, True, vm.total, vm.available, vm.total, vm.available)
+        free, total = torch.cuda.mem_get_info(index)
+        return Machine(f"cuda:{index}", props.name, False, total, free, vm.total, vm.available)
+    if device.type == "mps":
+        return Machine("mps", "Apple GPU (unified memory)", True, vm.total, vm.available, vm.total, vm.available)
+    if device.type == "cpu":
+        return Machine("cpu", "CPU", True, vm.total, vm.available, vm.total, vm.available)
+    raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
+
+
+def safetensors_nbytes(path: str | os.PathLike) -> int:
+    """Bytes of tensor data in a safetensors file, from its header alone (no tensor is read)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise PolicyError(f"{os.fspath(path)!r} is too short to be a safetensors file")
+        (size,) = struct.unpack("<Q", raw)
+        if size > _MAX_HEADER:
+            raise PolicyError(f"{os.fspath(path)!r}: header of {size} bytes is not a safetensors header")
+        try:
+            header = json.loads(f.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PolicyError(f"{os.fspath(path)!r}: unreadable safetensors header ({err})") from err
+    return sum(end - begin for key, entry in header.items() if key != "__metadata__" for begin, end in [entry["data_offsets"]])
+
+
+def model_sizes(files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]]) -> dict[str, int]:
+    """Model name → bytes, from each model's safetensors file (or list of shards)."""
+    sizes = {}
+    for name, paths in files.items():
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        sizes[name] = sum(safetensors_nbytes(p) for p in paths)
+    return sizes
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: the models it needs, their weight bytes and the estimated working set."""
+
+    name: str
+    models: tuple[str, ...]
+    weight_bytes: int
+    working_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.working_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-model and per-stage memory needs of a run, before any weight is read."""
+
+    model_bytes: Mapping[str, int]
+    stages: tuple[StagePlan, ...]
+
+    @classmethod
+    def build(
+        cls,
+        model_bytes: Mapping[str, int],
+        stages: Mapping[str, Sequence[str]],
+        working_bytes: Mapping[str, int] | None = None,
+    ) -> MemoryPlan:
+        """Combine model sizes with each stage's needs and working-set estimate (bytes, default 0)."""
+        working_bytes = working_bytes or {}
+        missing = sorted({m for needs in stages.values() for m in needs} - model_bytes.keys())
+        if missing:
+            raise PolicyError(f"no size known for models {missing}; give each a safetensors file or a byte count")
+        unknown = sorted(working_bytes.keys() - stages.keys())
+        if unknown:
+            raise PolicyError(f"working-set estimates for unknown stages {unknown}; stages are {list(stages)}")
+        plans = tuple(
+            StagePlan(s, tuple(needs), sum(model_bytes[m] for m in needs), working_bytes.get(s, 0))
+            for s, needs in stages.items()
+        )
+        return cls(dict(model_bytes), plans)
+
+    @classmethod
+    def from_files(
+        cls,
+        files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]],
+        stages: Mapping[str, Sequence[str]],
+        working_bytes: Mapping[str, int] | None = None,
+        extra_model_bytes: Mapping[str, int] | None = None,
+    ) -> MemoryPlan:
+        """``build`` with sizes read from safetensors headers (plus known sizes of non-safetensors models)."""
+        return cls.build({**model_sizes(files), **(extra_model_bytes or {})}, stages, working_bytes)
+
+    @property
+    def all_weights(self) -> int:
+        """Bytes of every planned model at once (each counted once)."""
+        used = {m for s in self.stages for m in s.models}
+        return sum(self.model_bytes[m] for m in used)
+
+    @property
+    def staged_peak(self) -> int:
+        """Largest single stage: its weights plus its working set."""
+        return max((s.total_bytes for s in self.stages), default=0)
+
+    @property
+    def resident_peak(self) -> int:
+        """All weights kept plus the largest working set."""
+        return self.all_weights + max((s.working_bytes for s in self.stages), default=0)
+
+
+def _fits(need: int, available: int) -> bool:
+    return need <= available * (1 - HEADROOM)
+
+
+def gib(nbytes: int) -> str:
+    """Bytes as GiB with two decimals, e.g. '13.16 GiB'."""
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def choose_policy(plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]]:
+    """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences."""
+    pool = machine.device_available
+    usable = f"{gib(int(pool * (1 - HEADROOM)))} usable ({gib(pool)} available less {HEADROOM:.0%} headroom)"
+    everything = f"all models resident need {gib(plan.resident_peak)}"
+    largest = f"the largest stage needs {gib(plan.staged_peak)}"
+    if machine.unified:
+        where = f"unified memory ({machine.device}): models and work share one pool, {usable}"
+        if _fits(plan.resident_peak, pool):
+            return Policy.resident, [where, f"{everything}, which fits: keep every model loaded"]
+        reasons = [where, f"{everything}, which does not fit", "release idle models to meta and reload them from disk"]
+        if not _fits(plan.staged_peak, pool):
+            reasons.append(f"warning: {largest}, more than usable memory; expect swapping or out-of-memory")
+        return Policy.staged, reasons
+    where = f"discrete GPU {machine.name} ({machine.device}): {usable}"
+    if _fits(plan.resident_peak, pool):
+        return Policy.resident, [where, f"{everything}, which fits on the GPU: keep every model there"]
+    reasons = [where, f"{everything}, which does not fit on the GPU"]
+    host = machine.host_available
+    if _fits(plan.staged_peak, pool) and _fits(plan.all_weights, host):
+        return Policy.offload, reasons + [
+            f"{largest}, which fits on the GPU",
+            f"host memory has {gib(host)} available for {gib(plan.all_weights)} of pinned copies: "
+            f"park idle models there instead of reloading them from disk",
+        ]
+    if not _fits(plan.all_weights, host):
+        reasons.append(f"host memory ({gib(host)} available) cannot hold pinned copies of {gib(plan.all_weights)}")
+    reasons.append("release idle models to meta and reload them from disk")
+    if not _fits(plan.staged_peak, pool):
+        reasons.append(f"warning: {largest}, more than usable GPU memory; expect out-of-memory")
+    return Policy.staged, reasons
+
+
+def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]]:
+    """Turn the requested policy into the one to run: ``auto`` chooses; ``offload`` is checked."""
+    try:
+        policy = Policy(requested)
+    except ValueError:
+        raise PolicyError(f"unknown policy {requested!r}; choose one of {[p.value for p in Policy]}") from None
+    if policy is Policy.auto:
+        return choose_policy(plan, machine)
+    if policy is Policy.offload and machine.unified:
+        raise PolicyError(
+            f"policy 'offload' parks idle models in host memory, but {machine.device} uses unified "
+            f"memory: host and device are one pool, so offloading frees nothing and adds a copy. "
+            f"Use --policy staged (or auto) on this machine."
+        )
+    reasons = [f"requested explicitly (--policy {policy.value})"]
+    need = plan.staged_peak if policy in (Policy.staged, Policy.offload) else plan.resident_peak
+    if not _fits(need, machine.device_available):
+        reasons.append(
+            f"warning: {policy.value} needs {gib(need)}, {machine.device} has {gib(machine.device_available)} "
+            f"available; expect swapping or out-of-memory"
+        )
+    return policy, reasons
+
+
+def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Iterable[str]) -> str:
+    """The plan as a text table, then the machine, the chosen policy and its reasons (for ``--plan``)."""
+    rows = [("stage", "models", "weights", "working set", "total")]
+    for s in plan.stages:
+        rows.append((s.name, ", ".join(s.models) or "-", gib(s.weight_bytes), gib(s.working_bytes), gib(s.total_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        f"all weights at once: {gib(plan.all_weights)}; resident peak: {gib(plan.resident_peak)}; "
+        f"largest stage: {gib(plan.staged_peak)}",
+        f"machine: {machine.name} ({machine.device}, {'unified' if machine.unified else 'discrete'} memory); "
+        f"device {gib(machine.device_available)} available of {gib(machine.device_total)}; "
+        f"host {gib(machine.host_available)} available of {gib(machine.host_total)}",
+        f"policy: {policy.value}",
+    ]
+    lines += [f"  - {r}" for r in reasons]
+    return "\n".join(lines)
+
+
+def registry_for(
+    policy: Policy | str,
+    loaders: Mapping[str, Callable[[], nn.Module]],
+    stages: Mapping[str, Sequence[str]],
+    *,
+    machine: Machine | None = None,
+    pinned: Iterable[str] = (),
+    events: EventSink | None = None,
+    strict: bool = False,
+) -> StagedModels:
+    """A ``StagedModels`` that applies a resolved policy (``eager`` loads every model before returning)."""
+    policy = Policy(policy)
+    if policy is Policy.auto:
+        raise PolicyError("policy 'auto' must be resolved first: call resolve_policy(plan, machine)")
+    if policy is Policy.offload and (machine is None or machine.unified):
+        raise PolicyError(
+            "policy 'offload' needs a discrete-GPU Machine (detect_machine()); on unified memory use 'staged'"
+        )
+    keep_all = policy in (Policy.resident, Policy.eager)
+    registry = StagedModels(
+        loaders,
+        stages,
+        pinned=list(loaders) if keep_all else pinned,
+        events=events,
+        strict=strict,
+        idle="offload" if policy is Policy.offload else "release",
+    )
+    if policy is Policy.eager:
+        registry.load_all()
+    return registry
