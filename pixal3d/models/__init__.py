@@ -4,3 +4,5 @@ from .loading import (MODEL_CLASSES, CheckpointError, build_model, load_model, l
 
 __all__ = ["MODEL_CLASSES", "CheckpointError", "build_model", "load_model", "load_state_into", "read_spec",
            "register_model", "save_model"]
+from .slat_flow import SLatFlowModel
+from .sparse_structure_flow import SparseStructureFlowModel
