@@ -1,0 +1,219 @@
+"""The JSONL memory trace: writing it line by line, reading it back, and cutting it into stage windows.
+
+Records, one JSON object per line (``t`` is seconds since the ``start`` record's ``time``):
+
+- ``start``: ``time`` (Unix seconds), ``utc``, ``interval``, ``pid`` and caller metadata.
+- ``sample``: counters in bytes (``process``, ``available``, ``swap_used``, ``device``, ...).
+- ``peak``: exact peaks (``process_peak``, ``device_peak``) over ``[since, t]``, read and reset at
+  stage boundaries, releases and the end, so a spike between two samples is not lost.
+- ``event``: a registry event (``kind``, ``model``, ``stage``, ``bytes``, ``seconds``).
+- ``error``: a counter that could not be read (``error``); ``end``: the meter stopped cleanly.
+
+Stage windows: the time before the first stage is ``setup``. A ``stage`` (or ``mark``) event opens
+the window of that stage. The registry releases the previous stage's models *before* emitting the
+``stage`` event, so a run of ``release`` events directly before a ``stage`` event is a transition
+that belongs to no stage: the new window starts when that release has finished.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+SETUP = "setup"
+WINDOW_KINDS = ("stage", "mark")
+LOAD_KINDS = ("load", "reload")
+
+
+class TraceWriter:
+    """Appends records to a JSONL file, one flushed line each, so a killed run leaves a usable trace."""
+
+    def __init__(self, path: Path | None):
+        self.path = Path(path) if path is not None else None
+        self._lock = threading.Lock()
+        self._handle = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Write one record as a line and flush it."""
+        if self._handle is None:
+            return
+        line = json.dumps(record, separators=(",", ":"))
+        with self._lock:
+            self._handle.write(line + "\n")
+            self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """All records of a trace. A half-written last line (a killed run) is skipped; a broken line
+    anywhere else raises ValueError naming the line."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON trace record ({error}); the trace is "
+                             "damaged before its last line, so it cannot be summarised") from error
+    if records and records[0].get("type") != "start":
+        raise ValueError(f"{path} does not begin with a 'start' record; is it a memory trace?")
+    return records
+
+
+@dataclass
+class StageRow:
+    """One stage window: its duration, peaks (bytes) and the loads and releases inside it."""
+
+    stage: str
+    start: float
+    seconds: float
+    peak_process: int | None = None
+    peak_device: int | None = None
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    loads: int = 0
+    released_bytes: int = 0
+    releases: int = 0
+    exact_peak: bool = False
+    samples: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+@dataclass
+class Summary:
+    """Per-stage rows plus whole-run totals of one trace."""
+
+    meta: dict[str, Any]
+    rows: list[StageRow]
+    duration: float
+    peak_process: int | None
+    peak_device: int | None
+    swap: dict[str, int | None]
+    loads: dict[str, float]
+    releases: dict[str, float]
+    outside_stage: list[str]
+    complete: bool
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        data = asdict(self)
+        data["rows"] = [row.to_dict() for row in self.rows]
+        return data
+
+
+@dataclass
+class _Segment:
+    name: str | None  # None: a transition (release of the previous stage's models)
+    start: float
+    end: float = float("inf")
+
+
+def _segments(events: list[dict[str, Any]], end: float) -> list[_Segment]:
+    """Windows and transitions, in time order, from the event records."""
+    segments = [_Segment(SETUP, 0.0)]
+    release_start: float | None = None
+    for event in events:
+        kind = event.get("kind")
+        if kind == "release":
+            if release_start is None:
+                began = event["t"] - float(event.get("seconds") or 0.0)
+                release_start = max(began, segments[-1].start)
+        elif kind in WINDOW_KINDS:
+            name = event.get("stage") or "?"
+            if name != segments[-1].name:
+                if release_start is not None and release_start < event["t"]:
+                    segments.append(_Segment(None, release_start))
+                segments.append(_Segment(name, event["t"]))
+            release_start = None
+        else:
+            release_start = None
+    for current, following in zip(segments, segments[1:]):
+        current.end = following.start
+    segments[-1].end = max(end, segments[-1].start)
+    return segments
+
+
+def _locate(segments: list[_Segment], t: float) -> int:
+    """Index of the segment holding time t (start inclusive; the last one also holds its end)."""
+    for index, segment in enumerate(segments):
+        if segment.start <= t < segment.end:
+            return index
+    return len(segments) - 1 if t >= segments[-1].start else 0
+
+
+def peak_of(*values: int | None) -> int | None:
+    """The largest known value, or None when none is known."""
+    known = [value for value in values if value is not None]
+    return max(known) if known else None
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> Summary:
+    """Cut a trace into stage windows and total its loads, releases, peaks and swap."""
+    records = list(records)
+    start = next((r for r in records if r.get("type") == "start"), {})
+    meta = {k: v for k, v in start.items() if k != "type"}
+    events = [r for r in records if r.get("type") == "event"]
+    samples = [r for r in records if r.get("type") == "sample"]
+    end = max((r["t"] for r in records if "t" in r), default=0.0)
+    segments = _segments(events, end)
+    rows = [StageRow(s.name, s.start, s.end - s.start) for s in segments]
+
+    for sample in samples:
+        row = rows[_locate(segments, sample["t"])]
+        row.samples += 1
+        row.peak_process = peak_of(row.peak_process, sample.get("process"))
+        row.peak_device = peak_of(row.peak_device, sample.get("device"))
+    for peak in (r for r in records if r.get("type") == "peak"):
+        # A peak covers [since, t]; it belongs where it began (a transition's peaks go nowhere).
+        row = rows[_locate(segments, peak.get("since", peak["t"]))]
+        row.peak_process = peak_of(row.peak_process, peak.get("process_peak"))
+        row.peak_device = peak_of(row.peak_device, peak.get("device_peak"))
+        row.exact_peak = row.exact_peak or "process_peak" in peak or "device_peak" in peak
+    for event in events:
+        row = rows[_locate(segments, event["t"])]
+        if event.get("kind") in LOAD_KINDS:
+            row.loads += 1
+            row.loaded_bytes += int(event.get("bytes") or 0)
+            row.load_seconds += float(event.get("seconds") or 0.0)
+        elif event.get("kind") == "release":
+            row.releases += 1
+            row.released_bytes += int(event.get("bytes") or 0)
+
+    kept = [row for seg, row in zip(segments, rows) if seg.name is not None
+            and not (seg.name == SETUP and row.seconds == 0 and not row.samples and not row.loads)]
+    swaps = [s["swap_used"] for s in samples if "swap_used" in s]
+    loads = [e for e in events if e.get("kind") in LOAD_KINDS]
+    releases = [e for e in events if e.get("kind") == "release"]
+    return Summary(
+        meta=meta,
+        rows=kept,
+        duration=end,
+        peak_process=peak_of(*(row.peak_process for row in rows)),
+        peak_device=peak_of(*(row.peak_device for row in rows)),
+        swap={"start": swaps[0] if swaps else None, "peak": max(swaps) if swaps else None,
+              "end": swaps[-1] if swaps else None},
+        loads={"count": len(loads), "bytes": sum(int(e.get("bytes") or 0) for e in loads),
+               "seconds": round(sum(float(e.get("seconds") or 0.0) for e in loads), 3)},
+        releases={"count": len(releases), "bytes": sum(int(e.get("bytes") or 0) for e in releases)},
+        outside_stage=sorted({e.get("model") or "?" for e in events
+                              if e.get("kind") == "outside_stage"}),
+        complete=any(r.get("type") == "end" for r in records),
+        errors=[r.get("error", "") for r in records if r.get("type") == "error"],
+    )
