@@ -81,17 +81,26 @@ def sparse_conv3d(x: SparseTensor, weight: torch.Tensor, bias: torch.Tensor | No
     n, num_offsets = nbr.shape
     feats = x.feats.to(weight.dtype)
     w = weight.reshape(cout, num_offsets * cin).t()  # [V·Cin, Cout], row v·Cin + c
-    out = torch.empty(n, cout, dtype=weight.dtype, device=feats.device)
     rows = max(1, chunk_bytes // max(1, num_offsets * cin * feats.element_size()))
+    bias = None if bias is None else bias.to(weight.dtype)
+    track_grad = torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad))
+    # Inference writes each chunk straight into the output; autograd needs out-of-place chunks.
+    out = None if track_grad else torch.empty(n, cout, dtype=weight.dtype, device=feats.device)
+    parts = []
     for start in range(0, n, rows):
         idx = nbr[start:start + rows]  # [r, V]
-        missing = idx < 0
         cols = feats[idx.clamp(min=0).reshape(-1)].reshape(idx.shape[0], num_offsets, cin)  # [r, V, Cin]
-        cols.masked_fill_(missing.unsqueeze(-1), 0)
+        cols = cols.masked_fill((idx < 0).unsqueeze(-1), 0).reshape(idx.shape[0], -1)  # [r, V·Cin]
+        target = None if out is None else out[start:start + rows]
         if bias is None:
-            torch.mm(cols.reshape(idx.shape[0], -1), w, out=out[start:start + rows])
+            part = torch.mm(cols, w, out=target)
         else:
-            torch.addmm(bias.to(weight.dtype), cols.reshape(idx.shape[0], -1), w, out=out[start:start + rows])
+            part = torch.addmm(bias, cols, w, out=target)
+        if out is None:
+            parts.append(part)
+    if out is None:
+        out = torch.cat(parts) if parts else feats.new_empty(0, cout)
     return x.replace(out)
 
 
