@@ -1,0 +1,234 @@
+"""Write real-size checkpoints filled with deterministic random weights, for memory benchmarks.
+
+Every tensor named in a manifest (``shared/reference/checkpoints.json``: name, shape, stored dtype of
+each of the seven Pixal3D checkpoints, with the config args) is written to
+``<cache>/<file>.safetensors`` with a ``<file>.json`` ``{"name": <class>, "args": {...}}`` beside it,
+so ``pixal3d.models.loading.load_model(stem)`` reads it like the published file. A real-size DINOv3
+ViT-L/16 (``save_pretrained`` layout) and, when ``pixal3d/models/naf.py`` provides it, an NAF
+checkpoint are written the same way.
+
+Values come from a counter-based hash (lowbias32 of ``index * golden ^ seed(file, tensor)``), so any
+slice of any tensor can be produced on its own, the bytes are the same on every machine and run, and
+~13 GB are written in a few minutes on two cores. Scales follow a fan-in rule so the networks run
+without overflow: uniform ``±sqrt(3/fan_in)`` for matrices and kernels, ones for norm weights/gammas,
+zeros for norm biases, ``±0.02`` for every other vector. Files are written to a temporary name and
+renamed, streamed chunk by chunk (never a whole model in memory), and skipped when an existing file
+already has exactly the expected header and size.
+
+    python scripts/write_random_checkpoints.py [--cache ~/.cache/pixal3d/bench] [--only NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("write_random_checkpoints")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MANIFEST = REPO.parent / "shared" / "reference" / "checkpoints.json"
+DEFAULT_CACHE = Path(os.environ.get("PIXAL3D_BENCH_CACHE", Path.home() / ".cache" / "pixal3d" / "bench"))
+GENERATOR_VERSION = "pixal3d-bench-random-v1"
+CHUNK = 1 << 22  # elements hashed per step: 16 MiB of float32 scratch
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
+
+# DINOv3 ViT-L/16 (facebook/dinov3-vitl16-pretrain-lvd1689m): the sizes of the published config.
+DINOV3_VITL16 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                     num_register_tokens=4, patch_size=16, image_size=224, layerscale_value=1e-5,
+                     rope_theta=100.0, use_gated_mlp=False, key_bias=False, query_bias=True, value_bias=True,
+                     proj_bias=True, mlp_bias=True, hidden_act="gelu", layer_norm_eps=1e-5)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a checkpoint: its key, shape and stored safetensors dtype (BF16, F16 or F32)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _ITEMSIZE[self.dtype]
+
+
+def _hash32(counter: np.ndarray, seed: int) -> np.ndarray:
+    """lowbias32 (Chris Wellons' integer hash) of ``counter * golden ^ seed``, in place on uint32."""
+    x = counter
+    x *= np.uint32(0x9E3779B9)
+    x ^= np.uint32(seed)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def tensor_seed(file_key: str, tensor_name: str) -> int:
+    """A 32-bit seed from the checkpoint file and tensor name (crc32: stable across runs and machines)."""
+    return zlib.crc32(f"{GENERATOR_VERSION}/{file_key}/{tensor_name}".encode())
+
+
+def uniform(seed: int, start: int, count: int) -> np.ndarray:
+    """Elements ``start .. start+count`` of the stream ``seed`` as float32 uniform in [-1, 1)."""
+    x = _hash32(np.arange(start, start + count, dtype=np.uint32), seed)
+    x >>= np.uint32(8)
+    out = x.astype(np.float32)
+    out *= np.float32(2.0 ** -23)
+    out -= np.float32(1.0)
+    return out
+
+
+def value_rule(spec: TensorSpec) -> tuple[str, float]:
+    """How a tensor is filled: ``("const", value)`` or ``("uniform", half_width)`` (see module doc)."""
+    leaf = spec.name.rsplit(".", 1)[-1]
+    is_norm = "norm" in spec.name.lower()
+    if len(spec.shape) >= 2 and not (is_norm and leaf == "gamma"):
+        fan_in = max(1, math.prod(spec.shape[1:]))
+        return "uniform", math.sqrt(3.0 / fan_in)
+    if is_norm and leaf in ("weight", "gamma"):
+        return "const", 1.0
+    if is_norm and leaf == "bias":
+        return "const", 0.0
+    return "uniform", 0.02
+
+
+def tensor_bytes(file_key: str, spec: TensorSpec, start: int, count: int) -> bytes:
+    """The stored bytes of elements ``start .. start+count`` of one tensor (little-endian)."""
+    kind, value = value_rule(spec)
+    if kind == "const":
+        values = np.full(count, value, dtype=np.float32)
+    else:
+        values = uniform(tensor_seed(file_key, spec.name), start, count)
+        values *= np.float32(value)
+    # torch rounds float32 -> bf16/f16 to nearest-even, the same on every machine
+    return torch.from_numpy(values).to(_TORCH_DTYPE[spec.dtype]).view(torch.uint8).numpy().tobytes()
+
+
+def safetensors_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length plus JSON header of a safetensors file holding ``specs`` in the given order."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec]) -> bool:
+    """Stream a deterministic random safetensors file; return False when an identical one exists."""
+    specs = sorted(specs, key=lambda s: s.name)
+    header = safetensors_header(specs, {"generator": GENERATOR_VERSION})
+    size = len(header) + sum(s.nbytes for s in specs)
+    if path.exists() and path.stat().st_size == size:
+        with open(path, "rb") as f:
+            if f.read(len(header)) == header:
+                return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for spec in specs:
+            for start in range(0, spec.numel, CHUNK):
+                f.write(tensor_bytes(file_key, spec, start, min(CHUNK, spec.numel - start)))
+    tmp.replace(path)
+    return True
+
+
+def manifest_specs(entry: Mapping) -> list[TensorSpec]:
+    """The tensors of one checkpoints.json model entry (its stored dtype applies to every tensor)."""
+    return [TensorSpec(name, tuple(shape), entry["dtype"]) for name, shape in entry["tensors"].items()]
+
+
+def write_manifest_checkpoint(cache: Path, key: str, entry: Mapping) -> Path:
+    """Write one checkpoints.json model as ``<cache>/<file>.safetensors`` + ``.json``; return the stem."""
+    stem = cache / entry["file"]
+    t0 = time.perf_counter()
+    wrote = write_safetensors(stem.with_name(stem.name + ".safetensors"), entry["file"], manifest_specs(entry))
+    stem.with_name(stem.name + ".json").write_text(
+        json.dumps({"name": entry["class"], "args": entry["args"]}, indent=2) + "\n")
+    logger.info("%s: %s %s (%.1f s)", key, "wrote" if wrote else "reused", stem, time.perf_counter() - t0)
+    return stem
+
+
+def module_specs(module: torch.nn.Module) -> list[TensorSpec]:
+    """Tensor specs of a (meta-built) module's state dict, each in the module's own dtype."""
+    return [TensorSpec(name, tuple(t.shape), _DTYPE_NAME[t.dtype]) for name, t in module.state_dict().items()]
+
+
+def write_dinov3(cache: Path) -> Path:
+    """Write a real-size DINOv3 ViT-L/16 in the ``save_pretrained`` layout (float32, like the hub file)."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    folder = cache / "dinov3-vitl16"
+    config = DINOv3ViTConfig(**DINOV3_VITL16)
+    with torch.device("meta"):
+        model = DINOv3ViTModel(config)
+    t0 = time.perf_counter()
+    wrote = write_safetensors(folder / "model.safetensors", "dinov3-vitl16", module_specs(model))
+    config.save_pretrained(folder)
+    logger.info("dinov3: %s %s (%.1f s)", "wrote" if wrote else "reused", folder, time.perf_counter() - t0)
+    return folder
+
+
+def write_module_checkpoint(cache: Path, file_key: str, spec: Mapping, module: torch.nn.Module,
+                            dtype: str | None = None) -> Path:
+    """Write a meta-built registered model (e.g. NAF) as ``<cache>/<file_key>`` stem + json."""
+    stem = cache / file_key
+    specs = [TensorSpec(s.name, s.shape, dtype or s.dtype) for s in module_specs(module)]
+    t0 = time.perf_counter()
+    wrote = write_safetensors(stem.with_name(stem.name + ".safetensors"), file_key, specs)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(dict(spec), indent=2) + "\n")
+    logger.info("%s: %s %s (%.1f s)", file_key, "wrote" if wrote else "reused", stem, time.perf_counter() - t0)
+    return stem
+
+
+def write_all(cache: Path, manifest: Path = DEFAULT_MANIFEST, only: Iterable[str] | None = None) -> dict[str, Path]:
+    """Write (or reuse) every manifest checkpoint plus DINOv3; return {model name: stem or folder}."""
+    models = json.loads(Path(manifest).read_text())["models"]
+    wanted = set(only) if only else None
+    unknown = (wanted or set()) - set(models) - {"dinov3"}
+    if unknown:
+        raise SystemExit(f"--only names {sorted(unknown)} are not in {manifest}; known: {sorted(models)} + dinov3")
+    out = {key: write_manifest_checkpoint(cache, key, entry)
+           for key, entry in models.items() if wanted is None or key in wanted}
+    if wanted is None or "dinov3" in wanted:
+        out["dinov3"] = write_dinov3(cache)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="output folder (default %(default)s)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
+    parser.add_argument("--only", nargs="*", help="model names to write (default: all, plus dinov3)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    t0 = time.perf_counter()
+    paths = write_all(args.cache.expanduser(), args.manifest, args.only)
+    logger.info("%d checkpoints ready under %s in %.1f s", len(paths), args.cache, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()
