@@ -136,7 +136,7 @@ class MemoryMeter:
             return
         if data["kind"] in _BOUNDARY_KINDS:
             self._read_peaks(write=True)
-        fields = {k: v for k, v in data.items() if k != "time" and v is not None}
+        fields = {k: v for k, v in data.items() if k != "time" and v is not None and v != ""}
         self._write({"type": "event", "t": self._now(data.get("time")), **fields})
 
     def mark(self, name: str) -> None:
