@@ -1,0 +1,96 @@
+"""The camera the projection conditioning assumes: a field of view and the distance that frames the cube.
+
+Pixal3D places a pinhole camera at world ``(0, -distance, 0)`` looking along ``+y`` and picks the
+distance so that the ``[-0.5, 0.5]`` cube's x-extremes land exactly on the image's left/right borders:
+``distance = 0.5 / tan(fov / 2)``. The field of view comes from the user (``--fov``), from MoGe-2 when
+the optional ``moge`` package is installed, or from the reference fallback.
+
+Install MoGe (not on the package index)::
+
+    pip install "git+https://github.com/microsoft/MoGe.git"
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_FOV = 0.8575560450553894
+"""The reference pipeline's default ``camera_angle_x`` in radians (about 49.1 degrees)."""
+
+MOGE_REPO = "Ruicheng/moge-2-vitl"
+
+
+@dataclass(frozen=True)
+class Camera:
+    """Horizontal field of view ``fov`` (radians, the reference's ``camera_angle_x``), camera distance
+    from the origin, and the mesh scale the grid is divided by (1 in the cascade)."""
+
+    fov: float
+    distance: float
+    mesh_scale: float = 1.0
+
+
+def camera_from_fov(fov: float) -> Camera:
+    """The camera for a horizontal field of view in radians, with the reference's distance rule."""
+    if not (isinstance(fov, (int, float)) and math.isfinite(fov) and 0.0 < fov < math.pi):
+        raise ValueError(f"field of view {fov!r} rad is not in (0, pi); pass --fov in degrees between 0 and 180 "
+                         f"(exclusive), e.g. --fov 49")
+    # Reference `distance_from_fov`: the grid point (-1, 0, 0) -> world (-0.5, 0, 0) must land on pixel
+    # column 0 of a virtual 512-px image. tan runs in float32 (torch), the rest in Python floats.
+    tan_half = torch.tan(torch.tensor(fov / 2, dtype=torch.float32)).item()
+    focal_px = (16 / tan_half) * 512 / 32
+    x_ndc = 0 - 256
+    distance = focal_px * -0.5 / x_ndc - 0.0
+    return Camera(fov=float(fov), distance=distance, mesh_scale=1.0)
+
+
+def camera_from_degrees(fov_degrees: float) -> Camera:
+    """``camera_from_fov`` for a field of view given in degrees (the CLI's ``--fov``)."""
+    if not (isinstance(fov_degrees, (int, float)) and math.isfinite(fov_degrees) and 0.0 < fov_degrees < 180.0):
+        raise ValueError(f"--fov {fov_degrees!r} is not a field of view in degrees; use a value in (0, 180), "
+                         f"e.g. --fov 49, or omit it to estimate the camera")
+    return camera_from_fov(math.radians(fov_degrees))
+
+
+def moge_available() -> bool:
+    """Whether the optional ``moge`` package is importable (``pip install git+https://github.com/microsoft/MoGe.git``)."""
+    return importlib.util.find_spec("moge") is not None
+
+
+def load_moge(source: str = MOGE_REPO, device: torch.device | str = "cpu") -> torch.nn.Module | None:
+    """Load the MoGe-2 estimator (a stage model), or ``None`` with a warning when ``moge`` is not installed."""
+    if not moge_available():
+        logger.warning("the optional 'moge' package is not installed, so the camera will use the fallback "
+                       "field of view %.4f rad; install it with pip install "
+                       "\"git+https://github.com/microsoft/MoGe.git\" or pass --fov", FALLBACK_FOV)
+        return None
+    from moge.model.v2 import MoGeModel  # optional dependency, imported only when installed
+
+    return MoGeModel.from_pretrained(source).to(device).eval()
+
+
+def estimate_camera(image: Image.Image, estimator: torch.nn.Module | None) -> Camera:
+    """Camera for a preprocessed RGB image: MoGe-2's horizontal fov, or the fallback when ``estimator`` is None."""
+    if estimator is None:
+        logger.warning("no camera estimator: using the fallback field of view %.4f rad (%.2f deg)",
+                       FALLBACK_FOV, math.degrees(FALLBACK_FOV))
+        return camera_from_fov(FALLBACK_FOV)
+    device = next(estimator.parameters()).device
+    pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(device)  # [3, H, W]
+    with torch.no_grad():
+        output = estimator.infer(tensor)
+    # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width.
+    fx_normalised = float(output["intrinsics"][..., 0, 0].reshape(-1)[0])
+    width = image.width
+    fov = 2 * math.atan(width / (2 * fx_normalised * width))
+    logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg", math.degrees(fov))
+    return camera_from_fov(fov)

@@ -1,0 +1,155 @@
+"""Image conditioning of the four flow stages: DINOv3 tokens, NAF upsampling, pixel-aligned projection.
+
+Pixal3D builds four ``DinoV3ProjFeatureExtractor``s that differ only in sizes (``EXTRACTORS``). Here an
+extractor is plain data; ``condition`` runs it with the shared backbone and NAF passed in (the registry owns
+the models), and a ``FeatureCache`` that lives for one run makes the backbone run once per distinct
+(image, S) — ``ss``/``shape_512`` share the 512-px tokens, ``shape_1024``/``tex_1024`` the 1024-px ones.
+
+Output per extractor: ``{'global': [1, 5, 1024] f32, 'proj': ...}`` where ``proj`` is dense ``[1, G³, C]`` when
+no coords are given (the sparse-structure stage) or a ``SparseTensor [N, C]`` on the given coords, rows in
+coords order. ``C`` is the backbone width, doubled (low-res first, NAF second) for the NAF extractors.
+The sparse path projects only the N requested points and, with ``naf_mode='frugal'`` (default), evaluates
+NAF only at the pixels their bilinear taps read; ``naf_mode='full'`` materialises the T×T map as the
+reference does. Both agree to fp32 rounding.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from PIL import Image
+from transformers import DINOv3ViTModel
+
+from ..nn.sparse_tensor import SparseTensor
+from .camera import Camera
+from .dinov3 import extract_tokens, num_global_tokens, prepare_image
+from .naf import NAF
+from .projection import coords_points, grid_points, project, sample_map, sample_pointwise
+
+logger = logging.getLogger(__name__)
+
+NafMode = Literal["frugal", "full"]
+
+
+@dataclass(frozen=True)
+class ExtractorConfig:
+    """One projection extractor: DINOv3 input size S, projection grid G, NAF output size T (None: no NAF)."""
+
+    name: str
+    image_size: int
+    grid_resolution: int
+    naf_size: int | None = None
+
+
+EXTRACTORS: dict[str, ExtractorConfig] = {
+    "ss": ExtractorConfig("ss", image_size=512, grid_resolution=16),
+    "shape_512": ExtractorConfig("shape_512", image_size=512, grid_resolution=32, naf_size=512),
+    "shape_1024": ExtractorConfig("shape_1024", image_size=1024, grid_resolution=64, naf_size=512),
+    "tex_1024": ExtractorConfig("tex_1024", image_size=1024, grid_resolution=64, naf_size=1024),
+}
+
+
+@dataclass(frozen=True)
+class BackboneFeatures:
+    """DINOv3 output for one (image, S): ``tokens [1, 5 + (S/16)², C]`` and the [0, 1] image NAF is guided by."""
+
+    tokens: torch.Tensor
+    image: torch.Tensor
+    num_global: int
+
+    @property
+    def global_tokens(self) -> torch.Tensor:
+        return self.tokens[:, :self.num_global]
+
+    def patch_map(self) -> torch.Tensor:
+        """Patch tokens as a ``[1, C, S/16, S/16]`` map (row-major ``[y][x]``)."""
+        patches = self.tokens[:, self.num_global:]
+        side = int(round(patches.shape[1] ** 0.5))
+        return patches.reshape(1, side, side, -1).permute(0, 3, 1, 2)
+
+
+@dataclass
+class FeatureCache:
+    """Backbone features for one run, keyed by (backbone, image content, S); ``backbone_calls`` counts forwards."""
+
+    entries: dict[tuple[int, str, int], BackboneFeatures] = field(default_factory=dict)
+    backbone_calls: int = 0
+
+    def features(self, backbone: DINOv3ViTModel, image: Image.Image, size: int) -> BackboneFeatures:
+        key = (id(backbone), image_digest(image), size)
+        if key not in self.entries:
+            self.entries[key] = backbone_features(backbone, image, size)
+            self.backbone_calls += 1
+        return self.entries[key]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def image_digest(image: Image.Image) -> str:
+    """Content hash of a PIL image (mode, size, pixels): equal images share cached features."""
+    digest = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def backbone_features(backbone: DINOv3ViTModel, image: Image.Image, size: int) -> BackboneFeatures:
+    """Run the backbone once on ``image`` resized to ``size``²."""
+    patch = backbone.config.patch_size
+    if size % patch:
+        raise ValueError(f"image size {size} must be a multiple of the DINOv3 patch size {patch}")
+    device = backbone.embeddings.patch_embeddings.weight.device
+    normalised, raw = prepare_image(image, size, device)
+    with torch.no_grad():
+        tokens = extract_tokens(backbone, normalised)
+    return BackboneFeatures(tokens=tokens, image=raw, num_global=num_global_tokens(backbone))
+
+
+def condition(extractor: ExtractorConfig, image: Image.Image, camera: Camera, coords: torch.Tensor | None = None, *,
+              backbone: DINOv3ViTModel, naf: NAF | None = None, cache: FeatureCache | None = None,
+              naf_mode: NafMode = "frugal") -> dict[str, torch.Tensor | SparseTensor]:
+    """The flow-model condition of one extractor: ``{'global': [1, 5, C], 'proj': dense [1, G³, C'] or
+    SparseTensor [N, C'] on ``coords [N, 4]`` int32}`` (C' = 2C with NAF)."""
+    if extractor.naf_size is not None and naf is None:
+        raise ValueError(f"extractor {extractor.name!r} upsamples with NAF (T={extractor.naf_size}); pass naf=")
+    if naf_mode not in ("frugal", "full"):
+        raise ValueError(f"naf_mode must be 'frugal' or 'full'; got {naf_mode!r}")
+    features = (cache or FeatureCache()).features(backbone, image, extractor.image_size)
+    device = features.tokens.device
+    if coords is None:
+        points = grid_points(extractor.grid_resolution, device=device)
+    else:
+        if coords.dtype != torch.int32 or (coords.numel() and int(coords[:, 0].max()) != 0):
+            raise ValueError("coords must be int32 [N, 4] (batch, x, y, z) of a single image (batch index 0)")
+        points = coords_points(coords.to(device), extractor.grid_resolution)
+    grid = project(points, camera, extractor.image_size)  # [K, 2]
+    with torch.no_grad():
+        proj = _project_features(extractor, features, grid, naf, naf_mode)  # [K, C']
+    if coords is None:
+        return {"global": features.global_tokens, "proj": proj[None]}
+    return {"global": features.global_tokens, "proj": SparseTensor(proj, coords.to(device))}
+
+
+def negative_condition(cond: dict[str, torch.Tensor | SparseTensor]) -> dict[str, torch.Tensor | SparseTensor]:
+    """The classifier-free-guidance negative: zeros of the same shapes (a SparseTensor keeps its coords)."""
+    return {key: value.replace(torch.zeros_like(value.feats)) if isinstance(value, SparseTensor)
+            else torch.zeros_like(value) for key, value in cond.items()}
+
+
+def _project_features(extractor: ExtractorConfig, features: BackboneFeatures, grid: torch.Tensor,
+                      naf: NAF | None, naf_mode: NafMode) -> torch.Tensor:
+    """Low-res features at ``grid`` then (NAF extractors) NAF features, concatenated: ``[K, C or 2C]``."""
+    patch_map = features.patch_map()
+    low_res = sample_map(patch_map, grid)
+    if extractor.naf_size is None:
+        return low_res
+    size = (extractor.naf_size, extractor.naf_size)
+    if naf_mode == "full":
+        high_res = sample_map(naf(features.image, patch_map, size), grid)
+    else:
+        high_res = sample_pointwise(lambda pixels: naf.features_at(features.image, patch_map, size, pixels),
+                                    grid, *size)
+    return torch.cat([low_res, high_res], dim=-1)

@@ -1,0 +1,232 @@
+"""NAF, Neighborhood Attention Filtering (valeoai/NAF): upsample DINO patch features guided by the image.
+
+Pure PyTorch, key-compatible with the published ``naf_release.pth`` (no ``natten``). The maths, top to bottom:
+
+1. Image encoder on the [0, 1] RGB image: two conv stacks (1×1 ``encoder`` and 3×3 ``sem_encoder``, reflect
+   padding; each Conv2d(3→dim/2) then ``img_layers`` blocks GroupNorm(8)→SiLU→conv→GroupNorm→SiLU→conv, no
+   residual), concatenated to ``dim`` channels, ``adaptive_avg_pool2d`` to the target T×T, then an axial 2-D
+   RoPE (``heads_rope`` heads; periods ``base^(2j/(D/2))``; coords ``(i+0.5)/n·2−1``) — the *queries*.
+2. Keys: the queries ``adaptive_avg_pool2d``-ed to the patch grid h×w. Values: the DINO patch features.
+3. Keys/values are ``nearest-exact``-upsampled to T×T and attended with a 9×9 neighbourhood at dilation
+   ``T/h`` (NATTEN ``na2d``: per dilation sub-lattice the window is centred on the query and clamped to stay
+   inside). With T a multiple of h the upsampled maps are block-constant, so every pixel of one patch
+   attends to the same 9×9 block of patches, starting at ``clamp(patch − 4, 0, h − 9)`` per axis — which is
+   what ``_attend`` computes, on the small maps, for any set of pixels.
+
+``forward`` returns the full ``[1, C, T, T]`` map; ``features_at`` returns ``[P, C]`` for chosen pixels only,
+so the projection can read the few pixels it needs without the T×T×C map (4 GiB at T=1024, C=1024).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .loading import CheckpointError, register_model
+
+_CHUNK_ELEMENTS = 1 << 25  # gathered value elements per attention chunk (128 MiB in fp32)
+
+
+class EncBlock(nn.Module):
+    """GroupNorm → SiLU → conv → GroupNorm → SiLU → conv, reflect padding, no residual (as published)."""
+
+    def __init__(self, channels: int, kernel_size: int, num_groups: int = 8):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(num_groups, channels)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, padding_mode="reflect")
+        self.norm2 = nn.GroupNorm(num_groups, channels)
+        self.conv2 = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(F.silu(self.norm1(x)))
+        return self.conv2(F.silu(self.norm2(x)))
+
+
+def conv_stack(in_channels: int, channels: int, kernel_size: int, num_layers: int) -> nn.Sequential:
+    """Conv2d stem then ``num_layers`` EncBlocks; indices 0..num_layers match the published ``encoder.N`` keys."""
+    stem = nn.Conv2d(in_channels, channels, kernel_size, padding=kernel_size // 2, padding_mode="reflect")
+    return nn.Sequential(stem, *[EncBlock(channels, kernel_size) for _ in range(num_layers)])
+
+
+class AxialRoPE(nn.Module):
+    """2-D rotary embedding without mixing of axes; ``periods`` is a stored (persistent) buffer as published."""
+
+    def __init__(self, dim: int, num_heads: int, base: float):
+        super().__init__()
+        if dim % (4 * num_heads):
+            raise ValueError(f"RoPE dim {dim} must be divisible by 4 * num_heads ({4 * num_heads})")
+        self.num_heads = num_heads
+        head_dim = dim // num_heads
+        exponents = 2 * torch.arange(head_dim // 4, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("periods", base ** exponents, persistent=True)  # [head_dim / 4]
+
+    def rotate(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Rotate ``x [P, dim]`` at pixels (rows, cols) of an ``height × width`` map."""
+        coord_y = (rows.to(torch.float32) + 0.5) / height * 2.0 - 1.0
+        coord_x = (cols.to(torch.float32) + 0.5) / width * 2.0 - 1.0
+        coords = torch.stack([coord_y, coord_x], dim=-1)  # [P, 2]
+        angles = 2 * math.pi * coords[:, :, None] / self.periods[None, None, :]  # [P, 2, D/4]
+        angles = angles.flatten(1, 2).tile(2)  # [P, D]: [u..., v..., u..., v...]
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [P, 1, D]
+        x = x.reshape(x.shape[0], self.num_heads, -1)  # [P, heads, D]
+        first, second = x.chunk(2, dim=-1)
+        rotated = x * cos + torch.cat([-second, first], dim=-1) * sin
+        return rotated.reshape(x.shape[0], -1)
+
+
+class ImageEncoder(nn.Module):
+    """Image → ``dim``-channel guidance map (1×1 and 3×3 conv stacks) with a 2-D RoPE."""
+
+    def __init__(self, dim: int, heads_rope: int, rope_base: float, img_layers: int):
+        super().__init__()
+        self.encoder = conv_stack(3, dim // 2, 1, img_layers)
+        self.sem_encoder = conv_stack(3, dim // 2, 3, img_layers)
+        self.rope = AxialRoPE(dim, heads_rope, rope_base)
+
+    def encode(self, image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """Un-rotated guidance map ``[1, dim, T, T]`` of ``image [1, 3, H, W]`` in [0, 1]."""
+        height, width = size
+        if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
+            # As published: never encode more than 4× the output size (min over both sides, as upstream).
+            reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
+            image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
+        x = torch.cat([self.encoder(image), self.sem_encoder(image)], dim=1)
+        return F.adaptive_avg_pool2d(x, size)
+
+    def rotate_map(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE over a whole ``[1, dim, H, W]`` map."""
+        _, dim, height, width = x.shape
+        rows = torch.arange(height, device=x.device).repeat_interleave(width)
+        cols = torch.arange(width, device=x.device).repeat(height)
+        flat = x[0].reshape(dim, -1).T  # [HW, dim]
+        return self.rope.rotate(flat, rows, cols, height, width).T.reshape(1, dim, height, width)
+
+
+@register_model("NAF")
+class NAF(nn.Module):
+    """Neighborhood Attention Filtering upsampler; defaults are the released model (``config/model/naf.yaml``)."""
+
+    training_only_args = ("rope_rescale", "use_encoder", "use_semencoder")
+
+    def __init__(self, dim: int = 256, heads_attn: int = 4, heads_rope: int = 4, kernel_size: int = 9,
+                 rope_base: float = 100.0, img_layers: int = 2):
+        super().__init__()
+        if dim % heads_attn:
+            raise ValueError(f"dim {dim} must be divisible by heads_attn {heads_attn}")
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size {kernel_size} must be odd")
+        self.heads = heads_attn
+        self.kernel_size = kernel_size
+        self.scale = (dim // heads_attn) ** -0.5
+        self.image_encoder = ImageEncoder(dim, heads_rope, rope_base, img_layers)
+
+    # -- public entry points ------------------------------------------------------------------
+    def forward(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int]) -> torch.Tensor:
+        """Upsampled features ``[1, C, T, T]`` of ``features [1, C, h, w]`` guided by ``image [1, 3, H, W]``."""
+        height, width = output_size
+        rows = torch.arange(height, device=image.device).repeat_interleave(width)
+        cols = torch.arange(width, device=image.device).repeat(height)
+        out = self.features_at(image, features, output_size, torch.stack([rows, cols], dim=-1))  # [T*T, C]
+        return out.T.reshape(1, -1, height, width)
+
+    def features_at(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
+                    pixels: torch.Tensor) -> torch.Tensor:
+        """Upsampled features ``[P, C]`` at ``pixels [P, 2]`` (row, col) of the T×T output only."""
+        height, width = output_size
+        self._check(image, features, output_size)
+        encoded = self.image_encoder.encode(image, output_size)  # [1, dim, T, T]
+        keys = self._keys(encoded, features.shape[-2:])  # [1, dim, h, w]
+        rows, cols = pixels[:, 0].long(), pixels[:, 1].long()
+        queries = encoded[0][:, rows, cols].T  # [P, dim]
+        del encoded
+        queries = self.image_encoder.rope.rotate(queries, rows, cols, height, width)
+        return self._attend(queries, rows, cols, keys, features, output_size)
+
+    # -- the maths ----------------------------------------------------------------------------
+    def _check(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int]) -> None:
+        if image.dim() != 4 or image.shape[:2] != (1, 3) or features.dim() != 4 or features.shape[0] != 1:
+            raise ValueError(f"NAF takes image [1, 3, H, W] and features [1, C, h, w]; got {tuple(image.shape)} "
+                             f"and {tuple(features.shape)}")
+        for target, patches in zip(output_size, features.shape[-2:]):
+            if target % patches or patches < self.kernel_size:
+                raise ValueError(f"NAF output size {tuple(output_size)} must be a multiple of the feature grid "
+                                 f"{tuple(features.shape[-2:])}, which needs at least {self.kernel_size} patches "
+                                 f"per side (the attention window)")
+
+    def _keys(self, encoded: torch.Tensor, patch_grid: torch.Size) -> torch.Tensor:
+        """Keys ``[1, dim, h, w]``: the rotated guidance map pooled to the patch grid, a band of rows at a time."""
+        _, dim, height, width = encoded.shape
+        rows_per_patch = height // patch_grid[0]
+        band = max(1, (1 << 22) // (rows_per_patch * width * dim)) * rows_per_patch
+        pooled = []
+        for top in range(0, height, band):
+            chunk = encoded[:, :, top:top + band]
+            rows = torch.arange(top, top + chunk.shape[2], device=encoded.device).repeat_interleave(width)
+            cols = torch.arange(width, device=encoded.device).repeat(chunk.shape[2])
+            flat = self.image_encoder.rope.rotate(chunk[0].reshape(dim, -1).T, rows, cols, height, width)
+            rotated = flat.T.reshape(1, dim, chunk.shape[2], width)
+            pooled.append(F.adaptive_avg_pool2d(rotated, (chunk.shape[2] // rows_per_patch, patch_grid[1])))
+        return torch.cat(pooled, dim=2)
+
+    def _attend(self, queries: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, output_size: tuple[int, int]) -> torch.Tensor:
+        """9×9 dilated neighbourhood attention of ``queries [P, dim]`` over patch keys/values -> ``[P, C]``."""
+        patch_h, patch_w = values.shape[-2:]
+        channels = values.shape[1]
+        k = self.kernel_size
+        window = torch.arange(k, device=queries.device)
+        start_y = (rows // (output_size[0] // patch_h) - k // 2).clamp(0, patch_h - k)
+        start_x = (cols // (output_size[1] // patch_w) - k // 2).clamp(0, patch_w - k)
+        key_flat = keys[0].reshape(keys.shape[1], -1).T.reshape(patch_h * patch_w, self.heads, -1)  # [hw, n, dk]
+        value_flat = values[0].reshape(channels, -1).T.reshape(patch_h * patch_w, self.heads, -1)  # [hw, n, dv]
+        queries = queries.reshape(queries.shape[0], self.heads, -1)  # [P, n, dk]
+        out = queries.new_empty(queries.shape[0], channels)
+        chunk = max(1, _CHUNK_ELEMENTS // (k * k * channels))
+        for begin in range(0, queries.shape[0], chunk):
+            sl = slice(begin, begin + chunk)
+            index = ((start_y[sl, None] + window)[:, :, None] * patch_w
+                     + (start_x[sl, None] + window)[:, None, :]).reshape(-1, k * k)  # [p, k*k]
+            logits = torch.einsum("pnd,pmnd->pnm", queries[sl], key_flat[index]) * self.scale
+            weights = logits.softmax(dim=-1)
+            out[sl] = torch.einsum("pnm,pmnd->pnd", weights, value_flat[index]).reshape(-1, channels)
+        return out
+
+
+def naf_state_names(model: NAF) -> dict[str, tuple[int, ...]]:
+    """Parameter/buffer names and shapes of ``model`` — the published ``naf_release.pth`` key set at defaults."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def load_naf(path: str | Path, *, device: torch.device | str = "cpu", **config) -> NAF:
+    """Load a ``naf_release.pth``-style state dict (``.pth`` or ``.safetensors``) strictly into ``NAF(**config)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"NAF weights {path} do not exist; download "
+                              f"https://github.com/valeoai/NAF/releases/download/model/naf_release.pth")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path), device=str(torch.device(device)))
+        else:
+            state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # torch/safetensors raise many types for corrupt files
+        raise CheckpointError(f"NAF weights {path} are not readable ({err}); delete the file and download it again") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    with torch.device("meta"):
+        model = NAF(**config)
+    expected = naf_state_names(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [f"{k}: file {list(state[k].shape)} vs model {list(expected[k])}"
+                  for k in sorted(set(expected) & set(state)) if tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"{path} does not match NAF({config}): missing {missing[:8]}, unexpected "
+                              f"{unexpected[:8]}, shape mismatch {mismatched[:8]}")
+    state = {k: v.to(device=device, dtype=torch.float32) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
