@@ -174,7 +174,7 @@ class SparseUnetVaeDecoder(nn.Module):
         h = self.from_latent(latent.type(self.from_latent.weight.dtype)).type(self.dtype)
         subs = []
         for i in range(len(self.blocks)):
-            h, sub = self._stage(i, h, None if guide_subs is None else guide_subs[i])
+            h, sub = self._stage(i, h, guide_subs[i] if guide_subs is not None and i < self.num_upsamplings else None)
             if sub is not None:
                 subs.append(sub)
         h = h.type(torch.float32)
