@@ -21,7 +21,7 @@ from .policy import (
 from .registry import OutsideStageError, StagedModels
 from .release import ReleasedModuleError, ReleaseInfo, empty_device_cache, is_released, module_nbytes, release
 from .rng import preserved_rng
-from .share import SharedInstances
+from .share import SharedInstances, SharedLoader
 
 __all__ = [
     "EVENT_KINDS",
@@ -36,6 +36,7 @@ __all__ = [
     "ReleaseInfo",
     "ReleasedModuleError",
     "SharedInstances",
+    "SharedLoader",
     "StagePlan",
     "StagedModels",
     "choose_policy",

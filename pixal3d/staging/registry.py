@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
@@ -154,11 +154,13 @@ class StagedModels(Mapping[str, nn.Module]):
             and name not in self._pinned
             and id(slot.module) not in self._parked
         ]
-        staying = {n for n in self.loaded() if n not in idle}
+        staying = [n for n in self.loaded() if n not in idle]
+        wanted = {self._share_key(n) for n in [*needs, *self._pinned]} - {None}
         for names, module in self._by_instance(idle):
-            holders = [n for n in staying if self._slots[n].module is module]
-            if holders:
-                self._detach(names, stage, f"still used by {sorted(holders)}")
+            users = [n for n in staying if self._slots[n].module is module]
+            if users or any(self._share_key(n) in wanted for n in names):
+                # A shared instance: one of its users is still needed, so it stays whole.
+                logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users or "a needed name")
             elif self._idle == "offload":
                 self._park(names, module, stage)
             else:
@@ -240,10 +242,9 @@ class StagedModels(Mapping[str, nn.Module]):
             groups.setdefault(id(module), ([], module))[0].append(name)
         return list(groups.values())
 
-    def _detach(self, names: list[str], stage: str, why: str) -> None:
-        for name in names:
-            self._slots[name].module = None
-        logger.debug("%s no longer needed at %r but not released: %s", names, stage, why)
+    def _share_key(self, name: str) -> Hashable | None:
+        """The key of a ``SharedInstances.loader``, so equal keys are known to share before loading."""
+        return getattr(self._slots[name].loader, "share_key", None)
 
     def _release(self, names: list[str], module: nn.Module, stage: str | None) -> None:
         others = [s.module for s in self._slots.values() if s.module is not None and s.module is not module]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Hashable
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -12,7 +13,19 @@ from .release import is_released
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=nn.Module)
+
+def _key(build: Callable, args: tuple, kwargs: dict) -> Hashable:
+    key = (build, args, tuple(sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError as err:
+        # Never fall back to repr(): two different objects can print the same.
+        raise TypeError(
+            f"cannot share {getattr(build, '__qualname__', build)!r}: an argument is unhashable "
+            f"({err}); pass hashable arguments (str, int, tuple, frozen dataclass) or call "
+            f"SharedInstances.get with an explicit key"
+        ) from err
+    return key
 
 
 class SharedInstances:
@@ -20,13 +33,14 @@ class SharedInstances:
 
     A cached instance that has since been released (its weights on meta) is rebuilt on the next
     request, so sharing never hands out a dead module. Keep one ``SharedInstances`` per run.
+    ``builds[key]`` counts how often each key was built.
     """
 
     def __init__(self) -> None:
         self._instances: dict[Hashable, nn.Module] = {}
         self.builds: dict[Hashable, int] = {}
 
-    def get(self, key: Hashable, build: Callable[[], M]) -> M:
+    def get(self, key: Hashable, build: Callable[[], nn.Module]) -> nn.Module:
         """The live instance stored under ``key``, building it with ``build()`` when there is none."""
         instance = self._instances.get(key)
         if instance is None or is_released(instance):
@@ -36,25 +50,20 @@ class SharedInstances:
             logger.debug("built shared instance %r", key)
         return instance
 
-    def wrap(self, build: Callable[..., M]) -> Callable[..., M]:
-        """``build`` made sharing: calls with equal arguments return one instance.
+    def loader(self, build: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> SharedLoader:
+        """A registry loader for ``build(*args, **kwargs)``; registry names given equal loaders share one instance.
 
-        Arguments must be hashable, so that two different objects can never be mistaken for one;
-        an unhashable argument is an error rather than a silent second copy.
+        The registry recognises these loaders: it keeps the instance while any stage it enters
+        needs one of the names, and releases it once, when none does.
         """
+        return SharedLoader(self, _key(build, args, kwargs), functools.partial(build, *args, **kwargs))
+
+    def wrap(self, build: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        """``build`` made sharing, for users outside the registry: equal arguments give one instance."""
 
         @functools.wraps(build)
-        def shared(*args, **kwargs) -> M:
-            key = (build, args, tuple(sorted(kwargs.items())))
-            try:
-                hash(key)
-            except TypeError as err:
-                raise TypeError(
-                    f"SharedInstances.wrap({getattr(build, '__qualname__', build)!r}) got an "
-                    f"unhashable argument ({err}); pass hashable arguments (str, int, tuple, "
-                    f"frozen dataclass) or call SharedInstances.get with an explicit key."
-                ) from err
-            return self.get(key, functools.partial(build, *args, **kwargs))
+        def shared(*args: Any, **kwargs: Any) -> nn.Module:
+            return self.get(_key(build, args, kwargs), functools.partial(build, *args, **kwargs))
 
         return shared
 
@@ -64,3 +73,20 @@ class SharedInstances:
     def clear(self) -> None:
         """Forget every instance (the end of a run)."""
         self._instances.clear()
+
+
+@dataclass(frozen=True)
+class SharedLoader:
+    """A zero-argument loader that returns the instance ``cache`` holds under ``key``."""
+
+    cache: SharedInstances = field(repr=False)
+    key: Hashable
+    build: Callable[[], nn.Module] = field(repr=False)
+
+    @property
+    def share_key(self) -> tuple[int, Hashable]:
+        """Equal for loaders that return the same instance."""
+        return (id(self.cache), self.key)
+
+    def __call__(self) -> nn.Module:
+        return self.cache.get(self.key, self.build)
