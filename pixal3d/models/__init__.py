@@ -6,3 +6,5 @@ __all__ = ["MODEL_CLASSES", "CheckpointError", "build_model", "load_model", "loa
            "register_model", "save_model"]
 from .slat_flow import SLatFlowModel
 from .sparse_structure_flow import SparseStructureFlowModel
+from .sparse_structure_decoder import SparseStructureDecoder
+from .sparse_unet_vae import FlexiDualGridVaeDecoder, SparseUnetVaeDecoder

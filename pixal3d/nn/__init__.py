@@ -2,3 +2,7 @@
 from .sparse_tensor import SparseTensor
 
 __all__ = ["SparseTensor"]
+from .sparse_conv import SparseConv3d, build_neighbor_map, neighbor_map, sparse_conv3d
+from .sparse_ops import SparseLinear, channel_to_space, space_to_channel, subdivide
+__all__ += ["SparseConv3d", "build_neighbor_map", "neighbor_map", "sparse_conv3d",
+            "SparseLinear", "channel_to_space", "space_to_channel", "subdivide"]
