@@ -186,8 +186,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> Summary:
         row.peak_process = peak_of(row.peak_process, peak.get("process_peak"))
         row.peak_device = peak_of(row.peak_device, peak.get("device_peak"))
         row.exact_peak = row.exact_peak or "process_peak" in peak or "device_peak" in peak
-    for event in events:
-        row = rows[_locate(segments, event["t"])]
+    for event in events:  # charged where the load or release began
+        row = rows[_locate(segments, event["t"] - float(event.get("seconds") or 0.0))]
         if event.get("kind") in LOAD_KINDS:
             row.loads += 1
             row.loaded_bytes += int(event.get("bytes") or 0)
