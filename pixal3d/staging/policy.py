@@ -247,6 +247,19 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) 
     return policy, reasons
 
 
+def _describe(machine: Machine) -> str:
+    if machine.unified:
+        return (
+            f"machine: {machine.name} ({machine.device}, unified memory): "
+            f"{gib(machine.host_available)} available of {gib(machine.host_total)}"
+        )
+    return (
+        f"machine: {machine.name} ({machine.device}, discrete memory): GPU {gib(machine.device_available)} "
+        f"available of {gib(machine.device_total)}; host {gib(machine.host_available)} available of "
+        f"{gib(machine.host_total)}"
+    )
+
+
 def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Iterable[str]) -> str:
     """The plan as a text table, then the machine, the chosen policy and its reasons (for ``--plan``)."""
     rows = [("stage", "models", "weights", "working set", "total")]
@@ -263,9 +276,7 @@ def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Ite
         "",
         f"all weights at once: {gib(plan.all_weights)}; resident peak: {gib(plan.resident_peak)}; "
         f"largest stage: {gib(plan.staged_peak)}",
-        f"machine: {machine.name} ({machine.device}, {'unified' if machine.unified else 'discrete'} memory); "
-        f"device {gib(machine.device_available)} available of {gib(machine.device_total)}; "
-        f"host {gib(machine.host_available)} available of {gib(machine.host_total)}",
+        _describe(machine),
         f"policy: {policy.value}",
     ]
     lines += [f"  - {r}" for r in reasons]

@@ -1,0 +1,172 @@
+"""Device policy: sizes from safetensors headers, the auto choice per machine, offload refusal, the table."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pixal3d.staging import (
+    Machine,
+    MemoryPlan,
+    Policy,
+    PolicyError,
+    choose_policy,
+    detect_machine,
+    format_plan,
+    model_sizes,
+    registry_for,
+    resolve_policy,
+    safetensors_nbytes,
+)
+from tests.substitute_pipeline import STAGES, make_loaders
+
+GB = 10**9
+GiB = 2**30
+
+
+def unified(available_gb: float) -> Machine:
+    n = int(available_gb * GB)
+    return Machine("mps", "Apple M-series", True, n, n, n, n)
+
+
+def discrete(gpu_gb: float, host_gb: float) -> Machine:
+    g, h = int(gpu_gb * GB), int(host_gb * GB)
+    return Machine("cuda:0", "Discrete GPU", False, g, g, h, h)
+
+
+# Roughly Pixal3D's shape: 17 GB of weights over five stages, texture the largest working set.
+PLAN = MemoryPlan.build(
+    {"cond": 1 * GB, "ss_flow": 4 * GB, "shape_flow": 4 * GB, "tex_flow": 4 * GB, "decoders": 4 * GB},
+    {
+        "structure": ["cond", "ss_flow"],
+        "shape": ["cond", "shape_flow"],
+        "texture": ["cond", "tex_flow"],
+        "decode": ["decoders"],
+        "export": [],
+    },
+    {"structure": 1 * GB, "shape": 2 * GB, "texture": int(4.5 * GB), "decode": 3 * GB, "export": 2 * GB},
+)
+
+
+def test_plan_totals():
+    assert PLAN.all_weights == 17 * GB
+    assert PLAN.staged_peak == int(9.5 * GB)  # texture: 1 + 4 weights, 4.5 working
+    assert PLAN.resident_peak == int(21.5 * GB)
+
+
+def test_sizes_come_from_real_safetensors_files(tmp_path):
+    a = {"w": torch.zeros(100, 10), "b": torch.zeros(10, dtype=torch.float16)}
+    b1, b2 = {"x": torch.zeros(7, dtype=torch.int64)}, {"y": torch.zeros(3, 3, dtype=torch.bfloat16)}
+    save_file(a, tmp_path / "a.safetensors", metadata={"format": "pt"})
+    save_file(b1, tmp_path / "b1.safetensors")
+    save_file(b2, tmp_path / "b2.safetensors")
+    sizes = model_sizes({"a": tmp_path / "a.safetensors", "b": [tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"]})
+    assert sizes == {"a": 4000 + 20, "b": 56 + 18}
+    plan = MemoryPlan.from_files(
+        {"a": tmp_path / "a.safetensors"}, {"s1": ["a", "onnx"], "s2": []}, {"s2": 5}, extra_model_bytes={"onnx": 1}
+    )
+    assert [(s.name, s.weight_bytes, s.working_bytes) for s in plan.stages] == [("s1", 4021, 0), ("s2", 0, 5)]
+
+
+def test_sizes_are_read_from_the_header_without_reading_tensors(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(1000)}, path)
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    os.truncate(path, header_end)  # the tensor data is gone; the header is enough
+    assert safetensors_nbytes(path) == 4000
+
+
+def test_a_file_that_is_not_safetensors_is_a_clear_error(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"PK\x03\x04 a zip file, not safetensors")
+    with pytest.raises(PolicyError, match="model.bin"):
+        safetensors_nbytes(path)
+
+
+def test_plan_needs_a_size_for_every_model():
+    with pytest.raises(PolicyError, match=r"\['vae'\]"):
+        MemoryPlan.build({"a": 1}, {"s": ["a", "vae"]})
+
+
+@pytest.mark.parametrize(
+    ("machine", "expected"),
+    [
+        (unified(24), Policy.staged),  # 21.5 GB resident > 85% of 24
+        (unified(128), Policy.resident),
+        (discrete(80, 64), Policy.resident),
+        (discrete(12, 64), Policy.offload),  # largest stage 9.5 GB fits 85% of 12; host holds 17
+        (discrete(12, 8), Policy.staged),  # host too small for pinned copies
+        (discrete(6, 64), Policy.staged),  # not even the largest stage fits the GPU
+    ],
+)
+def test_auto_choice_per_machine(machine, expected):
+    policy, reasons = choose_policy(PLAN, machine)
+    assert policy is expected
+    assert reasons and all(isinstance(r, str) for r in reasons)
+
+
+def test_auto_reasons_give_the_numbers():
+    _, reasons = choose_policy(PLAN, discrete(12, 64))
+    text = "\n".join(reasons)
+    assert "20.02 GiB" in text  # resident need, 21.5 GB
+    assert "8.85 GiB" in text  # largest stage, 9.5 GB
+    _, reasons = choose_policy(PLAN, discrete(6, 64))
+    assert any(r.startswith("warning:") and "out-of-memory" in r for r in reasons)
+
+
+def test_auto_never_offloads_on_unified_memory():
+    for gb in (8, 16, 24, 64):
+        assert choose_policy(PLAN, unified(gb))[0] in (Policy.staged, Policy.resident)
+
+
+def test_offload_is_refused_on_unified_memory_with_the_next_step():
+    with pytest.raises(PolicyError, match="unified memory.*--policy staged"):
+        resolve_policy("offload", PLAN, unified(24))
+    with pytest.raises(PolicyError, match="discrete-GPU"):
+        registry_for(Policy.offload, make_loaders(), STAGES, machine=detect_machine("cpu"))
+
+
+def test_resolve_explicit_policies_and_auto():
+    assert resolve_policy("auto", PLAN, unified(24))[0] is Policy.staged
+    policy, reasons = resolve_policy("eager", PLAN, unified(24))
+    assert policy is Policy.eager and "requested explicitly" in reasons[0]
+    assert any("warning" in r for r in reasons)  # 21.5 GB resident on 24 GB unified
+    assert resolve_policy(Policy.offload, PLAN, discrete(12, 64))[0] is Policy.offload
+    with pytest.raises(PolicyError, match="unknown policy 'lazy'"):
+        resolve_policy("lazy", PLAN, unified(24))
+
+
+def test_registry_for_applies_each_policy():
+    cpu = detect_machine("cpu")
+    resident = registry_for("resident", make_loaders(), STAGES, machine=cpu)
+    assert resident.loaded() == []
+    resident.enter("encode")
+    resident["encoder"]
+    resident.enter("decode")
+    assert resident.loaded() == ["encoder"]  # resident keeps what it loaded
+    staged = registry_for("staged", make_loaders(), STAGES, machine=cpu)
+    staged.enter("encode")
+    staged["encoder"]
+    staged.enter("decode")
+    assert staged.loaded() == []
+    with pytest.raises(PolicyError, match="resolved first"):
+        registry_for("auto", make_loaders(), STAGES, machine=cpu)
+
+
+def test_plan_table_lists_every_stage_the_machine_and_the_choice():
+    machine = discrete(12, 64)
+    policy, reasons = choose_policy(PLAN, machine)
+    table = format_plan(PLAN, machine, policy, reasons)
+    lines = table.splitlines()
+    assert lines[0].split() == ["stage", "models", "weights", "working", "set", "total"]
+    assert set(lines[1]) <= {"-", " "}
+    row = next(line for line in lines if line.startswith("texture"))
+    assert "cond, tex_flow" in row and row.endswith("8.85 GiB")
+    assert "policy: offload" in table and "Discrete GPU (cuda:0, discrete memory): GPU 11.18 GiB available" in table
+    assert all(f"  - {r}" in table for r in reasons)
+
+
+def test_detect_machine_on_cpu_is_unified_with_host_memory():
+    machine = detect_machine("cpu")
+    assert machine.unified and machine.device == "cpu"
+    assert 0 < machine.device_available <= machine.device_total == machine.host_total
