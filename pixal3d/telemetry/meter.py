@@ -93,7 +93,7 @@ class MemoryMeter:
 
     # -- recording -------------------------------------------------------------------------------
     def _now(self, at: float | None = None) -> float:
-        return round((time.time() if at is None else at) - self._t0, 4)
+        return round((time.time() if at is None else at) - self._t0, 6)
 
     def _write(self, record: dict[str, Any]) -> None:
         with self._lock:

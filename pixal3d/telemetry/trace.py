@@ -122,28 +122,29 @@ class Summary:
 class _Segment:
     name: str | None  # None: a transition (release of the previous stage's models)
     start: float
+    opener: int | None = None  # index of the event that opened it
     end: float = float("inf")
 
 
 def _segments(events: list[dict[str, Any]], end: float) -> list[_Segment]:
     """Windows and transitions, in time order, from the event records."""
     segments = [_Segment(SETUP, 0.0)]
-    release_start: float | None = None
-    for event in events:
+    release: tuple[int, float] | None = None  # first release of a run: (event index, start)
+    for index, event in enumerate(events):
         kind = event.get("kind")
         if kind == "release":
-            if release_start is None:
+            if release is None:
                 began = event["t"] - float(event.get("seconds") or 0.0)
-                release_start = max(began, segments[-1].start)
+                release = (index, max(began, segments[-1].start))
         elif kind in WINDOW_KINDS:
             name = event.get("stage") or "?"
             if name != segments[-1].name:
-                if release_start is not None and release_start < event["t"]:
-                    segments.append(_Segment(None, release_start))
-                segments.append(_Segment(name, event["t"]))
-            release_start = None
+                if release is not None:
+                    segments.append(_Segment(None, release[1], opener=release[0]))
+                segments.append(_Segment(name, event["t"], opener=index))
+            release = None
         else:
-            release_start = None
+            release = None
     for current, following in zip(segments, segments[1:]):
         current.end = following.start
     segments[-1].end = max(end, segments[-1].start)
@@ -180,9 +181,18 @@ def summarize(records: Iterable[dict[str, Any]]) -> Summary:
         row.samples += 1
         row.peak_process = peak_of(row.peak_process, sample.get("process"))
         row.peak_device = peak_of(row.peak_device, sample.get("device"))
-    for peak in (r for r in records if r.get("type") == "peak"):
-        # A peak covers [since, t]; it belongs where it began (a transition's peaks go nowhere).
-        row = rows[_locate(segments, peak.get("since", peak["t"]))]
+    # A peak record is written just before the event that ended its interval, so it belongs to
+    # the segment open at that point of the record stream (a transition's peaks go nowhere).
+    openers = {segment.opener: index for index, segment in enumerate(segments)}
+    current, event_index = 0, -1
+    for record in records:
+        if record.get("type") == "event":
+            event_index += 1
+            current = openers.get(event_index, current)
+            continue
+        if record.get("type") != "peak":
+            continue
+        peak, row = record, rows[current]
         row.peak_process = peak_of(row.peak_process, peak.get("process_peak"))
         row.peak_device = peak_of(row.peak_device, peak.get("device_peak"))
         row.exact_peak = row.exact_peak or "process_peak" in peak or "device_peak" in peak
