@@ -90,8 +90,9 @@ def sparse_conv3d(x: SparseTensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = []
     for start in range(0, n, rows):
         idx = nbr[start:start + rows]  # [r, V]
-        cols = feats[idx.clamp(min=0).reshape(-1)].reshape(idx.shape[0], num_offsets, cin)  # [r, V, Cin]
-        cols = cols.masked_fill((idx < 0).unsqueeze(-1), 0).reshape(idx.shape[0], -1)  # [r, V·Cin]
+        cols = feats.index_select(0, idx.clamp(min=0).reshape(-1))  # [r·V, Cin]; absent rows zeroed next
+        cols = cols.reshape(idx.shape[0], num_offsets, cin)  # [r, V, Cin]
+        cols = cols.masked_fill_((idx < 0).unsqueeze(-1), 0).reshape(idx.shape[0], -1)  # [r, V·Cin], in place
         target = None if out is None else out[start:start + rows]
         if bias is None:
             part = torch.mm(cols, w, out=target)
