@@ -4,8 +4,8 @@ Every tensor named in a manifest (``shared/reference/checkpoints.json``: name, s
 each of the seven Pixal3D checkpoints, with the config args) is written to
 ``<cache>/<file>.safetensors`` with a ``<file>.json`` ``{"name": <class>, "args": {...}}`` beside it,
 so ``pixal3d.models.loading.load_model(stem)`` reads it like the published file. A real-size DINOv3
-ViT-L/16 (``save_pretrained`` layout) and, when ``pixal3d/models/naf.py`` provides it, an NAF
-checkpoint are written the same way.
+ViT-L/16 (``save_pretrained`` layout) and NAF at its released config (``naf/naf_release.safetensors``,
+keys of ``pixal3d.models.naf.NAF``) are written the same way.
 
 Values come from a counter-based hash (lowbias32 of ``index * golden ^ seed(file, tensor)``), so any
 slice of any tensor can be produced on its own, the bytes are the same on every machine and run, and
@@ -33,6 +33,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 logger = logging.getLogger("write_random_checkpoints")
 
@@ -136,9 +141,14 @@ def safetensors_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] 
     return struct.pack("<Q", len(text)) + text
 
 
-def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec]) -> bool:
-    """Stream a deterministic random safetensors file; return False when an identical one exists."""
+def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec],
+                      fixed: Mapping[str, torch.Tensor] | None = None) -> bool:
+    """Stream a deterministic random safetensors file; return False when an identical one exists.
+
+    ``fixed`` gives the exact values of some tensors (e.g. buffers derived from the config, such as
+    NAF's RoPE periods, which must stay meaningful); every other tensor is random."""
     specs = sorted(specs, key=lambda s: s.name)
+    fixed = dict(fixed or {})
     header = safetensors_header(specs, {"generator": GENERATOR_VERSION})
     size = len(header) + sum(s.nbytes for s in specs)
     if path.exists() and path.stat().st_size == size:
@@ -150,6 +160,10 @@ def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec]) ->
     with open(tmp, "wb") as f:
         f.write(header)
         for spec in specs:
+            if spec.name in fixed:
+                value = fixed[spec.name].detach().to("cpu", _TORCH_DTYPE[spec.dtype]).contiguous()
+                f.write(value.view(torch.uint8).numpy().tobytes())
+                continue
             for start in range(0, spec.numel, CHUNK):
                 f.write(tensor_bytes(file_key, spec, start, min(CHUNK, spec.numel - start)))
     tmp.replace(path)
@@ -192,29 +206,34 @@ def write_dinov3(cache: Path) -> Path:
     return folder
 
 
-def write_module_checkpoint(cache: Path, file_key: str, spec: Mapping, module: torch.nn.Module,
-                            dtype: str | None = None) -> Path:
-    """Write a meta-built registered model (e.g. NAF) as ``<cache>/<file_key>`` stem + json."""
-    stem = cache / file_key
-    specs = [TensorSpec(s.name, s.shape, dtype or s.dtype) for s in module_specs(module)]
+def write_naf(cache: Path) -> Path:
+    """Write NAF at its released config as ``<cache>/naf/naf_release.safetensors`` (float32, as published).
+
+    The RoPE ``periods`` buffer keeps its true values (it is a function of the config); the weights are random.
+    """
+    from pixal3d.models.naf import NAF
+
+    model = NAF()  # 0.66 M parameters: cheap to build on the CPU, and the buffer gets its real values
+    path = cache / "naf" / "naf_release.safetensors"
     t0 = time.perf_counter()
-    wrote = write_safetensors(stem.with_name(stem.name + ".safetensors"), file_key, specs)
-    stem.with_name(stem.name + ".json").write_text(json.dumps(dict(spec), indent=2) + "\n")
-    logger.info("%s: %s %s (%.1f s)", file_key, "wrote" if wrote else "reused", stem, time.perf_counter() - t0)
-    return stem
+    wrote = write_safetensors(path, "naf/naf_release", module_specs(model), fixed=dict(model.named_buffers()))
+    logger.info("naf: %s %s (%.1f s)", "wrote" if wrote else "reused", path, time.perf_counter() - t0)
+    return path
 
 
 def write_all(cache: Path, manifest: Path = DEFAULT_MANIFEST, only: Iterable[str] | None = None) -> dict[str, Path]:
-    """Write (or reuse) every manifest checkpoint plus DINOv3; return {model name: stem or folder}."""
+    """Write (or reuse) every manifest checkpoint plus DINOv3 and NAF; return {model name: stem or path}."""
     models = json.loads(Path(manifest).read_text())["models"]
     wanted = set(only) if only else None
-    unknown = (wanted or set()) - set(models) - {"dinov3"}
+    unknown = (wanted or set()) - set(models) - {"dinov3", "naf"}
     if unknown:
-        raise SystemExit(f"--only names {sorted(unknown)} are not in {manifest}; known: {sorted(models)} + dinov3")
+        raise SystemExit(f"--only names {sorted(unknown)} are not in {manifest}; known: {sorted(models)} + dinov3, naf")
     out = {key: write_manifest_checkpoint(cache, key, entry)
            for key, entry in models.items() if wanted is None or key in wanted}
     if wanted is None or "dinov3" in wanted:
         out["dinov3"] = write_dinov3(cache)
+    if wanted is None or "naf" in wanted:
+        out["naf"] = write_naf(cache)
     return out
 
 
@@ -222,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="output folder (default %(default)s)")
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
-    parser.add_argument("--only", nargs="*", help="model names to write (default: all, plus dinov3)")
+    parser.add_argument("--only", nargs="*", help="model names to write (default: all, plus dinov3 and naf)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     t0 = time.perf_counter()
