@@ -1,0 +1,139 @@
+"""NAF: attention equals a literal NATTEN-rule loop, frugal == full, published key set loads strictly."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pixal3d.models.loading import CheckpointError, build_model
+from pixal3d.models.naf import NAF, load_naf, naf_state_names
+
+# The published naf_release.pth key set at the default config (dim 256, 4 heads, 2 layers, kernel 9),
+# written from valeoai/NAF src/model/naf.py + src/layers/{convolutions,rope}.py.
+def published_naf_shapes() -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for stack, k in (("encoder", 1), ("sem_encoder", 3)):
+        prefix = f"image_encoder.{stack}"
+        shapes[f"{prefix}.0.weight"] = (128, 3, k, k)
+        shapes[f"{prefix}.0.bias"] = (128,)
+        for block in (1, 2):
+            for norm in ("norm1", "norm2"):
+                shapes[f"{prefix}.{block}.{norm}.weight"] = (128,)
+                shapes[f"{prefix}.{block}.{norm}.bias"] = (128,)
+            for conv in ("conv1", "conv2"):
+                shapes[f"{prefix}.{block}.{conv}.weight"] = (128, 128, k, k)
+                shapes[f"{prefix}.{block}.{conv}.bias"] = (128,)
+    shapes["image_encoder.rope.periods"] = (16,)
+    return shapes
+
+
+def tiny_naf(seed: int = 0) -> NAF:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return NAF(dim=16, heads_attn=4, heads_rope=4, img_layers=2).eval()
+
+
+def naive_naf(naf: NAF, image, features, size, pixels, *, clamped=True):
+    """Literal reference semantics at ``pixels``: nearest-exact K/V to T×T, per-pixel NATTEN window (per
+    dilation sub-lattice, centred and clamped to stay inside; ``clamped=False`` clips each index instead)."""
+    enc = naf.image_encoder
+    queries = enc.rotate_map(enc.encode(image, size))
+    keys = F.adaptive_avg_pool2d(queries, features.shape[-2:])
+    keys_t = F.interpolate(keys, size=size, mode="nearest-exact")[0]
+    values_t = F.interpolate(features, size=size, mode="nearest-exact")[0]
+    dil = (size[0] // features.shape[-2], size[1] // features.shape[-1])
+    k, heads = naf.kernel_size, naf.heads
+
+    def window(i, n, d):
+        residue, group_len = i % d, len(range(i % d, n, d))
+        if not clamped:
+            return [residue + d * min(max(i // d + m - k // 2, 0), group_len - 1) for m in range(k)]
+        start = min(max(i // d - k // 2, 0), group_len - k)
+        return [residue + d * (start + m) for m in range(k)]
+
+    out = []
+    for i, j in pixels.tolist():
+        ys, xs = window(i, size[0], dil[0]), window(j, size[1], dil[1])
+        kk = keys_t[:, ys][:, :, xs].reshape(heads, -1, k * k)  # [n, dk, 81]
+        vv = values_t[:, ys][:, :, xs].reshape(heads, -1, k * k)  # [n, dv, 81]
+        q = queries[0, :, i, j].reshape(heads, -1)
+        w = torch.softmax((q[:, :, None] * kk).sum(1) / math.sqrt(q.shape[1]), dim=-1)
+        out.append((vv * w[:, None]).sum(-1).reshape(-1))
+    return torch.stack(out)
+
+
+def probe_pixels(side: int, dilation: int, gen) -> torch.Tensor:
+    """Every border case (first/last windows, each side of a patch edge) crossed, plus random pixels."""
+    marks = sorted({0, 1, dilation - 1, dilation, 3 * dilation + 5, 4 * dilation + 7, side // 2,
+                    side - 2 * dilation, side - dilation - 1, side - dilation, side - 1})
+    marks = torch.tensor(marks)
+    grid = torch.cartesian_prod(marks, marks)
+    return torch.cat([grid, torch.randint(0, side, (60, 2), generator=gen)])
+
+
+@pytest.mark.parametrize("dilation", [8, 16])
+def test_attention_equals_naive_natten_loop(dilation):
+    naf = tiny_naf()
+    gen = torch.Generator().manual_seed(dilation)
+    side = 9 * dilation  # 9×9 patches: the window covers the whole grid and is clamped everywhere
+    if dilation == 8:
+        side = 12 * dilation  # 12×12 patches: the window slides in the middle
+    image = torch.rand(1, 3, side, side, generator=gen)
+    features = torch.randn(1, 8, side // dilation, side // dilation, generator=gen)
+    pixels = probe_pixels(side, dilation, gen)
+    with torch.no_grad():
+        fast = naf(image, features, (side, side))
+        slow = naive_naf(naf, image, features, (side, side), pixels)
+        unclamped = naive_naf(naf, image, features, (side, side), pixels, clamped=False)
+    assert fast.shape == (1, 8, side, side)
+    picked = fast[0, :, pixels[:, 0], pixels[:, 1]].T
+    torch.testing.assert_close(picked, slow, rtol=1e-5, atol=1e-5)
+    # control: the zero-free but unclamped (index-clipped) window gives other values at the borders
+    assert (picked - unclamped).abs().amax() > 1e-3
+
+
+def test_frugal_pixels_equal_full_map():
+    naf = tiny_naf(1)
+    gen = torch.Generator().manual_seed(3)
+    image = torch.rand(1, 3, 144, 144, generator=gen)
+    features = torch.randn(1, 8, 9, 9, generator=gen)
+    size = (72, 72)  # S = 2T: the encoder output is average-pooled, as in the shape_1024 extractor
+    pixels = torch.stack([torch.randint(0, 72, (50,), generator=gen), torch.randint(0, 72, (50,), generator=gen)], -1)
+    with torch.no_grad():
+        full = naf(image, features, size)
+        part = naf.features_at(image, features, size, pixels)
+    torch.testing.assert_close(part, full[0, :, pixels[:, 0], pixels[:, 1]].T, rtol=1e-5, atol=1e-6)
+
+
+def test_output_size_must_be_multiple_of_patch_grid():
+    naf = tiny_naf()
+    with pytest.raises(ValueError, match="multiple of the feature grid"):
+        naf(torch.rand(1, 3, 100, 100), torch.randn(1, 8, 10, 10), (95, 95))
+
+
+def test_published_key_set_matches_and_loads_strictly(tmp_path):
+    with torch.device("meta"):
+        model = NAF()
+    assert naf_state_names(model) == published_naf_shapes()
+    assert sum(math.prod(s) for s in published_naf_shapes().values()) == pytest.approx(0.66e6, rel=0.02)
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(s, generator=gen) for k, s in published_naf_shapes().items()}
+    torch.save(state, tmp_path / "naf_release.pth")
+    loaded = load_naf(tmp_path / "naf_release.pth")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+
+
+def test_wrong_key_set_is_a_checkpoint_error(tmp_path):
+    state = {k: torch.zeros(s) for k, s in published_naf_shapes().items()}
+    state.pop("image_encoder.rope.periods")
+    state["image_encoder.encoder.1.shortcut.weight"] = torch.zeros(128, 128, 1, 1)
+    torch.save(state, tmp_path / "bad.pth")
+    with pytest.raises(CheckpointError, match="rope.periods.*shortcut|shortcut.*periods|missing"):
+        load_naf(tmp_path / "bad.pth")
+
+
+def test_registry_builds_naf_from_its_spec():
+    model = build_model({"name": "NAF", "args": {"dim": 256, "rope_rescale": 2}})
+    assert naf_state_names(model) == published_naf_shapes()
+    expected = 100.0 ** (2 * torch.arange(16) / 32)
+    torch.testing.assert_close(NAF().image_encoder.rope.periods, expected)
