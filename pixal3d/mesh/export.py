@@ -1,0 +1,230 @@
+"""One entry point from decoder outputs to a textured GLB, on CPU, in bounded memory.
+
+Steps (each timed, with its peak RSS): 1. dual grid → raw mesh; 2. reference surface (degenerate and
+duplicate faces out, small holes filled) — the surface every texel is projected onto; 3. simplify to
+the face budget; 4. cleanup + outward orientation; 5. normals + UV atlas; 6. bake; 7. GLB.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .bake import SurfaceProjector, bake_textures
+from .cleanup import (
+    clean_mesh,
+    fill_small_holes,
+    remove_degenerate_faces,
+    remove_duplicate_faces,
+    remove_unreferenced_vertices,
+)
+from .dual_grid import dual_grid_to_mesh
+from .fields import DualGridFields, PbrVoxels
+from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, vertex_normals, write_glb
+from .rss import PeakRss
+from .simplify import simplify_mesh
+from .sparse_index import SparseIndex
+from .uv import uv_unwrap
+
+log = logging.getLogger(__name__)
+
+STEPS = ("extract", "reference", "simplify", "cleanup", "uv", "bake", "glb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportSettings:
+    """Export knobs; defaults are the release ``1024_cascade`` values where the CPU path has them.
+
+    max_hole_perimeter / min_component_area are in world units (the object spans [-0.5, 0.5]³);
+    chart_cell_edges sizes the UV clusters in mean edge lengths of the simplified mesh.
+    """
+
+    decimation_target: int = 1_000_000
+    texture_size: int = 4096
+    remesh: bool = False
+    texture_format: str = "png"
+    alpha_mode: str = "auto"
+    max_hole_perimeter: float = 3e-2
+    min_component_area: float = 1e-5
+    chart_cell_edges: float = 8.0
+    uv_padding: int = 2
+    project_to_reference: bool = True
+
+    def __post_init__(self) -> None:
+        if self.decimation_target < 4:
+            raise ValueError(f"decimation_target must be a face count >= 4, got {self.decimation_target}")
+        if not 16 <= self.texture_size <= 16384:
+            raise ValueError(f"texture_size must be in [16, 16384] texels, got {self.texture_size}")
+        if self.texture_format not in TEXTURE_FORMATS:
+            raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {self.texture_format!r}")
+        if self.alpha_mode not in ALPHA_MODES:
+            raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
+        if self.remesh:
+            raise ValueError(
+                "remesh=True is not available in the CPU exporter (the narrow-band dual-contouring remesh "
+                "is not implemented); use remesh=False, which fills holes and orients faces instead"
+            )
+        if self.chart_cell_edges <= 0 or self.uv_padding < 0:
+            raise ValueError("chart_cell_edges must be > 0 and uv_padding >= 0")
+
+
+@dataclass
+class StepReport:
+    """Wall time and peak RSS (bytes) of one export step, plus what it produced."""
+
+    name: str
+    seconds: float
+    peak_rss: int
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class ExportReport:
+    """What ``export_glb`` did: per-step rows, the output mesh size, texture coverage, file size."""
+
+    path: str
+    steps: list[StepReport]
+    vertices: int = 0
+    faces: int = 0
+    texture_size: int = 0
+    coverage: float = 0.0
+    file_bytes: int = 0
+
+    @property
+    def peak_rss(self) -> int:
+        """Highest per-step peak RSS (bytes)."""
+        return max((s.peak_rss for s in self.steps), default=0)
+
+    @property
+    def seconds(self) -> float:
+        """Total wall time of the steps."""
+        return sum(s.seconds for s in self.steps)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return asdict(self) | {"peak_rss": self.peak_rss, "seconds": self.seconds}
+
+    def table(self) -> str:
+        """A plain-text table: step, seconds, peak RSS (GiB), detail."""
+        rows = [f"{'step':<10} {'seconds':>8} {'peak GiB':>9}  detail"]
+        for s in self.steps:
+            detail = ", ".join(f"{k}={v}" for k, v in s.detail.items())
+            rows.append(f"{s.name:<10} {s.seconds:>8.2f} {s.peak_rss / 2**30:>9.2f}  {detail}")
+        rows.append(f"{'total':<10} {self.seconds:>8.2f} {self.peak_rss / 2**30:>9.2f}")
+        return "\n".join(rows)
+
+
+class _Steps:
+    """Runs named steps, timing each and recording its peak RSS; tells ``on_step`` when each starts."""
+
+    def __init__(self, on_step: Callable[[str], None] | None, progress: bool) -> None:
+        self.reports: list[StepReport] = []
+        self.on_step = on_step
+        self.bar = tqdm(total=len(STEPS), desc="export", disable=not progress)
+
+    def run(self, name: str, fn: Callable[[], tuple]) -> tuple:
+        if self.on_step is not None:
+            self.on_step(name)
+        self.bar.set_postfix_str(name)
+        gc.collect()
+        start = time.perf_counter()
+        with PeakRss() as rss:
+            result, detail = fn()
+        self.reports.append(StepReport(name, time.perf_counter() - start, rss.peak, detail))
+        log.info("export %s: %.2f s, peak %.2f GiB, %s", name, self.reports[-1].seconds, rss.peak / 2**30, detail)
+        self.bar.update(1)
+        return result
+
+
+def _check_inputs(fields: DualGridFields, pbr: PbrVoxels) -> None:
+    if fields.resolution != pbr.resolution:
+        raise ValueError(
+            f"shape resolution {fields.resolution} != texture resolution {pbr.resolution}: "
+            "decode both latents at the same resolution"
+        )
+    if pbr.attrs.ndim != 2 or pbr.attrs.shape[1] != 6 or pbr.attrs.shape[0] != pbr.coords.shape[0]:
+        raise ValueError(f"PbrVoxels.attrs must be [M, 6] matching coords [M, 3], got {tuple(pbr.attrs.shape)}")
+    if len(fields.coords) == 0:
+        raise ValueError("the shape decoder produced no voxels: nothing to export")
+
+
+def export_glb(
+    fields: DualGridFields,
+    pbr: PbrVoxels,
+    path: str | Path,
+    *,
+    settings: ExportSettings = ExportSettings(),
+    progress: bool = True,
+    on_step: Callable[[str], None] | None = None,
+) -> ExportReport:
+    """Mesh, simplify, unwrap, bake and write ``path`` (GLB); returns the per-step report."""
+    _check_inputs(fields, pbr)
+    res = fields.resolution
+    steps = _Steps(on_step, progress)
+
+    def extract():
+        v, f = dual_grid_to_mesh(fields)
+        return (v, f), {"vertices": len(v), "faces": len(f)}
+
+    src_v, src_f = steps.run("extract", extract)
+
+    def reference():
+        f = remove_duplicate_faces(remove_degenerate_faces(src_v, src_f))
+        v, f = fill_small_holes(src_v, f, settings.max_hole_perimeter)
+        v, f, _ = remove_unreferenced_vertices(v, f)
+        return (v, f), {"vertices": len(v), "faces": len(f)}
+
+    src_v, src_f = steps.run("reference", reference)
+
+    def simplify():
+        v, f = simplify_mesh(src_v, src_f, settings.decimation_target, voxel_size=1.0 / res)
+        return (v, f), {"faces": len(f)}
+
+    v, f = steps.run("simplify", simplify)
+
+    def cleanup():
+        cv, cf = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
+                            min_component_area=settings.min_component_area)
+        return (cv, cf), {"vertices": len(cv), "faces": len(cf)}
+
+    v, f = steps.run("cleanup", cleanup)
+    if len(f) == 0:
+        raise ValueError("no faces left after cleanup: the decoded shape is only tiny fragments")
+
+    def unwrap():
+        edge = np.linalg.norm(v[f[:, 1]] - v[f[:, 0]], axis=1).mean()
+        uv = uv_unwrap(v, f, cell=settings.chart_cell_edges * float(edge), padding=settings.uv_padding)
+        return (vertex_normals(v, f), uv), {"charts": uv.chart_count, "uv_vertices": len(uv.uvs)}
+
+    normals, uv = steps.run("uv", unwrap)
+
+    def bake():
+        projector = SurfaceProjector(src_v, src_f) if settings.project_to_reference else None
+        pbr_coords = pbr.coords.detach().cpu().numpy()
+        index = SparseIndex(pbr_coords, pbr.resolution)
+        attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
+        tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, res, settings.texture_size)
+        return tex, {"coverage": round(tex.coverage, 3)}
+
+    tex = steps.run("bake", bake)
+    del src_v, src_f
+
+    def glb():
+        mesh = build_mesh(v[uv.vertex_map], uv.faces, normals[uv.vertex_map], uv.uvs,
+                          tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode)
+        n = write_glb(mesh, path, texture_format=settings.texture_format)
+        return n, {"bytes": n, "format": settings.texture_format}
+
+    nbytes = steps.run("glb", glb)
+    steps.bar.close()
+    return ExportReport(
+        path=str(path), steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
+        texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=nbytes,
+    )
+

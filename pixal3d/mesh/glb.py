@@ -1,0 +1,95 @@
+"""GLB writer: glTF PBR material through trimesh, Pixal3D's output frame, atomic file write.
+
+Frame: TRELLIS.2's ``to_glb`` maps internal ``(x, y, z) → (x, z, −y)`` and Pixal3D then applies
+``[[-1,0,0],[0,0,-1],[0,-1,0]]``; together ``(x, y, z) → (−x, y, −z)``, a rotation (det +1), so the
+winding is unchanged. UVs: the baked image has row 0 at v ≈ 0; trimesh writes TEXCOORD_0 as
+``1 − v`` of what it is given, so it is given ``1 − v`` and the file stores v (glTF: v = 0 is row 0).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import trimesh
+from PIL import Image
+from trimesh.exchange.gltf import export_glb
+from trimesh.visual.material import PBRMaterial
+from trimesh.visual.texture import TextureVisuals
+
+INTERNAL_TO_GLB = np.array([[-1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, -1.0]])
+ALPHA_MODES = ("OPAQUE", "BLEND", "auto")
+TEXTURE_FORMATS = ("png", "webp")
+
+
+def vertex_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+    """Area-weighted unit vertex normals (float32)."""
+    v = vertices.astype(np.float64, copy=False)
+    n = np.cross(v[faces[:, 1]] - v[faces[:, 0]], v[faces[:, 2]] - v[faces[:, 0]])
+    out = np.zeros_like(v)
+    for k in range(3):
+        _scatter_add(out, faces[:, k], n)
+    return (out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-30)).astype(np.float32)
+
+
+def _scatter_add(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
+    for c in range(values.shape[1]):
+        out[:, c] += np.bincount(index, weights=values[:, c], minlength=len(out))
+
+
+def resolve_alpha_mode(mode: str, alpha: np.ndarray, *, threshold: float = 0.01) -> str:
+    """``'auto'`` → BLEND only when more than ``threshold`` of texels have alpha < 128, else OPAQUE."""
+    if mode not in ALPHA_MODES:
+        raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "BLEND" if float((alpha < 128).mean()) > threshold else "OPAQUE"
+
+
+def build_mesh(
+    vertices: np.ndarray,
+    faces: np.ndarray,
+    normals: np.ndarray,
+    uvs: np.ndarray,
+    base_color_rgba: np.ndarray,
+    metallic_roughness: np.ndarray,
+    *,
+    alpha_mode: str = "OPAQUE",
+) -> trimesh.Trimesh:
+    """A textured trimesh in the GLB frame; ``uvs`` in the baker's convention (row 0 at v ≈ 0)."""
+    material = PBRMaterial(
+        baseColorTexture=Image.fromarray(base_color_rgba, mode="RGBA"),
+        baseColorFactor=[255, 255, 255, 255],
+        metallicRoughnessTexture=Image.fromarray(metallic_roughness, mode="RGB"),
+        metallicFactor=1.0,
+        roughnessFactor=1.0,
+        alphaMode=resolve_alpha_mode(alpha_mode, base_color_rgba[..., 3]),
+        doubleSided=False,
+    )
+    uv = np.column_stack([uvs[:, 0], 1.0 - uvs[:, 1]])
+    return trimesh.Trimesh(
+        vertices=vertices.astype(np.float64) @ INTERNAL_TO_GLB.T,
+        faces=faces,
+        vertex_normals=normals.astype(np.float64) @ INTERNAL_TO_GLB.T,
+        visual=TextureVisuals(uv=uv, material=material),
+        process=False,
+    )
+
+
+def write_glb(mesh: trimesh.Trimesh, path: str | os.PathLike, *, texture_format: str = "png") -> int:
+    """Encode ``mesh`` as GLB and write it atomically (temporary file, then rename); returns bytes."""
+    if texture_format not in TEXTURE_FORMATS:
+        raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {texture_format!r}")
+    data = export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(data)

@@ -1,0 +1,65 @@
+"""Peak resident memory over a window of code, for the export's per-step report.
+
+On Linux the kernel's high-water mark is exact: writing ``5`` to ``/proc/self/clear_refs`` resets
+``VmHWM`` to the current RSS. Elsewhere a background thread samples RSS (psutil) every few ms.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import psutil
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def _read_hwm() -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return _read_hwm() is not None
+
+
+class PeakRss:
+    """Context manager; ``.peak`` is the process's peak RSS (bytes) inside the ``with`` block."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._exact = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "PeakRss":
+        self._exact = _reset_hwm()
+        self.peak = psutil.Process().memory_info().rss
+        if not self._exact:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, process.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        if self._exact:
+            self.peak = max(self.peak, _read_hwm() or 0)
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            self.peak = max(self.peak, psutil.Process().memory_info().rss)
