@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.models.loading import build_model, load_model, save_model
 from pixal3d.models.sparse_structure_decoder import SparseStructureDecoder, pixel_shuffle_3d
-from pixal3d.models.sparse_unet_vae import FlexiDualGridVaeDecoder, SparseUnetVaeDecoder
+from pixal3d.models.sparse_unet_vae import FlexiDualGridVaeDecoder, SparseResBlockC2S3d, SparseUnetVaeDecoder
 from pixal3d.nn.sparse_ops import subdivide
 from pixal3d.nn.sparse_tensor import SparseTensor
 
@@ -143,6 +143,41 @@ def test_texture_decoder_needs_matching_guide_subs():
         tex(_latent(5, n=30), guide_subs=subs)
     with pytest.raises(ValueError, match="pred_subdiv=False"):
         shape(latent, guide_subs=subs)
+
+
+def _dense_channel_to_space(x: torch.Tensor) -> torch.Tensor:
+    """``[1, 8·C, X, Y, Z]`` -> ``[1, C, 2X, 2Y, 2Z]``, child ``k = bx + 2·by + 4·bz`` (independent dense form)."""
+    _, c8, *size = x.shape
+    x = x.reshape(1, 2, 2, 2, c8 // 8, *size)  # [1, bz, by, bx, C, X, Y, Z]
+    x = x.permute(0, 4, 5, 3, 6, 2, 7, 1)  # [1, C, X, bx, Y, by, Z, bz]
+    return x.reshape(1, c8 // 8, *(2 * s for s in size))
+
+
+def test_c2s_block_equals_a_dense_computation_on_a_full_grid():
+    torch.manual_seed(0)
+    block = SparseResBlockC2S3d(16, 8, pred_subdiv=False).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    size = (3, 2, 4)
+    coords = torch.cartesian_prod(torch.zeros(1, dtype=torch.long), *(torch.arange(s) for s in size)).to(torch.int32)
+    x = SparseTensor(torch.randn(len(coords), 16, dtype=torch.float64), coords)
+    keep_all = x.replace(torch.ones(len(x), 8, dtype=torch.float64))
+    out, _ = block(x, keep_all)
+
+    dense = x.feats.reshape(1, *size, 16).permute(0, 4, 1, 2, 3)  # [1, 16, X, Y, Z]
+    conv = lambda t, m: F.conv3d(t, m.weight.permute(0, 4, 1, 2, 3), m.bias, padding=1)
+    def norm(t, m):  # LayerNorm32: fp32 statistics whatever the activation dtype
+        w, b = (None, None) if m.weight is None else (m.weight.float(), m.bias.float())
+        out = F.layer_norm(t.permute(0, 2, 3, 4, 1).float(), t.shape[1:2], w, b, 1e-6)
+        return out.double().permute(0, 4, 1, 2, 3)
+    h = _dense_channel_to_space(conv(F.silu(norm(dense, block.norm1)), block.conv1))
+    h = conv(F.silu(norm(h, block.norm2)), block.conv2)
+    ref = h + _dense_channel_to_space(dense).repeat_interleave(4, dim=1)
+    c = out.coords.long()
+    assert len(out) == 8 * len(x)
+    torch.testing.assert_close(out.feats, ref[0, :, c[:, 1], c[:, 2], c[:, 3]].t())
+    bad = _dense_channel_to_space(dense.flip(1)).flip(1)  # control: another child-channel layout differs
+    assert not torch.allclose(bad, _dense_channel_to_space(dense))
 
 
 def test_tiny_decoder_round_trips_through_load_model_with_reference_dtypes(tmp_path):
