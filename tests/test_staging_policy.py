@@ -60,10 +60,14 @@ def test_sizes_come_from_real_safetensors_files(tmp_path):
     save_file(a, tmp_path / "a.safetensors", metadata={"format": "pt"})
     save_file(b1, tmp_path / "b1.safetensors")
     save_file(b2, tmp_path / "b2.safetensors")
-    sizes = model_sizes({"a": tmp_path / "a.safetensors", "b": [tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"]})
+    shards = [tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"]
+    sizes = model_sizes({"a": tmp_path / "a.safetensors", "b": shards})
     assert sizes == {"a": 4000 + 20, "b": 56 + 18}
     plan = MemoryPlan.from_files(
-        {"a": tmp_path / "a.safetensors"}, {"s1": ["a", "onnx"], "s2": []}, {"s2": 5}, extra_model_bytes={"onnx": 1}
+        {"a": tmp_path / "a.safetensors"},
+        {"s1": ["a", "onnx"], "s2": []},
+        {"s2": 5},
+        extra_model_bytes={"onnx": 1},
     )
     assert [(s.name, s.weight_bytes, s.working_bytes) for s in plan.stages] == [("s1", 4021, 0), ("s2", 0, 5)]
 
@@ -162,7 +166,8 @@ def test_plan_table_lists_every_stage_the_machine_and_the_choice():
     assert set(lines[1]) <= {"-", " "}
     row = next(line for line in lines if line.startswith("texture"))
     assert "cond, tex_flow" in row and row.endswith("8.85 GiB")
-    assert "policy: offload" in table and "Discrete GPU (cuda:0, discrete memory): GPU 11.18 GiB available" in table
+    assert "policy: offload" in table
+    assert "Discrete GPU (cuda:0, discrete memory): GPU 11.18 GiB available" in table
     assert all(f"  - {r}" in table for r in reasons)
 
 

@@ -4,7 +4,14 @@ from collections import Counter
 import pytest
 import torch
 
-from pixal3d.staging import Event, EventLog, OutsideStageError, ReleasedModuleError, StagedModels, module_nbytes
+from pixal3d.staging import (
+    Event,
+    EventLog,
+    OutsideStageError,
+    ReleasedModuleError,
+    StagedModels,
+    module_nbytes,
+)
 from tests.substitute_pipeline import STAGES, make_loaders
 
 

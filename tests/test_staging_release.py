@@ -1,4 +1,4 @@
-"""release(): weights to meta, bytes counted once per storage, keep honoured, released modules refuse to run."""
+"""release(): weights to meta, each storage counted once, keep honoured, released modules refuse to run."""
 import gc
 import weakref
 

@@ -70,7 +70,10 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
     """Describe ``device`` (default: the first CUDA device, else MPS, else CPU) and its free memory."""
     vm = psutil.virtual_memory()
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        if torch.cuda.is_available():
+            device = "cuda"
+        else:
+            device = "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -80,7 +83,7 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
         free, total = torch.cuda.mem_get_info(index)
         return Machine(f"cuda:{index}", props.name, False, total, free, vm.total, vm.available)
     if device.type == "mps":
-        return Machine("mps", "Apple GPU (unified memory)", True, vm.total, vm.available, vm.total, vm.available)
+        return Machine("mps", "Apple GPU", True, vm.total, vm.available, vm.total, vm.available)
     if device.type == "cpu":
         return Machine("cpu", "CPU", True, vm.total, vm.available, vm.total, vm.available)
     raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
@@ -99,7 +102,15 @@ def safetensors_nbytes(path: str | os.PathLike) -> int:
             header = json.loads(f.read(size))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise PolicyError(f"{os.fspath(path)!r}: unreadable safetensors header ({err})") from err
-    return sum(end - begin for key, entry in header.items() if key != "__metadata__" for begin, end in [entry["data_offsets"]])
+    total = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2):
+            raise PolicyError(f"{os.fspath(path)!r}: tensor {key!r} has no data_offsets in the header")
+        total += offsets[1] - offsets[0]
+    return total
 
 
 def model_sizes(files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]]) -> dict[str, int]:
@@ -143,10 +154,14 @@ class MemoryPlan:
         working_bytes = working_bytes or {}
         missing = sorted({m for needs in stages.values() for m in needs} - model_bytes.keys())
         if missing:
-            raise PolicyError(f"no size known for models {missing}; give each a safetensors file or a byte count")
+            raise PolicyError(
+                f"no size known for models {missing}; give each a safetensors file or a byte count"
+            )
         unknown = sorted(working_bytes.keys() - stages.keys())
         if unknown:
-            raise PolicyError(f"working-set estimates for unknown stages {unknown}; stages are {list(stages)}")
+            raise PolicyError(
+                f"working-set estimates for unknown stages {unknown}; stages are {list(stages)}"
+            )
         plans = tuple(
             StagePlan(s, tuple(needs), sum(model_bytes[m] for m in needs), working_bytes.get(s, 0))
             for s, needs in stages.items()
@@ -200,7 +215,11 @@ def choose_policy(plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]
         where = f"unified memory ({machine.device}): models and work share one pool, {usable}"
         if _fits(plan.resident_peak, pool):
             return Policy.resident, [where, f"{everything}, which fits: keep every model loaded"]
-        reasons = [where, f"{everything}, which does not fit", "release idle models to meta and reload them from disk"]
+        reasons = [
+            where,
+            f"{everything}, which does not fit",
+            "release idle models to meta and reload them from disk",
+        ]
         if not _fits(plan.staged_peak, pool):
             reasons.append(f"warning: {largest}, more than usable memory; expect swapping or out-of-memory")
         return Policy.staged, reasons
@@ -216,7 +235,9 @@ def choose_policy(plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]
             f"park idle models there instead of reloading them from disk",
         ]
     if not _fits(plan.all_weights, host):
-        reasons.append(f"host memory ({gib(host)} available) cannot hold pinned copies of {gib(plan.all_weights)}")
+        reasons.append(
+            f"host memory ({gib(host)} available) cannot hold pinned copies of {gib(plan.all_weights)}"
+        )
     reasons.append("release idle models to meta and reload them from disk")
     if not _fits(plan.staged_peak, pool):
         reasons.append(f"warning: {largest}, more than usable GPU memory; expect out-of-memory")
@@ -228,7 +249,8 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) 
     try:
         policy = Policy(requested)
     except ValueError:
-        raise PolicyError(f"unknown policy {requested!r}; choose one of {[p.value for p in Policy]}") from None
+        choices = [p.value for p in Policy]
+        raise PolicyError(f"unknown policy {requested!r}; choose one of {choices}") from None
     if policy is Policy.auto:
         return choose_policy(plan, machine)
     if policy is Policy.offload and machine.unified:
@@ -241,8 +263,8 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) 
     need = plan.staged_peak if policy in (Policy.staged, Policy.offload) else plan.resident_peak
     if not _fits(need, machine.device_available):
         reasons.append(
-            f"warning: {policy.value} needs {gib(need)}, {machine.device} has {gib(machine.device_available)} "
-            f"available; expect swapping or out-of-memory"
+            f"warning: {policy.value} needs {gib(need)}, {machine.device} has "
+            f"{gib(machine.device_available)} available; expect swapping or out-of-memory"
         )
     return policy, reasons
 
@@ -264,7 +286,8 @@ def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Ite
     """The plan as a text table, then the machine, the chosen policy and its reasons (for ``--plan``)."""
     rows = [("stage", "models", "weights", "working set", "total")]
     for s in plan.stages:
-        rows.append((s.name, ", ".join(s.models) or "-", gib(s.weight_bytes), gib(s.working_bytes), gib(s.total_bytes)))
+        models = ", ".join(s.models) or "-"
+        rows.append((s.name, models, gib(s.weight_bytes), gib(s.working_bytes), gib(s.total_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = []
     for i, row in enumerate(rows):

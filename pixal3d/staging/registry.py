@@ -18,7 +18,7 @@ from torch import nn
 
 from .events import Event, EventSink
 from .offload import park, unpark
-from .release import module_nbytes, release
+from .release import empty_device_cache, module_nbytes, release
 from .rng import preserved_rng
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,9 @@ class StagedModels(Mapping[str, nn.Module]):
     ``preserved_rng()``; ``in``, ``len()`` and iteration never load (``get``, ``values`` and
     ``items`` do, as for any Mapping). ``pinned`` names are never released by ``enter``.
     ``idle="offload"`` parks idle models in host memory instead of releasing them (discrete GPUs).
-    Events go to ``events`` (any callable taking an ``Event``).
+    Events go to ``events`` (any callable taking an ``Event``). Names whose loaders come from one
+    ``SharedInstances.loader`` share one instance: loaded once, released once, when no stage being
+    entered needs any of them.
     """
 
     def __init__(
@@ -68,7 +70,9 @@ class StagedModels(Mapping[str, nn.Module]):
         self._stages = {stage: frozenset(needs) for stage, needs in stages.items()}
         unknown = sorted({n for needs in self._stages.values() for n in needs} - self._slots.keys())
         if unknown:
-            raise KeyError(f"stages list models that have no loader: {unknown}; {_names('model', self._slots)}")
+            raise KeyError(
+                f"stages list models that have no loader: {unknown}; {_names('model', self._slots)}"
+            )
         self._pinned: set[str] = set()
         for name in pinned:
             self.pin(name)
@@ -160,7 +164,7 @@ class StagedModels(Mapping[str, nn.Module]):
             users = [n for n in staying if self._slots[n].module is module]
             if users or any(self._share_key(n) in wanted for n in names):
                 # A shared instance: one of its users is still needed, so it stays whole.
-                logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users or "a needed name")
+                logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users or needs)
             elif self._idle == "offload":
                 self._park(names, module, stage)
             else:
@@ -228,10 +232,9 @@ class StagedModels(Mapping[str, nn.Module]):
         kind = "reload" if slot.loads else "load"
         slot.module = module
         slot.loads += 1
-        if sharers:
-            self._emit(Event(kind, model=name, stage=self._stage, seconds=seconds, note=f"shared with {sharers}"))
-        else:
-            self._emit(Event(kind, model=name, stage=self._stage, bytes=module_nbytes(module), seconds=seconds))
+        # A shared instance costs nothing more: its bytes were counted when it first loaded.
+        nbytes, note = (0, f"shared with {sharers}") if sharers else (module_nbytes(module), "")
+        self._emit(Event(kind, model=name, stage=self._stage, bytes=nbytes, seconds=seconds, note=note))
         return module
 
     def _by_instance(self, names: Iterable[str]) -> list[tuple[list[str], nn.Module]]:
@@ -261,19 +264,18 @@ class StagedModels(Mapping[str, nn.Module]):
     def _park(self, names: list[str], module: nn.Module, stage: str) -> None:
         start = time.perf_counter()
         origin, nbytes = park(module)
+        empty_device_cache()
         self._parked[id(module)] = origin
         seconds = time.perf_counter() - start
-        self._emit(
-            Event("release", model=names[0], stage=stage, bytes=nbytes, seconds=seconds, note="parked in host memory")
-        )
+        note = "parked in host memory"
+        self._emit(Event("release", model=names[0], stage=stage, bytes=nbytes, seconds=seconds, note=note))
 
     def _unpark(self, name: str, module: nn.Module) -> None:
         start = time.perf_counter()
         nbytes = unpark(module, self._parked.pop(id(module)))
         seconds = time.perf_counter() - start
-        self._emit(
-            Event("reload", model=name, stage=self._stage, bytes=nbytes, seconds=seconds, note="from host memory")
-        )
+        note = "from host memory"
+        self._emit(Event("reload", model=name, stage=self._stage, bytes=nbytes, seconds=seconds, note=note))
 
     def _emit(self, event: Event) -> None:
         if self._sink is not None:

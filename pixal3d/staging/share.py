@@ -51,7 +51,7 @@ class SharedInstances:
         return instance
 
     def loader(self, build: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> SharedLoader:
-        """A registry loader for ``build(*args, **kwargs)``; registry names given equal loaders share one instance.
+        """A registry loader for ``build(*args, **kwargs)``; names given equal loaders share one instance.
 
         The registry recognises these loaders: it keeps the instance while any stage it enters
         needs one of the names, and releases it once, when none does.
