@@ -68,6 +68,23 @@ def test_auto_chunk_bounds_scores_on_cpu():
     assert auto_query_chunk(small, small) is None
 
 
+def test_auto_chunking_keeps_30k_token_scores_bounded(monkeypatch):
+    """At 32768 tokens × 12 heads every SDPA call sees at most SCORE_BUDGET scores (shapes only, on meta)."""
+    import pixal3d.nn.attention as attn_module
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v):
+        seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return real_sdpa(q, k, v)
+
+    monkeypatch.setattr(attn_module.F, "scaled_dot_product_attention", recording_sdpa)
+    q = torch.empty(32768, 12, 128, device="meta", dtype=torch.bfloat16)
+    out = packed_attention(q, q, q, [slice(0, 32768)])
+    assert out.shape == q.shape
+    assert len(seen) > 1 and max(seen) <= attn_module.SCORE_BUDGET
+
+
 def test_packed_attention_one_sample_equals_dense():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 40, 2, 8, generator=g) for _ in range(3))

@@ -19,8 +19,11 @@ class SparseStructureFlowModel(FlowTransformer):
     -> [B, Cout, R, R, R] f32``."""
 
     def rope_phases(self, device: torch.device) -> torch.Tensor:
-        """RoPE phases ``[R³, head_dim/2]`` of the grid (derived on the fly; not a buffer)."""
-        return rope_phases(grid_positions(self.resolution, device=device), self.head_dim, rope_freq=self.rope_freq)
+        """RoPE phases ``[R³, head_dim/2]`` of the grid, derived on the fly (not a buffer). Computed on the
+        CPU and moved, as the reference builds its phase buffer on the CPU at construction (CPU and GPU
+        sin/cos may differ in the last bit)."""
+        phases = rope_phases(grid_positions(self.resolution), self.head_dim, rope_freq=self.rope_freq)
+        return phases.to(device)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         r, batch = self.resolution, x.shape[0]

@@ -49,26 +49,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_chunk:
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[slice], *,
-                     kv_layout: list[slice] | None = None, query_chunk: QueryChunk = "auto") -> torch.Tensor:
-    """Per-sample attention of packed ``q [N, H, D]``: keys are packed ``[M, H, D]`` rows ``kv_layout[i]``
-    (self-attention: ``kv_layout`` None = ``layout``) or dense ``[B, S, H, D]`` (cross-attention)."""
+                     query_chunk: QueryChunk = "auto") -> torch.Tensor:
+    """Per-sample attention of packed ``q [N, H, D]`` (one SDPA call per sample, not per token) over
+    packed ``k, v [N, H, D]`` of the same rows (self-attention) or dense ``[B, S, H, D]`` (cross-attention)."""
     outs = []
     for i, rows in enumerate(layout):
         if k.dim() == 4:
             ki, vi = k[i:i + 1], v[i:i + 1]
         else:
-            kv_rows = rows if kv_layout is None else kv_layout[i]
-            ki, vi = k[kv_rows].unsqueeze(0), v[kv_rows].unsqueeze(0)
+            ki, vi = k[rows].unsqueeze(0), v[rows].unsqueeze(0)
         outs.append(attention(q[rows].unsqueeze(0), ki, vi, query_chunk=query_chunk)[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[slice] | None,
-            query_chunk: QueryChunk) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[slice] | None) -> torch.Tensor:
     """Dense (``layout`` None, q ``[B, L, H, D]``) or packed (q ``[N, H, D]``) attention."""
-    if layout is None:
-        return attention(q, k, v, query_chunk=query_chunk)
-    return packed_attention(q, k, v, layout, query_chunk=query_chunk)
+    return attention(q, k, v) if layout is None else packed_attention(q, k, v, layout)
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -80,7 +76,6 @@ class MultiHeadSelfAttention(nn.Module):
             raise ValueError(f"channels {channels} must be divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = channels // num_heads
-        self.query_chunk: QueryChunk = "auto"
         self.to_qkv = nn.Linear(channels, 3 * channels, dtype=dtype)
         if qk_rms_norm:
             self.q_rms_norm = MultiHeadRMSNorm(self.head_dim, num_heads)
@@ -97,7 +92,7 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.q_rms_norm(q), self.k_rms_norm(k)
         if phases is not None:
             q, k = apply_rope(q, phases), apply_rope(k, phases)
-        h = _attend(q, k, v, layout, self.query_chunk)
+        h = _attend(q, k, v, layout)
         return self.to_out(h.flatten(-2))
 
 
@@ -111,7 +106,6 @@ class MultiHeadCrossAttention(nn.Module):
             raise ValueError(f"channels {channels} must be divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = channels // num_heads
-        self.query_chunk: QueryChunk = "auto"
         self.to_q = nn.Linear(channels, channels, dtype=dtype)
         self.to_kv = nn.Linear(context_channels, 2 * channels, dtype=dtype)
         if qk_rms_norm:
@@ -126,5 +120,5 @@ class MultiHeadCrossAttention(nn.Module):
         k, v = self.to_kv(context).unflatten(-1, (2, self.num_heads, self.head_dim)).unbind(dim=-3)  # [B, S, H, D]
         if self.qk_rms_norm:
             q, k = self.q_rms_norm(q), self.k_rms_norm(k)
-        h = _attend(q, k, v, layout, self.query_chunk)
+        h = _attend(q, k, v, layout)
         return self.to_out(h.flatten(-2))
