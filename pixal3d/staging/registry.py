@@ -35,7 +35,6 @@ class _Slot:
     loader: Callable[[], nn.Module]
     module: nn.Module | None = None
     loads: int = 0
-    released_at: str | None = None
 
 
 def _names(kind: str, names: Iterable[str]) -> str:
@@ -256,7 +255,6 @@ class StagedModels(Mapping[str, nn.Module]):
         seconds = time.perf_counter() - start
         for name in names:
             self._slots[name].module = None
-            self._slots[name].released_at = stage
         self._parked.pop(id(module), None)
         note = f"shared by {names}" if len(names) > 1 else ""
         self._emit(Event("release", model=names[0], stage=stage, bytes=nbytes, seconds=seconds, note=note))

@@ -136,7 +136,7 @@ def release(
         for k in keep
         for sub in k.modules()
         for _, _, t in tensor_slots(sub)
-        if t.device.type != "meta"
+        if t.device.type != "meta" and t.untyped_storage().nbytes() > 0  # empty ones share data_ptr 0
     }
     info = ReleaseInfo(name, stage)
     freed: set[tuple[str, int]] = set()
