@@ -88,15 +88,42 @@ def closest_point_on_triangles(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: n
     return best
 
 
-class SurfaceProjector:
-    """Closest point on a reference triangle mesh: nearest vertex (cKDTree), then the exact closest
-    point over that vertex's incident faces (up to ``max_valence``)."""
+PROJECTIONS = ("tangent", "exact")
 
-    def __init__(self, vertices: np.ndarray, faces: np.ndarray, *, max_valence: int = 12) -> None:
+
+class SurfaceProjector:
+    """Moves points onto a reference triangle mesh (the decoded surface before simplification).
+
+    Both modes start from the nearest reference vertex (cKDTree):
+    * ``"exact"``: the closest point over that vertex's incident faces (up to ``max_valence``);
+    * ``"tangent"`` (fast): projection onto the vertex's tangent plane, the shift limited to
+      ``max_shift``. Vertex normals are sign-aligned per vertex, so an unoriented reference works;
+      the error against the exact closest point is second order in the distance (sub-voxel here).
+    """
+
+    def __init__(
+        self,
+        vertices: np.ndarray,
+        faces: np.ndarray,
+        *,
+        mode: str = "tangent",
+        max_shift: float = np.inf,
+        max_valence: int = 12,
+    ) -> None:
+        if mode not in PROJECTIONS:
+            raise ValueError(f"projection mode must be one of {PROJECTIONS}, got {mode!r}")
+        self.mode = mode
+        self.max_shift = max_shift
         self.vertices = vertices.astype(np.float32, copy=False)
         self.faces = faces
         self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False)
-        nv = len(vertices)
+        if mode == "exact":
+            self.incident = self._incident_faces(len(vertices), faces, max_valence)
+        else:
+            self.normals = self._aligned_normals(self.vertices, faces)
+
+    @staticmethod
+    def _incident_faces(nv: int, faces: np.ndarray, max_valence: int) -> np.ndarray:
         owner = faces.reshape(-1)
         order = np.argsort(owner, kind="stable")
         start = np.searchsorted(owner[order], np.arange(nv))
@@ -104,15 +131,39 @@ class SurfaceProjector:
         k = np.arange(max_valence)
         slot = start[:, None] + np.minimum(k, np.maximum(count[:, None] - 1, 0))
         incident = (order[np.minimum(slot, len(order) - 1)] // 3).astype(np.int32)
-        self.incident = np.where(count[:, None] > 0, incident, -1)  # [V, K], repeats pad short fans
+        return np.where(count[:, None] > 0, incident, -1)  # [V, K], repeats pad short fans
+
+    @staticmethod
+    def _aligned_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+        """Area-weighted vertex normals with each face's normal sign-aligned to one incident face."""
+        v = vertices.astype(np.float64)
+        n = np.cross(v[faces[:, 1]] - v[faces[:, 0]], v[faces[:, 2]] - v[faces[:, 0]])
+        del v
+        ref = np.zeros(len(vertices), np.int64)
+        ref[faces.reshape(-1)] = np.repeat(np.arange(len(faces)), 3)
+        out = np.zeros((len(vertices), 3))
+        for k in range(3):
+            corner = faces[:, k]
+            sign = np.where(np.einsum("ij,ij->i", n, n[ref[corner]]) < 0, -1.0, 1.0)
+            for c in range(3):
+                out[:, c] += np.bincount(corner, weights=sign * n[:, c], minlength=len(out))
+        return (out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-30)).astype(np.float32)
 
     def project(self, points: np.ndarray, *, chunk: int = 1 << 16) -> np.ndarray:
-        """``[N, 3]`` float32 closest points on the reference surface."""
+        """``[N, 3]`` float32 points moved onto the reference surface."""
         if len(points) == 0:
             return np.zeros((0, 3), np.float32)
-        return np.concatenate([self._project(points[s : s + chunk]) for s in range(0, len(points), chunk)])
+        fn = self._project_exact if self.mode == "exact" else self._project_tangent
+        return np.concatenate([fn(points[s : s + chunk]) for s in range(0, len(points), chunk)])
 
-    def _project(self, points: np.ndarray) -> np.ndarray:
+    def _project_tangent(self, points: np.ndarray) -> np.ndarray:
+        _, nearest = self.tree.query(points, k=1, workers=-1)
+        n = self.normals[nearest]
+        shift = np.einsum("ij,ij->i", points - self.vertices[nearest], n)
+        shift = np.clip(shift, -self.max_shift, self.max_shift)
+        return (points - shift[:, None] * n).astype(np.float32)
+
+    def _project_exact(self, points: np.ndarray) -> np.ndarray:
         _, nearest = self.tree.query(points, k=1, workers=-1)
         fids = self.incident[nearest]  # [N, K]
         valid = fids >= 0

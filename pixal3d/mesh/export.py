@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bake import SurfaceProjector, bake_textures
+from .bake import PROJECTIONS, SurfaceProjector, bake_textures
 from .cleanup import (
     clean_mesh,
     fill_small_holes,
@@ -43,6 +43,7 @@ class ExportSettings:
 
     max_hole_perimeter / min_component_area are in world units (the object spans [-0.5, 0.5]³);
     chart_cell_edges sizes the UV clusters in mean edge lengths of the simplified mesh.
+    projection: how texels reach the reference surface ("tangent", "exact", or None = not at all).
     """
 
     decimation_target: int = 1_000_000
@@ -54,7 +55,7 @@ class ExportSettings:
     min_component_area: float = 1e-5
     chart_cell_edges: float = 8.0
     uv_padding: int = 2
-    project_to_reference: bool = True
+    projection: str | None = "tangent"
 
     def __post_init__(self) -> None:
         if self.decimation_target < 4:
@@ -70,6 +71,8 @@ class ExportSettings:
                 "remesh=True is not available in the CPU exporter (the narrow-band dual-contouring remesh "
                 "is not implemented); use remesh=False, which fills holes and orients faces instead"
             )
+        if self.projection not in (*PROJECTIONS, None):
+            raise ValueError(f"projection must be one of {PROJECTIONS} or None, got {self.projection!r}")
         if self.chart_cell_edges <= 0 or self.uv_padding < 0:
             raise ValueError("chart_cell_edges must be > 0 and uv_padding >= 0")
 
@@ -205,7 +208,9 @@ def export_glb(
     normals, uv = steps.run("uv", unwrap)
 
     def bake():
-        projector = SurfaceProjector(src_v, src_f) if settings.project_to_reference else None
+        projector = None
+        if settings.projection is not None:
+            projector = SurfaceProjector(src_v, src_f, mode=settings.projection, max_shift=2.0 / res)
         pbr_coords = pbr.coords.detach().cpu().numpy()
         index = SparseIndex(pbr_coords, pbr.resolution)
         attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
