@@ -49,12 +49,18 @@ def build_neighbor_map(coords: torch.Tensor, kernel_size: tuple[int, int, int], 
     strides = torch.stack([extent[1] * extent[2], extent[2], torch.ones_like(extent[2])])  # x, y, z
     keys = c[:, 0] * (extent.prod()) + ((c[:, 1:] - lo + pad) * strides).sum(dim=1)  # [N] int64
     sorted_keys, order = torch.sort(keys)
-    out = torch.empty(n, offsets.shape[0], dtype=torch.int32, device=device)
-    for v, delta in enumerate((offsets * strides).sum(dim=1).tolist()):
-        query = keys + delta
+    rows = torch.arange(n, device=device)
+    out = torch.full((n, offsets.shape[0]), -1, dtype=torch.int32, device=device)
+    deltas = (offsets * strides).sum(dim=1).tolist()
+    centre = len(deltas) // 2  # offsets are symmetric: offset V-1-v = -offset v, the centre is (0, 0, 0)
+    out[:, centre] = rows.to(torch.int32)
+    for v in range(centre):  # search half the offsets; j = nbr[i, v]  <=>  i = nbr[j, V-1-v]
+        query = keys + deltas[v]
         pos = torch.searchsorted(sorted_keys, query).clamp_(max=n - 1)
         found = sorted_keys[pos] == query
-        out[:, v] = torch.where(found, order[pos], -1).to(torch.int32)
+        src, dst = rows[found], order[pos[found]]
+        out[src, v] = dst.to(torch.int32)
+        out[dst, len(deltas) - 1 - v] = src.to(torch.int32)
     return out
 
 
