@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed forwards first (default 3 cuda, 1 cpu)")
     parser.add_argument("--repeats", type=int, default=None, help="timed forwards (default 10 cuda, 3 cpu)")
     parser.add_argument("--sdpa", choices=SDPA_BACKENDS, default="auto", help="force one SDPA backend")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block (dynamic shapes) to measure what kernel fusion would gain")
     opts = parser.parse_args(argv)
 
     device = torch.device(opts.device)
@@ -153,10 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     token_counts = [int(n) for n in opts.tokens.split(",") if n.strip()]
 
     model = build_random(opts.model, opts.blocks, device)
+    if opts.compile:
+        for block in model.blocks:
+            block.compile(dynamic=True)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 30
     label = torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"model {opts.model}: {len(model.blocks)} blocks, {weights:.2f} GiB weights, {label}, "
-          f"torch {torch.__version__}, sdpa {opts.sdpa}, warmup {warmup}, repeats {repeats}")
+          f"torch {torch.__version__}, sdpa {opts.sdpa}{', compiled' if opts.compile else ''}, warmup {warmup}, repeats {repeats}")
     header = f"{'tokens':>7} {'median ms':>10} {'min ms':>9} {'peak GiB':>9} {'forward GiB':>12}"
     print(header)
     print("-" * len(header))

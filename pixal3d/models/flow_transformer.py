@@ -38,7 +38,7 @@ class FlowTransformer(nn.Module):
     """Base of ``SparseStructureFlowModel`` and ``SLatFlowModel`` (not registered itself)."""
 
     # Arguments the released json files carry that only matter for training: accepted and ignored.
-    training_only_args = ("initialization", "use_checkpoint", "use_fp16")
+    training_only_args = ("initialization", "use_checkpoint")
 
     def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
                  out_channels: int, num_blocks: int, num_heads: int | None = None, num_head_channels: int = 64,
