@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -44,6 +44,7 @@ EXIT_NO_ROOM = 4
 EXIT_CANNOT_START = 127
 _SLICE = 0.05  # seconds between checks for a signal or the command's exit
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_LOG_EVERY = 60.0  # seconds between repeated "waiting" lines when nothing changes
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ class _Signals:
         self.received: list[int] = []
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             for signum in _HANDLED_SIGNALS:
                 previous = signal.getsignal(signum)
@@ -211,7 +212,7 @@ class _Signals:
     def _record(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
 
@@ -298,7 +299,7 @@ class _Run:
 
     def wait_for_room(self) -> Reading | int:
         """The reading that allowed the start, or an exit code (no room, or a signal)."""
-        state, last_kinds = None, None
+        state, last_kinds, last_logged = None, None, float("-inf")
         while True:
             if self.signals.received:
                 signum = self.signals.received[0]
@@ -312,8 +313,11 @@ class _Run:
                 logger.info("no room after %.1f s (%s)", reading.time - state.began, decision.reason)
                 return EXIT_NO_ROOM
             kinds = tuple(reason.split(" ")[0] for reason in decision.reasons)
-            (logger.info if kinds != last_kinds else logger.debug)("waiting: %s", decision.reason)
-            last_kinds = kinds
+            if kinds != last_kinds or reading.time - last_logged >= _LOG_EVERY:
+                logger.info("waiting: %s", decision.reason)
+                last_kinds, last_logged = kinds, reading.time
+            else:
+                logger.debug("waiting: %s", decision.reason)
             self.pause(self.config.poll)
 
     def start(self, reading: Reading) -> subprocess.Popen | int:
@@ -350,7 +354,10 @@ class _Run:
                             process.pid)
                 stop_group(process, self.config.grace, self.signals)
                 return 128 + signum
-            decision, state = decide_stop(self.config, self.read(), state)
+            reading = self.read()
+            decision, state = decide_stop(self.config, reading, state)
+            logger.debug("watching: available %s%%, swap %s", reading.available_percent,
+                         format_bytes(reading.swap_used))
             if decision.action == "stop":
                 logger.info("stopping pid %d and its group: %s", process.pid, decision.reason)
                 stop_group(process, self.config.grace, self.signals)

@@ -3,8 +3,7 @@ import re
 
 import pytest
 
-from pixal3d.guard import (AdmissionState, GuardConfig, Reading, WatchState, decide_start,
-                           decide_stop, main)
+from pixal3d.guard import AdmissionState, GuardConfig, Reading, WatchState, decide_start, decide_stop, main
 
 GIB = 2**30
 

@@ -6,9 +6,9 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from .trace import StageRow, Summary, TraceWriter, summarize
 
@@ -59,7 +59,7 @@ class MemoryMeter:
         self._last_error: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def __enter__(self) -> "MemoryMeter":
+    def __enter__(self) -> Self:
         if self._probe is None:
             from .readers import MemoryProbe
 
@@ -67,7 +67,7 @@ class MemoryMeter:
         self._writer = TraceWriter(self.trace_path)
         self._t0 = time.time()
         self._write({"type": "start", "time": self._t0,
-                     "utc": datetime.fromtimestamp(self._t0, timezone.utc).isoformat(timespec="seconds"),
+                     "utc": datetime.fromtimestamp(self._t0, UTC).isoformat(timespec="seconds"),
                      "interval": self.interval, "pid": os.getpid(), **self.meta})
         self._read_peaks(write=False)
         self._sample()
@@ -76,14 +76,17 @@ class MemoryMeter:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._read_peaks(write=True)
         self._sample()
-        self._write({"type": "end", "t": self._now()})
+        end: dict[str, Any] = {"type": "end", "t": self._now()}
+        if exc_type is not None:  # the run being measured failed; the trace is still complete
+            end["error"] = exc_type.__name__
+        self._write(end)
         if self._writer is not None:
             self._writer.close()
 
@@ -105,7 +108,7 @@ class MemoryMeter:
         """Run a probe read; a failure becomes one ``error`` record per distinct failure streak."""
         try:
             values = read()
-        except Exception as error:  # a counter failing must not stop the run being measured
+        except Exception as error:  # noqa: BLE001 - a failing counter must not stop the run
             message = f"{type(error).__name__}: {error}"
             if message != self._last_error:
                 self._write({"type": "error", "t": self._now(), "error": message})

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SETUP = "setup"
 WINDOW_KINDS = ("stage", "mark")
@@ -36,7 +38,7 @@ class TraceWriter:
         self._handle = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "w", encoding="utf-8")
+            self._handle = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
 
     def write(self, record: dict[str, Any]) -> None:
         """Write one record as a line and flush it."""
@@ -145,7 +147,7 @@ def _segments(events: list[dict[str, Any]], end: float) -> list[_Segment]:
             release = None
         else:
             release = None
-    for current, following in zip(segments, segments[1:]):
+    for current, following in pairwise(segments):
         current.end = following.start
     segments[-1].end = max(end, segments[-1].start)
     return segments

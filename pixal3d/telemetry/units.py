@@ -29,7 +29,7 @@ def parse_duration(text: str) -> float:
     return float(number) * _DURATION_UNITS[(unit or "s").lower()]
 
 
-def format_bytes(value: int | float | None) -> str:
+def format_bytes(value: float | None) -> str:
     """``value`` in GiB with two decimals (MiB below 1 GiB); ``-`` when unknown."""
     if value is None:
         return "-"
