@@ -70,12 +70,19 @@ def neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilation: i
     return x.cached(key, lambda: build_neighbor_map(x.coords, kernel_size, dilation))
 
 
+def _gather_neighbours(feats: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """im2col rows ``[r, V·Cin]`` for the neighbour indices ``idx [r, V]`` (zeros where ``idx < 0``)."""
+    cols = feats.index_select(0, idx.clamp(min=0).reshape(-1))  # [r·V, Cin]
+    cols = cols.reshape(idx.shape[0], idx.shape[1], feats.shape[1])  # [r, V, Cin]
+    return cols.masked_fill_((idx < 0).unsqueeze(-1), 0).reshape(idx.shape[0], -1)
+
+
 def sparse_conv3d(x: SparseTensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   dilation: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SparseTensor:
     """Submanifold convolution of ``x [N, Cin]`` with ``weight [Cout, K0, K1, K2, Cin]`` -> ``[N, Cout]``.
 
     Computed in ``weight.dtype`` (features are cast to it), chunked so that the gathered neighbour
-    features never exceed ``chunk_bytes``.
+    features never exceed ``chunk_bytes`` (under autograd each chunk is kept for the backward pass).
     """
     cout, *kernel, cin = weight.shape
     if x.feats.shape[1] != cin:
@@ -94,16 +101,11 @@ def sparse_conv3d(x: SparseTensor, weight: torch.Tensor, bias: torch.Tensor | No
     # Inference writes each chunk straight into the output; autograd needs out-of-place chunks.
     out = None if track_grad else torch.empty(n, cout, dtype=weight.dtype, device=feats.device)
     parts = []
-    for start in range(0, n, rows):
-        idx = nbr[start:start + rows]  # [r, V]
-        cols = feats.index_select(0, idx.clamp(min=0).reshape(-1))  # [r·V, Cin]; absent rows zeroed next
-        cols = cols.reshape(idx.shape[0], num_offsets, cin)  # [r, V, Cin]
-        cols = cols.masked_fill_((idx < 0).unsqueeze(-1), 0).reshape(idx.shape[0], -1)  # [r, V·Cin], in place
+    for start in range(0, n, rows):  # the gathered chunk is a temporary: freed before the next is gathered
         target = None if out is None else out[start:start + rows]
-        if bias is None:
-            part = torch.mm(cols, w, out=target)
-        else:
-            part = torch.addmm(bias, cols, w, out=target)
+        cols = _gather_neighbours(feats, nbr[start:start + rows])
+        part = torch.mm(cols, w, out=target) if bias is None else torch.addmm(bias, cols, w, out=target)
+        del cols
         if out is None:
             parts.append(part)
     if out is None:
