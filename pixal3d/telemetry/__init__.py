@@ -1,6 +1,18 @@
 """Memory telemetry: per-platform readers, the background meter, JSONL traces, reports and plots.
 
-Pipeline-agnostic: it imports nothing else from pixal3d and takes registry events duck-typed."""
+Pipeline-agnostic: it imports nothing else from pixal3d and takes registry events duck-typed (an
+object with ``to_dict()`` or a dict with ``kind``, ``model``, ``stage``, ``bytes``, ``seconds``,
+``time``)::
+
+    with MemoryMeter(out / "memory.jsonl", device=device) as meter:
+        models = StagedModels(loaders, stages, events=meter.on_event)
+        ...                      # each models.enter(stage) opens that stage's window
+        meter.mark("export")     # a window without a registry
+    print(stage_table(meter.summary()))
+    rows = [row.to_dict() for row in meter.report()]
+
+``python -m pixal3d.telemetry report TRACE [TRACE2] [-o fig.png] [--json table.json]`` prints the
+per-stage table of a trace (or two traces side by side) and plots memory over time."""
 from .meter import MemoryMeter, event_dict
 from .readers import MemoryProbe, ProcessMemory, SystemMemory, system_memory
 from .report import comparison_json, comparison_table, stage_table
