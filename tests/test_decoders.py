@@ -224,6 +224,13 @@ def test_tiny_sparse_structure_decoder_maps_the_latent_to_4x_logits(use_fp16):
         assert torch.allclose(model(z[1:]), logits[1:], atol=5e-3 if use_fp16 else 1e-5)
 
 
+def test_real_sparse_structure_decoder_maps_16_cubed_latent_to_64_cubed_logits_on_meta():
+    entry = _manifest()["sparse_structure_decoder"]
+    model = build_model({"name": entry["class"], "args": entry["args"]}, device="meta")
+    logits = model(torch.empty(1, 8, 16, 16, 16, device="meta"))
+    assert logits.shape == (1, 1, 64, 64, 64) and logits.dtype == torch.float32
+
+
 def test_sparse_structure_decoder_rejects_group_norm():
     with pytest.raises(ValueError, match="norm_type"):
         SparseStructureDecoder(1, 8, 1, [8], norm_type="group")
