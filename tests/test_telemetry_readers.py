@@ -203,3 +203,31 @@ def test_units_parse_strictly():
         with pytest.raises(ValueError, match="not a duration"):
             parse_duration(bad)
     assert format_bytes(None) == "-" and format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_macos_available_percent_is_the_memorystatus_level(monkeypatch):
+    monkeypatch.setattr(readers.sys, "platform", "darwin")
+    monkeypatch.setattr(readers.macos, "memorystatus_level", lambda: 23)
+    memory = readers.system_memory()
+    assert memory.available_percent == 23.0
+
+
+def test_cgroup_limit_below_the_machine_bounds_available_memory(monkeypatch):
+    monkeypatch.setattr(readers.sys, "platform", "linux")
+    virtual = type("VM", (), {"total": 64 * 2**30, "available": 40 * 2**30})()
+    monkeypatch.setattr(readers.psutil, "virtual_memory", lambda: virtual)
+    monkeypatch.setattr(readers.linux, "cgroup_memory",
+                        lambda: linux.CgroupMemory(2, 6 * 2**30, 8 * 2**30, None))
+    memory = readers.system_memory()
+    assert (memory.total, memory.available) == (8 * 2**30, 2 * 2**30)
+    assert memory.available_percent == 25.0
+
+
+def test_system_memory_degrades_to_unknown(monkeypatch):
+    def broken():
+        raise OSError("no /proc/meminfo")
+
+    monkeypatch.setattr(readers.sys, "platform", "linux")
+    monkeypatch.setattr(readers.psutil, "virtual_memory", broken)
+    monkeypatch.setattr(readers.psutil, "swap_memory", broken)
+    assert readers.system_memory() == readers.SystemMemory(None, None, None, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -68,7 +69,8 @@ class MemoryMeter:
         self._t0 = time.time()
         self._write({"type": "start", "time": self._t0,
                      "utc": datetime.fromtimestamp(self._t0, UTC).isoformat(timespec="seconds"),
-                     "interval": self.interval, "pid": os.getpid(), **self.meta})
+                     "interval": self.interval, "pid": os.getpid(), "platform": sys.platform,
+                     **({"device": str(self.device)} if self.device is not None else {}), **self.meta})
         self._read_peaks(write=False)
         self._sample()
         self._stop.clear()
