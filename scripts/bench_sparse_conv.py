@@ -23,7 +23,8 @@ import math
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Self
 
 import psutil
 import torch
@@ -56,7 +57,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> Self:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -57,9 +57,9 @@ def test_structure_changing_args_are_honoured():
 
 
 # ---------------------------------------------------------------------------------------------- tiny models
-TINY_UNET = dict(model_channels=[32, 16, 8], latent_channels=4, num_blocks=[1, 1, 0],
-                 block_type=["SparseConvNeXtBlock3d"] * 3, up_block_type=["SparseResBlockC2S3d"] * 2,
-                 block_args=[{"use_checkpoint": False}] * 3)
+TINY_UNET = {"model_channels": [32, 16, 8], "latent_channels": 4, "num_blocks": [1, 1, 0],
+             "block_type": ["SparseConvNeXtBlock3d"] * 3, "up_block_type": ["SparseResBlockC2S3d"] * 2,
+             "block_args": [{"use_checkpoint": False}] * 3}
 
 
 def _latent(seed: int = 0, n: int = 40, grid: int = 6) -> SparseTensor:

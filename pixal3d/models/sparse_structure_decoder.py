@@ -8,7 +8,7 @@ channel LayerNorms computed and stored in fp32, ``input_layer``/``out_layer`` in
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

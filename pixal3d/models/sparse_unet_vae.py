@@ -13,8 +13,8 @@ fp32 at both ends; the subdivision decision ``logit > 0`` is taken on the fp16 l
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,6 @@ from ..nn.sparse_conv import SparseConv3d
 from ..nn.sparse_ops import SparseLinear, subdivide
 from ..nn.sparse_tensor import SparseTensor
 from .loading import register_model
-
-logger = logging.getLogger(__name__)
 
 BLOCK_TYPES = ("SparseConvNeXtBlock3d",)
 UP_BLOCK_TYPES = ("SparseResBlockC2S3d",)
