@@ -7,7 +7,9 @@ under a floor for two polls in a row, it stops the whole group (SIGTERM, then SI
 
 It is an admission check and watchdog for one command, not a system OOM killer (earlyoom,
 systemd-oomd or macos-oom-guard protect the whole machine): the only processes it ever signals are the
-command it started and that command's process group.
+command it started and that command's process group. The command runs in a process group of its
+own, so it must not read from the terminal; a process that leaves that group (setsid) is not
+followed, and a SIGKILL of the guard itself leaves the command running.
 
 Exit codes: 3 the guard stopped the command; 4 it never found room to start; 127 the command could not
 be started; 128+N the guard got signal N (it stops the command first) or the command was ended by
