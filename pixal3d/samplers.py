@@ -126,7 +126,7 @@ def sample_flow_euler(model: FlowModel, noise: Latent, *, cond: Any, neg_cond: A
     if not lo <= hi:
         raise ValueError(f"guidance_interval {guidance_interval} must be (lo, hi) with lo <= hi")
     ops = _LatentOps(noise)
-    times = rescaled_timesteps(steps, rescale_t)
+    times = rescaled_timesteps(steps, rescale_t).tolist()  # Python floats, as the reference's scalar maths
     x = ops.features(noise)
     pairs = list(zip(times[:-1], times[1:]))
     for i, (t, t_prev) in enumerate(tqdm(pairs, desc="flow sampling", disable=not progress)):
@@ -134,7 +134,7 @@ def sample_flow_euler(model: FlowModel, noise: Latent, *, cond: Any, neg_cond: A
         v = _guided_velocity(model, ops, x, t, cond, neg_cond, strength, guidance_rescale, sigma_min)
         x_prev = x - (t - t_prev) * v
         if callback is not None:
-            callback({"step": i, "t": float(t), "t_prev": float(t_prev), "x_t": ops.wrap(x),
+            callback({"step": i, "t": t, "t_prev": t_prev, "x_t": ops.wrap(x),
                       "velocity": ops.wrap(v), "x_prev": ops.wrap(x_prev)})
         x = x_prev
     return ops.wrap(x)
