@@ -52,6 +52,18 @@ EXTRACTORS: dict[str, ExtractorConfig] = {
 }
 
 
+def scaled_extractors(factor: int, extractors: dict[str, ExtractorConfig] = EXTRACTORS) -> dict[str, ExtractorConfig]:
+    """The extractors with image and NAF sizes divided by ``factor`` (same grids): with a DINOv3 of patch size
+    ``16 / factor`` the token grids stay 32² and 64², at a fraction of the pixels (tests, the offline demo)."""
+    scaled = {}
+    for name, ex in extractors.items():
+        if ex.image_size % factor or (ex.naf_size or 0) % factor:
+            raise ValueError(f"extractor {name!r} sizes {ex.image_size}/{ex.naf_size} are not divisible by {factor}")
+        naf_size = None if ex.naf_size is None else ex.naf_size // factor
+        scaled[name] = ExtractorConfig(name, ex.image_size // factor, ex.grid_resolution, naf_size)
+    return scaled
+
+
 @dataclass(frozen=True)
 class BackboneFeatures:
     """DINOv3 output for one (image, S): ``tokens [1, 5 + (S/16)², C]`` and the [0, 1] image NAF is guided by."""
