@@ -1,0 +1,62 @@
+"""build_cascade: the 1024 (or 1536) cascade's stage objects and loaders from a config.
+
+The returned ``Cascade`` keeps its stages in a plain list, so a caller may swap one before running,
+e.g. a benchmark replacing the structure stage by a subclass with synthetic coords::
+
+    cascade = build_cascade(with_sampler_steps(config, 1), weights, device="cuda")
+    cascade.stages[2] = SyntheticStructure(config.structure)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from pixal3d.config import CascadeConfig
+from pixal3d.hub import ResolvedWeights
+from pixal3d.models.camera import moge_available
+from pixal3d.staging.events import Event
+
+from .camera import CameraStage
+from .cascade import Cascade
+from .decode import DecodeStage
+from .export import ExportStage
+from .loaders import model_loaders
+from .preprocess import PreprocessStage, rembg_loader
+from .shape_1024 import Shape1024Stage
+from .shape_512 import Shape512Stage
+from .structure import StructureStage
+from .texture import TextureStage
+from .upsample import UpsampleStage
+
+
+def build_stages(config: CascadeConfig, weights: ResolvedWeights, *, fov_deg: float | None = None,
+                 use_moge: bool | None = None) -> list:
+    """The nine stages in run order. ``fov_deg`` overrides the config's field of view."""
+    fov = fov_deg if fov_deg is not None else config.camera.fov_deg
+    if use_moge is None:
+        use_moge = weights.moge is not None and moge_available()
+    coords_res = config.structure.coords_resolution
+    times = config.upsample.times
+    return [
+        PreprocessStage(use_remover=config.weights.rembg is not None),
+        CameraStage(fov, use_moge=use_moge),
+        StructureStage(config.structure),
+        Shape512Stage(config.shape_512, weights.shape_normalization, coords_res),
+        UpsampleStage(config.upsample, coords_res),
+        Shape1024Stage(config.shape_1024, weights.shape_normalization, times),
+        TextureStage(config.texture, weights.shape_normalization, weights.tex_normalization, times),
+        DecodeStage(),
+        ExportStage(config.export),
+    ]
+
+
+def build_cascade(config: CascadeConfig, weights: ResolvedWeights, *, device: str | torch.device = "cpu",
+                  policy: Any = "staged", fov_deg: float | None = None, events: Callable[[Event], None] | None = None,
+                  strict: bool = False, preserve_rng: bool = True) -> Cascade:
+    """A ready-to-run ``Cascade`` (models load lazily on first use; nothing is read here)."""
+    device = torch.device(device)
+    stages = build_stages(config, weights, fov_deg=fov_deg)
+    remover = rembg_loader(config.weights.rembg) if config.weights.rembg is not None else None
+    loaders = model_loaders(weights, device, moge=any(s.needs == ("moge",) for s in stages), remover=remover)
+    return Cascade(stages, loaders, policy=policy, events=events, strict=strict, preserve_rng=preserve_rng)

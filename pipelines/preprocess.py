@@ -1,0 +1,53 @@
+"""Preprocess stage: load the input, remove the background when it has no alpha, crop, composite on
+black (reference §1.1). An RGBA input with a real alpha channel needs no model."""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from torch import nn
+
+from pixal3d.models.preprocess import load_background_remover, load_image, preprocess_image
+
+from .stage import Stage
+from .state import RunState
+
+
+class PreprocessStage(Stage):
+    """``state.image``: the object, cropped and composited on black (RGB)."""
+
+    name = "preprocess"
+    outputs = ("image",)
+
+    def __init__(self, *, use_remover: bool):
+        self.needs = ("rembg",) if use_remover else ()
+
+    def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
+        image = load_image(state.input_path)
+        remover = _LazyRemover(models) if self.needs else None
+        state.image = preprocess_image(image, remover)
+
+
+class _LazyRemover:
+    """Asks the registry for the background remover only if the image actually needs it."""
+
+    def __init__(self, models: Mapping[str, nn.Module]):
+        self._models = models
+
+    def __call__(self, image):
+        return self._models["rembg"](image)
+
+
+class RemoverModule(nn.Module):
+    """The ``rembg`` background remover as a registry model (it holds no tensors; releasing it drops it)."""
+
+    def __init__(self, model_name: str):
+        super().__init__()
+        self.remover = load_background_remover(model_name)
+
+    def forward(self, image):
+        return self.remover(image)
+
+
+def rembg_loader(model_name: str) -> Callable[[], nn.Module]:
+    """The registry loader for the background remover."""
+    return lambda: RemoverModule(model_name)

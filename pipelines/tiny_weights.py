@@ -1,0 +1,209 @@
+"""Tiny demo weights: every model of the cascade at toy size, generated deterministically.
+
+The layout mirrors the published sources, so the tiny config goes through exactly the same loading
+code as the real one::
+
+    <root>/pixal3d/pipeline.json, ckpts/<stem>.{json,safetensors}   (seven checkpoints)
+    <root>/dinov3/config.json, model.safetensors                      (transformers DINOv3ViTModel)
+    <root>/naf/naf.json, naf.safetensors                              (NAF, registered model json)
+
+Values come from NumPy's PCG64 seeded with a CRC32 of ``<file>/<tensor>`` and are stored in float32
+(the tiny networks compute in float32: bf16/fp16 matmuls are slow on CPUs), so the bytes are the same
+on every run and machine (for one transformers version, which writes its version into ``config.json``). Scales follow
+a fan-in rule (uniform ``±sqrt(3/fan_in)`` for matrices and kernels, ones/zeros for norm weights/
+biases, ``±0.02`` for other vectors); three biases are set so the random networks give a usable
+structure: the sparse-structure decoder's output layer (scale and bias: occupancy) and the shape
+decoder's subdivision biases (most children kept).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+TINY_VERSION = "tiny-v4"
+
+DINO_HIDDEN = 64
+LATENT = 8  # tiny shape/texture latent channels (32 in the published models)
+
+DINOV3_CONFIG: dict[str, Any] = dict(
+    hidden_size=DINO_HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_register_tokens=4, patch_size=16, image_size=64, layerscale_value=1.0)
+
+NAF_ARGS: dict[str, Any] = dict(dim=32, heads_attn=2, heads_rope=2, kernel_size=3, rope_base=100.0, img_layers=1)
+
+
+def _flow(cls: str, resolution: int, cin: int, cout: int, proj: int) -> dict[str, Any]:
+    return {"name": cls, "args": dict(
+        resolution=resolution, in_channels=cin, out_channels=cout, model_channels=32, cond_channels=DINO_HIDDEN,
+        num_blocks=2, num_heads=2, mlp_ratio=2.0, pe_mode="rope", rope_freq=[1.0, 10000.0], dtype="float32",
+        share_mod=True, qk_rms_norm=True, qk_rms_norm_cross=True, image_attn_mode="proj",
+        proj_in_channels=proj, initialization="scaled")}
+
+
+def _decoder(cls: str, **extra: Any) -> dict[str, Any]:
+    return {"name": cls, "args": dict(
+        model_channels=[32, 16, 8], latent_channels=LATENT, num_blocks=[1, 1, 1],
+        block_type=["SparseConvNeXtBlock3d"] * 3, up_block_type=["SparseResBlockC2S3d"] * 2,
+        use_fp16=False, **extra)}
+
+
+# registry name → (checkpoint stem, spec, stored dtype)
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any], torch.dtype]] = {
+    "sparse_structure_flow_model": (
+        "ckpts/ss_flow_tiny", _flow("SparseStructureFlowModel", 4, 8, 8, DINO_HIDDEN), torch.float32),
+    "sparse_structure_decoder": ("ckpts/ss_dec_tiny", {"name": "SparseStructureDecoder", "args": dict(
+        out_channels=1, latent_channels=8, num_res_blocks=1, num_res_blocks_middle=1, channels=[32, 16, 8],
+        norm_type="layer", use_fp16=False)}, torch.float32),
+    "shape_slat_flow_model_512": (
+        "ckpts/shape_flow_512_tiny", _flow("ElasticSLatFlowModel", 8, LATENT, LATENT, 2 * DINO_HIDDEN),
+        torch.float32),
+    "shape_slat_flow_model_1024": (
+        "ckpts/shape_flow_1024_tiny", _flow("ElasticSLatFlowModel", 16, LATENT, LATENT, 2 * DINO_HIDDEN),
+        torch.float32),
+    "tex_slat_flow_model_1024": (
+        "ckpts/tex_flow_1024_tiny", _flow("ElasticSLatFlowModel", 16, 2 * LATENT, LATENT, 2 * DINO_HIDDEN),
+        torch.float32),
+    "shape_slat_decoder": (
+        "ckpts/shape_dec_tiny", _decoder("FlexiDualGridVaeDecoder", resolution=64), torch.float32),
+    "tex_slat_decoder": (
+        "ckpts/tex_dec_tiny", _decoder("SparseUnetVaeDecoder", out_channels=6, pred_subdiv=False), torch.float32),
+}
+
+# Biases that make random networks produce a usable structure (see the module docstring).
+SPECIAL_SCALES: dict[tuple[str, str], float] = {
+    ("sparse_structure_decoder", "out_layer.2.weight"): 150.0,  # logits std ≈ 1 instead of ≈ 0.006
+}
+SPECIAL_BIASES: dict[tuple[str, str], float] = {
+    ("sparse_structure_decoder", "out_layer.2.bias"): -1.2,  # ≈ 30 % of the pooled grid occupied
+    ("shape_slat_decoder", "blocks.0.1.to_subdiv.bias"): 0.3,
+    ("shape_slat_decoder", "blocks.1.1.to_subdiv.bias"): 0.3,
+}
+
+
+def _normalization(offset: float) -> dict[str, list[float]]:
+    return {"mean": [round(offset + 0.05 * i, 4) for i in range(LATENT)],
+            "std": [round(1.0 + 0.1 * i, 4) for i in range(LATENT)]}
+
+
+def pipeline_json() -> dict[str, Any]:
+    """The tiny ``pipeline.json`` (same structure as the published one)."""
+    return {"name": "Pixal3DImageTo3DPipeline", "args": {
+        "models": {name: stem for name, (stem, _, _) in CHECKPOINTS.items()},
+        "shape_slat_normalization": _normalization(0.1),
+        "tex_slat_normalization": _normalization(-0.2),
+    }}
+
+
+def deterministic_tensor(label: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values for tensor ``key`` of file ``label``: a pure function of the names and shape."""
+    rng = np.random.Generator(np.random.PCG64(zlib.crc32(f"{label}/{key}".encode())))
+    leaf = key.rsplit(".", 1)[-1]
+    module = key.rsplit(".", 1)[0] if "." in key else ""
+    n = int(np.prod(shape)) if shape else 1
+    if len(shape) == 1 and ("norm" in module.lower() or leaf == "gamma"):
+        values = np.ones(n) if leaf in ("weight", "gamma") else np.zeros(n)
+    elif leaf == "gamma" or "lambda" in leaf:
+        values = np.ones(n)
+    elif len(shape) >= 2 and leaf == "weight":
+        bound = math.sqrt(3.0 / max(1, n // shape[0]))
+        values = (rng.random(n) * 2 - 1) * bound
+    else:
+        values = (rng.random(n) * 2 - 1) * 0.02
+    return torch.from_numpy(values.astype(np.float32)).reshape(shape)
+
+
+def _state_for(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from pixal3d.models.loading import build_model
+    from pipelines.loaders import register_model_classes
+
+    register_model_classes()
+
+    model = build_model(spec, device="meta", source=label)
+    return {key: deterministic_tensor(label, key, tuple(t.shape)) for key, t in model.state_dict().items()}
+
+
+def _write_checkpoint(folder: Path, name: str) -> None:
+    stem, spec, dtype = CHECKPOINTS[name]
+    state = _state_for(name, spec)
+    for (model, key), value in SPECIAL_SCALES.items():
+        if model == name:
+            state[key] = state[key] * value
+    for (model, key), value in SPECIAL_BIASES.items():
+        if model == name:
+            state[key] = torch.full_like(state[key], value)
+    path = folder / stem
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, str(path.with_suffix(".safetensors")))
+    path.with_suffix(".json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+def _write_dinov3(folder: Path) -> None:
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    config = DINOv3ViTConfig(**DINOV3_CONFIG)
+    with torch.device("meta"):
+        model = DINOv3ViTModel(config)
+    state = {key: deterministic_tensor("dinov3", key, tuple(t.shape)) for key, t in model.state_dict().items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    save_file(dict(sorted(state.items())), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_naf(folder: Path) -> None:
+    spec = {"name": "NAF", "args": NAF_ARGS}
+    state = _state_for("naf", spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(state.items())), str(folder / "naf.safetensors"))
+    (folder / "naf.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+def write_tiny_weights(folder: Path) -> Path:
+    """Write every tiny file into ``folder`` (created), returning it."""
+    from pixal3d.staging.rng import preserved_rng
+
+    with preserved_rng():  # nothing here should draw from the global generators; make sure of it
+        pipe = folder / "pixal3d"
+        pipe.mkdir(parents=True, exist_ok=True)
+        (pipe / "pipeline.json").write_text(json.dumps(pipeline_json(), indent=2, sort_keys=True) + "\n")
+        for name in CHECKPOINTS:
+            _write_checkpoint(pipe, name)
+        _write_dinov3(folder / "dinov3")
+        _write_naf(folder / "naf")
+    return folder
+
+
+def ensure_tiny_weights(root: Path) -> Path:
+    """``root/<TINY_VERSION>``, generated on first use (written to a temporary folder, then renamed)."""
+    target = Path(root) / TINY_VERSION
+    if (target / "COMPLETE").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=target.parent))
+    try:
+        write_tiny_weights(tmp)
+        (tmp / "COMPLETE").write_text(TINY_VERSION + "\n")
+        if target.exists():
+            shutil.rmtree(target)  # an incomplete earlier attempt
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "COMPLETE").is_file():  # another process did not win the race either
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("tiny demo weights written to %s", target)
+    return target
