@@ -8,3 +8,4 @@ from .slat_flow import SLatFlowModel
 from .sparse_structure_flow import SparseStructureFlowModel
 from .sparse_structure_decoder import SparseStructureDecoder
 from .sparse_unet_vae import FlexiDualGridVaeDecoder, SparseUnetVaeDecoder
+from .naf import NAF
