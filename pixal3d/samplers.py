@@ -17,7 +17,9 @@ Latents are dense ``Tensor [B, ...]`` or ``SparseTensor`` (features ``[N, C]``, 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .nn.sparse_tensor import SparseTensor
 
-Latent = Union[torch.Tensor, SparseTensor]
+Latent = torch.Tensor | SparseTensor
 FlowModel = Callable[[Latent, torch.Tensor, Any], Latent]
 
 
@@ -128,7 +130,7 @@ def sample_flow_euler(model: FlowModel, noise: Latent, *, cond: Any, neg_cond: A
     ops = _LatentOps(noise)
     times = rescaled_timesteps(steps, rescale_t).tolist()  # Python floats, as the reference's scalar maths
     x = ops.features(noise)
-    pairs = list(zip(times[:-1], times[1:]))
+    pairs = list(itertools.pairwise(times))
     for i, (t, t_prev) in enumerate(tqdm(pairs, desc="flow sampling", disable=not progress)):
         strength = guidance_strength if lo <= t <= hi else 1
         v = _guided_velocity(model, ops, x, t, cond, neg_cond, strength, guidance_rescale, sigma_min)

@@ -31,12 +31,12 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pixal3d.models import build_model  # noqa: E402
-from pixal3d.nn.sparse_tensor import SparseTensor  # noqa: E402
+from pixal3d.models import build_model
+from pixal3d.nn.sparse_tensor import SparseTensor
 
-_COMMON = dict(model_channels=1536, cond_channels=1024, num_blocks=30, num_heads=12, mlp_ratio=5.3334,
-               pe_mode="rope", share_mod=True, qk_rms_norm=True, qk_rms_norm_cross=True,
-               image_attn_mode="proj", dtype="bfloat16")
+_COMMON = {"model_channels": 1536, "cond_channels": 1024, "num_blocks": 30, "num_heads": 12, "mlp_ratio": 5.3334,
+           "pe_mode": "rope", "share_mod": True, "qk_rms_norm": True, "qk_rms_norm_cross": True,
+           "image_attn_mode": "proj", "dtype": "bfloat16"}
 # The released configs (reference/checkpoints.json args) of the four flow models.
 MODELS = {
     "ss": ("SparseStructureFlowModel", dict(resolution=16, in_channels=8, out_channels=8, **_COMMON)),
@@ -58,7 +58,7 @@ def build_random(name: str, blocks: int | None, device: torch.device) -> torch.n
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("gamma") or pname.endswith("norm2.weight"):
+            if pname.endswith(("gamma", "norm2.weight")):
                 p.fill_(1.0)
             elif p.dim() == 2:
                 p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)

@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixal3d.nn.attention import (MultiHeadSelfAttention, attention, auto_query_chunk, packed_attention)
+from pixal3d.nn.attention import (
+    SCORE_BUDGET,
+    MultiHeadSelfAttention,
+    attention,
+    auto_query_chunk,
+    packed_attention,
+)
 from pixal3d.nn.norms import MultiHeadRMSNorm
 from pixal3d.nn.rope import apply_rope, grid_positions, rope_phases
 from pixal3d.nn.timestep import timestep_sinusoid
@@ -70,7 +76,6 @@ def test_auto_chunk_bounds_scores_on_cpu():
 
 def test_auto_chunking_keeps_30k_token_scores_bounded(monkeypatch):
     """At 32768 tokens × 12 heads every SDPA call sees at most SCORE_BUDGET scores (shapes only, on meta)."""
-    import pixal3d.nn.attention as attn_module
     seen = []
     real_sdpa = F.scaled_dot_product_attention
 
@@ -78,11 +83,11 @@ def test_auto_chunking_keeps_30k_token_scores_bounded(monkeypatch):
         seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
         return real_sdpa(q, k, v)
 
-    monkeypatch.setattr(attn_module.F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     q = torch.empty(32768, 12, 128, device="meta", dtype=torch.bfloat16)
     out = packed_attention(q, q, q, [slice(0, 32768)])
     assert out.shape == q.shape
-    assert len(seen) > 1 and max(seen) <= attn_module.SCORE_BUDGET
+    assert len(seen) > 1 and max(seen) <= SCORE_BUDGET
 
 
 def test_packed_attention_one_sample_equals_dense():
@@ -168,14 +173,14 @@ def test_timestep_sinusoid_is_cos_first():
 def naive_block(block, x, mod, context, proj, positions):
     """Float64 re-derivation of one modulated proj block on dense tokens x [B, L, C]."""
     p = {k: v.double() for k, v in block.state_dict().items()}
-    lin = lambda h, name: h @ p[name + ".weight"].T + p[name + ".bias"]  # noqa: E731
-    ln = lambda h, eps: (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + eps).sqrt()  # noqa: E731
+    lin = lambda h, name: h @ p[name + ".weight"].T + p[name + ".bias"]
+    ln = lambda h, eps: (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
     heads = block.self_attn.num_heads
     B, L, C = x.shape
     D = C // heads
     x, mod, context, proj = x.double(), mod.double(), context.double(), proj.double()
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (p["modulation"] + mod)[:, None].chunk(6, -1)
-    rms = lambda h, name: h / h.norm(dim=-1, keepdim=True) * p[name + ".gamma"] * math.sqrt(D)  # noqa: E731
+    rms = lambda h, name: h / h.norm(dim=-1, keepdim=True) * p[name + ".gamma"] * math.sqrt(D)
 
     h = ln(x, 1e-6) * (1 + scale_msa) + shift_msa
     qkv = lin(h, "self_attn.to_qkv").reshape(B, L, 3, heads, D)

@@ -17,8 +17,9 @@ MANIFEST = Path(__file__).resolve().parents[2] / "shared" / "reference" / "check
 FLOW_ENTRIES = ["sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
                 "tex_slat_flow_model_1024"]
 
-TINY = dict(model_channels=32, cond_channels=16, num_blocks=2, num_heads=2, mlp_ratio=2.0, pe_mode="rope",
-            share_mod=True, qk_rms_norm=True, qk_rms_norm_cross=True, image_attn_mode="proj")
+TINY = {"model_channels": 32, "cond_channels": 16, "num_blocks": 2, "num_heads": 2, "mlp_ratio": 2.0,
+        "pe_mode": "rope", "share_mod": True, "qk_rms_norm": True, "qk_rms_norm_cross": True,
+        "image_attn_mode": "proj"}
 
 
 def manifest():

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from pixal3d.nn.sparse_tensor import SparseTensor
-from pixal3d.samplers import dense_std, packed_std, rescaled_timesteps, sample_flow_euler
+from pixal3d.samplers import (
+    dense_std,
+    packed_std,
+    rescaled_timesteps,
+    sample_flow_euler,
+)
 
 R5 = [1, .98214, .96154, .9375, .90909, .875, .83333, .78125, .71429, .625, .5, .3125, 0]
 R3 = [1, .97059, .9375, .9, .85714, .80769, .75, .68182, .6, .5, .375, .21429, 0]
@@ -105,7 +110,7 @@ def test_one_guided_step_dense_matches_reference():
     cond, neg = {"a": 0.7, "b": 0.2}, {"a": -0.3, "b": 0.1}
     out = sample_flow_euler(QuadraticModel(), noise, cond=cond, neg_cond=neg, steps=1, guidance_strength=3.0,
                             guidance_rescale=0.6, guidance_interval=(0.0, 1.0), rescale_t=1.0, progress=False)
-    std = lambda z: z.std(dim=[1, 2, 3, 4], keepdim=True)  # noqa: E731
+    std = lambda z: z.std(dim=[1, 2, 3, 4], keepdim=True)
     expected = reference_step(noise, 1.0, 0.0, noise ** 2 * 0.7 + 0.2, noise ** 2 * -0.3 + 0.1, 3.0, 0.6, std)
     torch.testing.assert_close(out, expected)
 
@@ -149,10 +154,10 @@ def test_missing_neg_cond_is_a_clear_error():
 
 def test_tiny_flow_sampling_is_deterministic():
     from pixal3d.models import build_model
-    spec = {"name": "SLatFlowModel", "args": dict(
-        resolution=8, in_channels=16, out_channels=8, model_channels=32, cond_channels=16, num_blocks=1,
-        num_heads=2, mlp_ratio=2.0, qk_rms_norm=True, qk_rms_norm_cross=True, proj_in_channels=12,
-        dtype="bfloat16")}
+    spec = {"name": "SLatFlowModel", "args": {
+        "resolution": 8, "in_channels": 16, "out_channels": 8, "model_channels": 32, "cond_channels": 16,
+        "num_blocks": 1, "num_heads": 2, "mlp_ratio": 2.0, "qk_rms_norm": True, "qk_rms_norm_cross": True,
+        "proj_in_channels": 12, "dtype": "bfloat16"}}
     torch.manual_seed(0)
     model = build_model(spec, device="cpu").eval()
     coords = torch.tensor([[0, i % 8, i // 8, 1] for i in range(20)], dtype=torch.int32)

@@ -18,8 +18,8 @@ from .loading import register_model
 
 @register_model("SLatFlowModel", "ElasticSLatFlowModel")
 class SLatFlowModel(FlowTransformer):
-    """``forward(x SparseTensor [N, Cin - Cc] f32, t [B] f32 (1000·t), cond {'global': [B, S, Cc],
-    'proj': SparseTensor [N, Cp] on x's coords}, concat_cond SparseTensor [N, Cc] | None) -> SparseTensor f32``."""
+    """``forward(x SparseTensor [N, in_channels - Cx] f32, t [B] f32 (1000·t), cond {'global': [B, S, Cc],
+    'proj': SparseTensor [N, Cp] on x's coords}, concat_cond SparseTensor [N, Cx] | None) -> SparseTensor f32``."""
 
     def rope_phases(self, x: SparseTensor) -> torch.Tensor:
         """RoPE phases ``[N, head_dim/2]`` of x's voxels, cached on its coordinate set."""

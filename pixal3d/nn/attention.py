@@ -11,7 +11,7 @@ hold at most ``SCORE_BUDGET`` elements; on CUDA the fused kernels keep memory li
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from torch import nn
 from .norms import MultiHeadRMSNorm
 from .rope import apply_rope
 
-QueryChunk = Union[int, None, Literal["auto"]]
+QueryChunk = int | None | Literal["auto"]
 
 SCORE_BUDGET = 1 << 26  # score elements per chunk (256 MiB in fp32) on devices without fused kernels
 
