@@ -53,7 +53,7 @@ class ExportSettings:
     alpha_mode: str = "auto"
     max_hole_perimeter: float = 3e-2
     min_component_area: float = 1e-5
-    chart_cell_edges: float = 8.0
+    chart_cell_edges: float = 16.0
     uv_padding: int = 2
     projection: str | None = "tangent"
 
@@ -202,7 +202,8 @@ def export_glb(
 
     def unwrap():
         edge = np.linalg.norm(v[f[:, 1]] - v[f[:, 0]], axis=1).mean()
-        uv = uv_unwrap(v, f, cell=settings.chart_cell_edges * float(edge), padding=settings.uv_padding)
+        uv = uv_unwrap(v, f, cell=settings.chart_cell_edges * float(edge), padding=settings.uv_padding,
+                       texture_size=settings.texture_size)
         return (vertex_normals(v, f), uv), {"charts": uv.chart_count, "uv_vertices": len(uv.uvs)}
 
     normals, uv = steps.run("uv", unwrap)

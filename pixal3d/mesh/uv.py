@@ -19,6 +19,8 @@ from .cleanup import EdgeTable
 
 log = logging.getLogger(__name__)
 
+_TARGET_FILL = 0.5  # charts' share of the atlas assumed when choosing the texel density
+
 
 @dataclass(frozen=True)
 class UvMesh:
@@ -80,11 +82,13 @@ def cluster_faces(vertices: np.ndarray, faces: np.ndarray, *, cell: float, min_f
 
 
 def uv_unwrap(
-    vertices: np.ndarray, faces: np.ndarray, *, cell: float, padding: int = 2, resolution: int = 0
+    vertices: np.ndarray, faces: np.ndarray, *, cell: float, padding: int = 2, texture_size: int = 0
 ) -> UvMesh:
     """Chart each face cluster with xatlas and pack all charts into a single atlas.
 
-    ``resolution`` is a hint for the packer (0 lets xatlas choose); the atlas is checked to be one.
+    With ``texture_size`` the texel density is set so that the atlas comes out near that size, which
+    makes ``padding`` mean texels of the final texture (xatlas's own choice packs small charts at a
+    lower density, so the padding eats more of the texture). The atlas is checked to be exactly one.
     """
     cluster = cluster_faces(vertices, faces, cell=cell)
     order = np.argsort(cluster, kind="stable")
@@ -105,7 +109,13 @@ def uv_unwrap(
     pack_options = xatlas.PackOptions()
     pack_options.padding = padding
     pack_options.bilinear = True
-    pack_options.resolution = resolution
+    pack_options.resolution = 0  # > 0 together with texels_per_unit may split into several atlases
+    if texture_size > 0:
+        area = 0.5 * np.linalg.norm(
+            np.cross(vertices[faces[:, 1]] - vertices[faces[:, 0]], vertices[faces[:, 2]] - vertices[faces[:, 0]]),
+            axis=1,
+        ).sum()
+        pack_options.texels_per_unit = float(texture_size * np.sqrt(_TARGET_FILL / max(area, 1e-30)))
     atlas.generate(chart_options=chart_options, pack_options=pack_options)
     if atlas.atlas_count != 1:
         raise RuntimeError(f"xatlas produced {atlas.atlas_count} atlases; expected exactly one")
