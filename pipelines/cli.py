@@ -14,6 +14,7 @@ it); no partial GLB is ever left at the output path.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -87,6 +88,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code."""
     args = parse_args(argv)
+    # Freeze what the imports created (torch, transformers: millions of objects) so the gc.collect
+    # that every model release runs scans only the run's own objects (0.5 s → ~0.01 s per release).
+    gc.freeze()
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
                         format="pixal3d: %(levelname)s: %(message)s")

@@ -1,0 +1,115 @@
+"""Cascade configs: the shipped files load; unknown keys, wrong types and missing keys are errors that
+name the key and the file; ``base:`` inheritance; cross-key rules."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pixal3d.config import CascadeConfig, ConfigError, load_config, to_dict, with_sampler_steps
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+TINY_TEXT = (CONFIGS / "tiny.yaml").read_text()
+
+
+def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["1024_cascade", "1536_cascade", "tiny"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert isinstance(config, CascadeConfig) and config.name == name and config.seed == 42
+    assert config.structure.sampler.guidance_interval == (0.6, 1.0)
+
+
+def test_1024_cascade_has_the_reference_sampler_parameters_and_pinned_revisions():
+    config = load_config(CONFIGS / "1024_cascade.yaml")
+    rows = {stage: getattr(config, stage).sampler for stage in ("structure", "shape_512", "shape_1024", "texture")}
+    assert [(s.steps, s.guidance_strength, s.guidance_rescale, s.guidance_interval, s.rescale_t)
+            for s in rows.values()] == [(12, 7.5, 0.7, (0.6, 1.0), 5.0), (12, 7.5, 0.5, (0.6, 1.0), 3.0),
+                                         (12, 7.5, 0.5, (0.6, 1.0), 3.0), (12, 1.0, 0.0, (0.6, 0.9), 3.0)]
+    assert len(config.weights.pixal3d.revision) == 40 and len(config.weights.dinov3.revision) == 40
+    assert config.upsample.hr_resolution == 1024 and config.structure.coords_resolution == 32
+
+
+def test_1536_inherits_everything_but_its_resolution():
+    base, derived = load_config(CONFIGS / "1024_cascade.yaml"), load_config(CONFIGS / "1536_cascade.yaml")
+    assert derived.upsample.hr_resolution == 1536 and derived.upsample.min_resolution == 1024
+    assert to_dict(derived.shape_1024) == to_dict(base.shape_1024) and derived.weights == base.weights
+
+
+def test_unknown_key_names_the_dotted_key_and_the_file(tmp_path):
+    path = _write(tmp_path, TINY_TEXT.replace("rescale_t: 5.0", "rescale_t: 5.0, stepz: 3"))
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown key 'structure\.sampler\.stepz'"):
+        load_config(path)
+
+
+def test_unknown_top_level_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'sead'"):
+        load_config(_write(tmp_path, TINY_TEXT + "sead: 3\n"))
+
+
+@pytest.mark.parametrize("old, new, key", [
+    ("steps: 4, guidance_strength: 7.5, guidance_rescale: 0.7", "steps: four, guidance_strength: 7.5, "
+     "guidance_rescale: 0.7", "structure.sampler.steps"),
+    ("seed: 42", "seed: true", "seed"),
+    ("texture_size: 256", "texture_size: 2.5", "export.texture_size"),
+    ("guidance_interval: [0.6, 0.9]", "guidance_interval: [0.6]", "texture.sampler.guidance_interval"),
+    ("image_size: 64, grid_resolution: 4", "image_size: '64', grid_resolution: 4", "structure.condition.image_size"),
+])
+def test_wrong_type_names_the_key_and_the_file(tmp_path, old, new, key):
+    assert old in TINY_TEXT
+    path = _write(tmp_path, TINY_TEXT.replace(old, new))
+    with pytest.raises(ConfigError, match=rf"c\.yaml: key '{key}'"):
+        load_config(path)
+
+
+def test_missing_required_key(tmp_path):
+    text = TINY_TEXT.replace("  latent_channels: 8\n  coords_resolution: 8", "  coords_resolution: 8")
+    with pytest.raises(ConfigError, match=r"missing required key 'structure\.latent_channels'"):
+        load_config(_write(tmp_path, text))
+
+
+def test_a_weight_source_needs_exactly_one_origin(tmp_path):
+    text = TINY_TEXT.replace("dinov3: {generate: tiny}", "dinov3: {generate: tiny, repo: a/b}")
+    with pytest.raises(ConfigError, match=r"'weights\.dinov3' needs exactly one of"):
+        load_config(_write(tmp_path, text))
+
+
+def test_export_values_are_checked_by_the_exporter(tmp_path):
+    text = TINY_TEXT.replace("texture_size: 256", "texture_size: 256\n  texture_format: gif")
+    with pytest.raises(ConfigError, match=r"key 'export' is invalid: texture_format"):
+        load_config(_write(tmp_path, text))
+
+
+def test_resolutions_must_divide_by_the_upsampling_factor(tmp_path):
+    text = TINY_TEXT.replace("hr_resolution: 48", "hr_resolution: 50")
+    with pytest.raises(ConfigError, match=r"multiples of 2\*\*upsample\.times = 4"):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "a: [1, 2\n"))
+
+
+def test_base_chain_merges_mappings_and_resolves_relative_local_paths(tmp_path):
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path, TINY_TEXT.replace("pixal3d: {generate: tiny}", "pixal3d: {local: weights/p}"), "base.yaml")
+    child = _write(tmp_path / "sub", "base: ../base.yaml\nupsample: {hr_resolution: 64}\n", "child.yaml")
+    config = load_config(child)
+    assert config.upsample.hr_resolution == 64 and config.upsample.times == 2
+    assert config.weights.pixal3d.local == str((tmp_path / "weights" / "p").resolve())
+    assert config.source == str(child)
+
+
+def test_with_sampler_steps_changes_every_flow_stage_only():
+    config = with_sampler_steps(load_config(CONFIGS / "tiny.yaml"), 1)
+    assert {getattr(config, s).sampler.steps for s in ("structure", "shape_512", "shape_1024", "texture")} == {1}
+    assert config.texture.sampler.guidance_strength == 1.0
