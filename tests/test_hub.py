@@ -1,0 +1,151 @@
+"""Weight resolution: local folders, the Hugging Face cache offline, URL files, tiny generation; missing files
+and truncated/corrupt safetensors become one clear error; tiny weights are byte-for-byte deterministic."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from pixal3d.config import WeightsConfig, WeightSource
+from pixal3d.hub import (PIPELINE_MODELS, CorruptWeightsError, MissingWeightsError, read_safetensors_header,
+                         resolve_weights, verify_safetensors)
+from pipelines.tiny_weights import TINY_VERSION, write_tiny_weights
+from tests.cascade_fixtures import tiny_cache  # noqa: F401
+
+REV = "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"
+
+
+def _tiny_dir(cache: Path) -> Path:
+    return cache / "tiny" / TINY_VERSION
+
+
+def _local(folder: Path, **extra) -> WeightsConfig:
+    return WeightsConfig(pixal3d=WeightSource(local=str(folder / "pixal3d")),
+                         dinov3=WeightSource(local=str(folder / "dinov3")),
+                         naf=WeightSource(local=str(folder / "naf"), files=("naf.safetensors",)), rembg=None, **extra)
+
+
+@pytest.fixture
+def local_copy(tiny_cache, tmp_path) -> Path:
+    """A writable copy of the tiny weights (tests damage it)."""
+    return Path(shutil.copytree(_tiny_dir(tiny_cache), tmp_path / "w"))
+
+
+def test_local_folder_resolves_every_checkpoint_and_reads_normalization_from_pipeline_json(local_copy):
+    pipeline = json.loads((local_copy / "pixal3d" / "pipeline.json").read_text())
+    pipeline["args"]["shape_slat_normalization"]["mean"][0] = 1.25  # not hard-coded anywhere
+    (local_copy / "pixal3d" / "pipeline.json").write_text(json.dumps(pipeline))
+    resolved = resolve_weights(_local(local_copy), offline=True)
+    assert sorted(resolved.checkpoints) == sorted(PIPELINE_MODELS)
+    assert all(stem.with_suffix(".safetensors").is_file() for stem in resolved.checkpoints.values())
+    assert resolved.shape_normalization.mean[0] == 1.25
+    assert resolved.naf == local_copy / "naf" / "naf.safetensors"
+
+
+def test_missing_checkpoint_names_the_file_the_folder_and_what_to_do(local_copy):
+    (local_copy / "pixal3d" / "ckpts" / "tex_dec_tiny.safetensors").unlink()
+    with pytest.raises(MissingWeightsError) as info:
+        resolve_weights(_local(local_copy), offline=True)
+    message = str(info.value)
+    assert "ckpts/tex_dec_tiny.safetensors" in message and str(local_copy / "pixal3d") in message
+    assert "weights.pixal3d" in message and "\n" not in message
+
+
+def test_hub_repo_offline_with_an_empty_cache_gives_the_download_command(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    weights = WeightsConfig(pixal3d=WeightSource(repo="TencentARC/Pixal3D", revision=REV),
+                            dinov3=WeightSource(local=str(tmp_path)), naf=WeightSource(local=str(tmp_path)))
+    with pytest.raises(MissingWeightsError) as info:
+        resolve_weights(weights)
+    message = str(info.value)
+    assert f"hf download TencentARC/Pixal3D pipeline.json --revision {REV}" in message
+    assert "HF_HUB_OFFLINE" in message
+
+
+def test_hub_repo_offline_uses_the_local_hugging_face_cache(local_copy, tmp_path, monkeypatch):
+    """A snapshot already in the HF cache (layout models--owner--name/snapshots/<rev>/) is used offline."""
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--TencentARC--Pixal3D" / "snapshots" / REV
+    shutil.copytree(local_copy / "pixal3d", snapshot)
+    (hub / "models--TencentARC--Pixal3D" / "refs").mkdir()
+    (hub / "models--TencentARC--Pixal3D" / "refs" / "main").write_text(REV)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    weights = _local(local_copy)
+    weights = WeightsConfig(pixal3d=WeightSource(repo="TencentARC/Pixal3D", revision=REV), dinov3=weights.dinov3,
+                            naf=weights.naf, rembg=None)
+    resolved = resolve_weights(weights, offline=True)
+    assert resolved.pipeline_dir == snapshot
+    (snapshot / "ckpts" / "ss_flow_tiny.json").unlink()
+    with pytest.raises(MissingWeightsError, match=r"ckpts/ss_flow_tiny\.json .*hf download TencentARC/Pixal3D "):
+        resolve_weights(weights, offline=True)
+
+
+def test_url_source_offline_and_checksum(tmp_path, monkeypatch, local_copy):
+    monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path / "cache"))
+    url = WeightSource(url="https://example.invalid/naf_release.pth", filename="naf_release.pth")
+    weights = WeightsConfig(pixal3d=WeightSource(local=str(local_copy / "pixal3d")),
+                            dinov3=WeightSource(local=str(local_copy / "dinov3")), naf=url, rembg=None)
+    with pytest.raises(MissingWeightsError, match=r"curl -L -o .*naf_release\.pth https://example\.invalid/"):
+        resolve_weights(weights, offline=True)
+    target = tmp_path / "cache" / "downloads" / "naf_release.pth"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"weights")
+    assert resolve_weights(weights, offline=True).naf == target
+    pinned = WeightsConfig(pixal3d=weights.pixal3d, dinov3=weights.dinov3, rembg=None,
+                           naf=WeightSource(url=url.url, filename=url.filename, sha256="0" * 64))
+    with pytest.raises(CorruptWeightsError, match="sha256"):
+        resolve_weights(pinned, offline=True)
+    good = hashlib.sha256(b"weights").hexdigest()
+    pinned = WeightsConfig(pixal3d=weights.pixal3d, dinov3=weights.dinov3, rembg=None,
+                           naf=WeightSource(url=url.url, filename=url.filename, sha256=good))
+    assert resolve_weights(pinned, offline=True).naf == target
+
+
+def test_truncated_safetensors_is_a_clear_error_before_loading(local_copy):
+    path = local_copy / "pixal3d" / "ckpts" / "shape_dec_tiny.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(CorruptWeightsError, match=r"shape_dec_tiny\.safetensors is truncated .*download it again"):
+        resolve_weights(_local(local_copy), offline=True)
+
+
+def test_corrupt_header_and_lfs_pointer_are_clear_errors(tmp_path, local_copy):
+    good = local_copy / "pixal3d" / "ckpts" / "ss_dec_tiny.safetensors"
+    assert verify_safetensors(good) > 0 and "out_layer.2.bias" in read_safetensors_header(good)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(struct.pack("<Q", 20) + b"{not json at all!!!}" + b"\0" * 10)
+    with pytest.raises(CorruptWeightsError, match="corrupt header"):
+        verify_safetensors(garbage)
+    pointer = tmp_path / "pointer.safetensors"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    with pytest.raises(CorruptWeightsError, match="git-lfs pointer"):
+        verify_safetensors(pointer)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(CorruptWeightsError, match="truncated or not a safetensors file"):
+        verify_safetensors(huge)
+
+
+def test_tiny_weights_are_the_same_bytes_every_time(tmp_path, tiny_cache):
+    fresh = write_tiny_weights(tmp_path / "again")
+    reference = _tiny_dir(tiny_cache)
+    files = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
+    assert len(files) == 7 * 2 + 1 + 2 + 2
+    for rel in files:
+        assert (fresh / rel).read_bytes() == (reference / rel).read_bytes(), rel
+
+
+def test_generated_source_resolves_from_the_pixal3d_cache(tiny_cache):
+    weights = WeightsConfig(pixal3d=WeightSource(generate="tiny"), dinov3=WeightSource(generate="tiny"),
+                            naf=WeightSource(generate="tiny", files=("naf.safetensors",)), rembg=None)
+    resolved = resolve_weights(weights, offline=True)
+    assert resolved.pipeline_dir == _tiny_dir(tiny_cache) / "pixal3d"
