@@ -14,13 +14,12 @@ from scipy.sparse.csgraph import breadth_first_order, connected_components
 class EdgeTable:
     """Half-edges of a face array grouped into undirected edges.
 
-    ``u, v, face``: [3F] directed half-edges (u→v) and their face; ``order``: half-edge indices sorted
-    by undirected key; ``first``/``count``: start (into ``order``) and size of each undirected edge's run.
+    ``u, v``: [3F] directed half-edges u→v (half-edge h belongs to face h // 3); ``order``: half-edge
+    indices sorted by undirected key; ``first``/``count``: start (into ``order``) and size of each run.
     """
 
     u: np.ndarray
     v: np.ndarray
-    face: np.ndarray
     order: np.ndarray
     first: np.ndarray
     count: np.ndarray
@@ -32,16 +31,25 @@ class EdgeTable:
         u = faces.reshape(-1)
         v = faces[:, [1, 2, 0]].reshape(-1)
         n = np.int64(faces.max()) + 1 if faces.size else np.int64(1)
-        key = np.minimum(u, v).astype(np.int64) * n + np.maximum(u, v)
+        key = np.minimum(u, v).astype(np.int64)
+        key *= n
+        key += np.maximum(u, v)
         order = np.argsort(key, kind="stable")
+        if len(order) < 2**31:
+            order = order.astype(np.int32)
         key = key[order]
         is_first = np.empty(len(key), bool)
         is_first[:1] = True
         np.not_equal(key[1:], key[:-1], out=is_first[1:])
+        del key
         first = np.flatnonzero(is_first)
-        count = np.diff(np.append(first, len(key)))
-        face = np.repeat(np.arange(len(faces), dtype=np.int64), 3)
-        return cls(u, v, face, order, first, count)
+        count = np.diff(np.append(first, len(is_first)))
+        return cls(u, v, order, first, count)
+
+    @staticmethod
+    def face_of(half_edges: np.ndarray) -> np.ndarray:
+        """Face index (int64) of each half-edge index."""
+        return np.asarray(half_edges, dtype=np.int64) // 3
 
     def half_edges_of(self, count: int) -> np.ndarray:
         """``[E, count]`` half-edge indices of the undirected edges used exactly ``count`` times."""
@@ -64,20 +72,28 @@ def edge_statistics(faces: np.ndarray) -> dict[str, int]:
     }
 
 
-def face_areas(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+def face_areas(vertices: np.ndarray, faces: np.ndarray, *, chunk: int = 1 << 20) -> np.ndarray:
     """Area of each face (float64)."""
-    v = vertices.astype(np.float64, copy=False)
-    return 0.5 * np.linalg.norm(np.cross(v[faces[:, 1]] - v[faces[:, 0]], v[faces[:, 2]] - v[faces[:, 0]]), axis=1)
+    out = np.empty(len(faces))
+    for s in range(0, len(faces), chunk):
+        a, b, c = (vertices[faces[s : s + chunk, k]].astype(np.float64) for k in range(3))
+        out[s : s + chunk] = 0.5 * np.linalg.norm(np.cross(b - a, c - a), axis=1)
+    return out
 
 
-def remove_degenerate_faces(vertices: np.ndarray, faces: np.ndarray, *, rel_eps: float = 1e-12) -> np.ndarray:
+def remove_degenerate_faces(
+    vertices: np.ndarray, faces: np.ndarray, *, rel_eps: float = 1e-12, chunk: int = 1 << 20
+) -> np.ndarray:
     """Drop faces with a repeated vertex or ``area / longest_edge² < rel_eps`` (collinear slivers)."""
-    v = vertices.astype(np.float64, copy=False)
-    a, b, c = v[faces[:, 0]], v[faces[:, 1]], v[faces[:, 2]]
-    area = 0.5 * np.linalg.norm(np.cross(b - a, c - a), axis=1)
-    longest = np.max(np.stack([((b - a) ** 2).sum(1), ((c - b) ** 2).sum(1), ((a - c) ** 2).sum(1)]), axis=0)
-    distinct = (faces[:, 0] != faces[:, 1]) & (faces[:, 1] != faces[:, 2]) & (faces[:, 2] != faces[:, 0])
-    return faces[distinct & (area > rel_eps * longest) & (longest > 0)]
+    keep = np.empty(len(faces), bool)
+    for s in range(0, len(faces), chunk):
+        f = faces[s : s + chunk]
+        a, b, c = (vertices[f[:, k]].astype(np.float64) for k in range(3))
+        area = 0.5 * np.linalg.norm(np.cross(b - a, c - a), axis=1)
+        longest = np.maximum(np.maximum(((b - a) ** 2).sum(1), ((c - b) ** 2).sum(1)), ((a - c) ** 2).sum(1))
+        distinct = (f[:, 0] != f[:, 1]) & (f[:, 1] != f[:, 2]) & (f[:, 2] != f[:, 0])
+        keep[s : s + chunk] = distinct & (area > rel_eps * longest) & (longest > 0)
+    return faces[keep]
 
 
 def remove_duplicate_faces(faces: np.ndarray) -> np.ndarray:
@@ -163,7 +179,7 @@ def _manifold_face_pairs(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     """Faces ``(a, b)`` across each 2-face edge and whether they traverse it the same way (parity 1)."""
     table = EdgeTable.build(faces)
     pairs = table.half_edges_of(2)
-    a, b = table.face[pairs[:, 0]], table.face[pairs[:, 1]]
+    a, b = table.face_of(pairs[:, 0]), table.face_of(pairs[:, 1])
     parity = (table.u[pairs[:, 0]] == table.u[pairs[:, 1]]).astype(np.int8)
     distinct = a != b
     return a[distinct], b[distinct], parity[distinct]

@@ -44,7 +44,7 @@ def face_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
 def _face_pairs(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     table = EdgeTable.build(faces)
     pairs = table.half_edges_of(2)
-    return table.face[pairs[:, 0]], table.face[pairs[:, 1]]
+    return table.face_of(pairs[:, 0]), table.face_of(pairs[:, 1])
 
 
 def cluster_faces(vertices: np.ndarray, faces: np.ndarray, *, cell: float, min_faces: int = 16) -> np.ndarray:
