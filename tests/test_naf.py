@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixal3d.models.loading import CheckpointError, build_model
-from pixal3d.models.naf import NAF, load_naf, naf_state_names
+from pixal3d.models.loading import CheckpointError, build_model, load_model
+from pixal3d.models.naf import NAF, load_naf, naf_state_names, write_tiny_naf
 
 # The published naf_release.pth key set at the default config (dim 256, 4 heads, 2 layers, kernel 9),
 # written from valeoai/NAF src/model/naf.py + src/layers/{convolutions,rope}.py.
@@ -137,3 +137,15 @@ def test_registry_builds_naf_from_its_spec():
     assert naf_state_names(model) == published_naf_shapes()
     expected = 100.0 ** (2 * torch.arange(16) / 32)
     torch.testing.assert_close(NAF().image_encoder.rope.periods, expected)
+
+
+def test_tiny_naf_round_trips_through_the_registry_loader(tmp_path):
+    state = torch.get_rng_state()
+    stem = write_tiny_naf(tmp_path / "naf", seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    loaded = load_model(stem)
+    assert isinstance(loaded, NAF)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        reference = NAF(dim=16, heads_attn=4, heads_rope=4)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())

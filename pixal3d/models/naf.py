@@ -41,8 +41,8 @@ class EncBlock(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, padding_mode="reflect")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv1(F.silu(self.norm1(x)))
-        return self.conv2(F.silu(self.norm2(x)))
+        x = self.conv1(F.silu(self.norm1(x), inplace=True))  # in place on the norm's fresh output: one map less
+        return self.conv2(F.silu(self.norm2(x), inplace=True))
 
 
 def conv_stack(in_channels: int, channels: int, kernel_size: int, num_layers: int) -> nn.Sequential:
@@ -94,6 +94,8 @@ class ImageEncoder(nn.Module):
             reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
             image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
         x = torch.cat([self.encoder(image), self.sem_encoder(image)], dim=1)
+        if tuple(x.shape[-2:]) == tuple(size):
+            return x  # pooling to the same size is the identity (and would copy T×T×dim)
         return F.adaptive_avg_pool2d(x, size)
 
     def rotate_map(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ class NAF(nn.Module):
         rows = torch.arange(height, device=image.device).repeat_interleave(width)
         cols = torch.arange(width, device=image.device).repeat(height)
         out = self.features_at(image, features, output_size, torch.stack([rows, cols], dim=-1))  # [T*T, C]
-        return out.T.reshape(1, -1, height, width)
+        return out.view(1, height, width, -1).permute(0, 3, 1, 2)  # channels-last view: no second T×T×C copy
 
     def features_at(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
                     pixels: torch.Tensor) -> torch.Tensor:
@@ -193,6 +195,21 @@ class NAF(nn.Module):
             weights = logits.softmax(dim=-1)
             out[sl] = torch.einsum("pnm,pmnd->pnd", weights, value_flat[index]).reshape(-1, channels)
         return out
+
+
+TINY_NAF_ARGS = {"dim": 16, "heads_attn": 4, "heads_rope": 4}
+"""A NAF small enough for CPU tests and the offline demo (values need a width divisible by 4)."""
+
+
+def write_tiny_naf(stem: str | Path, *, seed: int = 0) -> Path:
+    """Write a deterministic tiny NAF as ``<stem>.json`` + ``<stem>.safetensors`` (loadable by ``load_model``)."""
+    from .loading import save_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = NAF(**TINY_NAF_ARGS)
+    save_model(model, {"name": "NAF", "args": dict(TINY_NAF_ARGS)}, stem)
+    return Path(stem)
 
 
 def naf_state_names(model: NAF) -> dict[str, tuple[int, ...]]:

@@ -96,5 +96,9 @@ def sample_pointwise(features_at: Callable[[torch.Tensor], torch.Tensor], grid: 
     flat = pixels[..., 0] * width + pixels[..., 1]  # [K, 4]
     unique, inverse = torch.unique(flat.reshape(-1), return_inverse=True)
     values = features_at(torch.stack([unique // width, unique % width], dim=-1))  # [P, C]
-    taps = values[inverse.view(-1, 4)]  # [K, 4, C]
-    return (taps * weights.unsqueeze(-1).to(taps.dtype)).sum(dim=1)
+    inverse = inverse.view(-1, 4)
+    weights = weights.to(values.dtype)
+    out = values[inverse[:, 0]] * weights[:, :1]  # [K, C], accumulated tap by tap (no [K, 4, C] tensor)
+    for tap in range(1, 4):
+        out.addcmul_(values[inverse[:, tap]], weights[:, tap:tap + 1])
+    return out
