@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
                         format="pixal3d: %(levelname)s: %(message)s")
+    if args.quiet:
+        import transformers
+
+        transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
     try:
         setup = _prepare(args)
     except BEFORE_RUN_ERRORS as err:

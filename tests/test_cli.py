@@ -1,0 +1,185 @@
+"""The image_to_mesh command: the offline demo end to end, --plan, several inputs, and every user error
+(one line on stderr, non-zero exit, no partial output)."""
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trimesh
+import yaml
+
+import pipelines.cli as cli
+from pixal3d.staging.policy import Machine
+from tests.cascade_fixtures import EXAMPLE, GOLDEN, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pixal3d-image-to-mesh: error: ")
+    return lines[0]
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(tiny_cache, tmp_path, capsys,
+                                                                               monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "demo" / "demo.glb"
+    code, stdout, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--memory-policy", "staged")
+    assert code == 0, err
+    scene = trimesh.load(out)
+    assert sum(len(g.faces) for g in scene.geometry.values()) > 100
+    record = json.loads((tmp_path / "demo" / "demo.run.json").read_text())
+    assert record["seed"] == 42 and record["policy"] == "staged" and record["config"]["name"] == "tiny"
+    golden = json.loads(GOLDEN.read_text())["stages"]
+    assert {s["stage"]: s["fingerprints"] for s in record["stages"] if s["fingerprints"]} == golden
+    assert [s["stage"] for s in record["stages"]][-1] == "export"
+    assert all(s["seconds"] >= 0 and s["peak_process_bytes"] > 0 for s in record["stages"])
+    assert record["versions"]["torch"] and record["policy_reasons"]
+    assert _files(out.parent) == ["demo.glb", "demo.run.json"]  # no temporary files left
+    table = stdout[stdout.index("stage       seconds"):]
+    assert "texture" in table and "MiB" in table and "total" in table
+
+
+def test_plan_prints_the_plan_and_policy_and_reads_no_weights(tiny_cache, tmp_path, capsys, monkeypatch):
+    import pipelines.loaders as loaders
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("--plan must not read weights")
+    monkeypatch.setattr(loaders, "load_model", forbidden)
+    monkeypatch.setattr("pixal3d.models.dinov3.load_dinov3", forbidden)
+    out = tmp_path / "o.glb"
+    code, stdout, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--plan",
+                             "--memory-policy", "auto")
+    assert code == 0, err
+    assert "policy: resident" in stdout and "shape_slat_flow_model_1024" in stdout and "largest stage" in stdout
+    assert not out.exists()
+
+
+def test_script_wrapper_is_the_command(tiny_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["image_to_mesh.py", str(EXAMPLE), "--config", str(TINY_CONFIG), "--plan",
+                                      "--memory-policy", "staged", "-o", str(tmp_path / "o.glb")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "scripts" / "image_to_mesh.py"), run_name="__main__")
+    assert exit_.value.code == 0
+    assert "policy: staged" in capsys.readouterr().out
+
+
+def _fast_config(tmp_path: Path) -> Path:
+    """tiny.yaml with one sampler step per stage and a smaller export (for tests that run twice)."""
+    path = tmp_path / "fast.yaml"
+    steps = {s: {"sampler": {"steps": 1}} for s in ("structure", "shape_512", "shape_1024", "texture")}
+    path.write_text(yaml.safe_dump({"base": str(TINY_CONFIG), **steps,
+                                    "export": {"texture_size": 64, "decimation_target": 500}}))
+    return path
+
+
+def test_a_folder_of_inputs_gives_one_glb_each_and_resident_models_load_once(tiny_cache, tmp_path, capsys):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for name in ("a.png", "b.png"):
+        shutil.copy(EXAMPLE, inputs / name)
+    (inputs / "notes.txt").write_text("not an image")
+    trace = tmp_path / "trace.jsonl"
+    code, _, err = _run(capsys, inputs, "--config", _fast_config(tmp_path), "-o", tmp_path / "out", "--quiet",
+                        "--memory-policy", "resident", "--trace", trace, "--keep-latents", tmp_path / "lat")
+    assert code == 0, err
+    assert _files(tmp_path / "out") == ["a.glb", "a.run.json", "b.glb", "b.run.json"]
+    assert _files(tmp_path / "lat") == ["a.latents.pt", "b.latents.pt"]
+
+    def loads(name: str) -> int:
+        records = [json.loads(line) for line in (tmp_path / f"trace.{name}.jsonl").read_text().splitlines()]
+        return sum(1 for r in records if r.get("type") == "event" and r.get("kind") in ("load", "reload"))
+    assert loads("a") == 9 and loads("b") == 0  # the second image reuses every model
+
+
+def test_missing_input(tmp_path, capsys):
+    code, _, err = _run(capsys, tmp_path / "nope.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
+    assert code == 2 and "nope.png does not exist" in _one_error_line(err)
+    assert _files(tmp_path) == []
+
+
+def test_unreadable_image(tmp_path, capsys):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
+    code, _, err = _run(capsys, bad, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    assert code == 2 and "bad.png" in _one_error_line(err)
+    assert _files(tmp_path / "out") == []
+
+
+def test_invalid_config(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY_CONFIG.read_text().replace("seed: 42", "seed: 42\nsampler_stepz: 3"))
+    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
+    assert code == 2 and "unknown key 'sampler_stepz'" in _one_error_line(err) and "c.yaml" in err
+
+
+def test_missing_weights(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY_CONFIG.read_text().replace("pixal3d: {generate: tiny}", "pixal3d: {local: empty}"))
+    (tmp_path / "empty").mkdir()
+    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "out" / "o.glb")
+    line = _one_error_line(err)
+    assert code == 2 and "missing weights for weights.pixal3d: pipeline.json" in line and "empty" in line
+    assert _files(tmp_path / "out") == []
+
+
+def test_not_enough_memory_for_any_policy(tiny_cache, tmp_path, capsys, monkeypatch):
+    small = Machine("cpu", "CPU", True, 2**30, 1024, 2**30, 1024)
+    monkeypatch.setattr(cli, "detect_machine", lambda device: small)
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    assert code == 2 and "not enough memory for any policy" in _one_error_line(err)
+    assert _files(tmp_path / "out") == []
+
+
+def test_output_folder_not_writable(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder should be")
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", blocker / "sub" / "o.glb")
+    assert code == 2 and "is not writable" in _one_error_line(err)
+
+
+def test_a_failure_during_the_run_exits_1_with_one_line_and_no_output(tiny_cache, tmp_path, capsys, monkeypatch):
+    from pipelines.structure import StructureStage
+
+    def failing(self, state, models):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(StructureStage, "run", failing)
+    out = tmp_path / "out" / "o.glb"
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    assert code == 1 and "No space left on device" in _one_error_line(err)
+    assert _files(out.parent) == []
+
+
+def test_a_failed_export_leaves_no_partial_glb(tmp_path, monkeypatch):
+    import pipelines.export as export
+    from pipelines.export import ExportStage
+    from pipelines.state import RunState
+    from pixal3d.config import ExportConfig
+
+    written = []
+
+    def failing_export(fields, pbr, path, **kwargs):
+        Path(path).write_bytes(b"glTF half a file")
+        written.append(Path(path))
+        raise OSError("No space left on device")
+    monkeypatch.setattr(export, "export_glb", failing_export)
+    state = RunState(input_path=EXAMPLE, output_path=tmp_path / "o.glb", seed=42, device=torch.device("cpu"))
+    with pytest.raises(OSError):
+        ExportStage(ExportConfig()).run(state, {})
+    assert written and written[0].parent == tmp_path and written[0] != state.output_path
+    assert _files(tmp_path) == []
