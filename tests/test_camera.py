@@ -7,8 +7,14 @@ import torch
 from PIL import Image
 
 from pixal3d.models import camera as camera_module
-from pixal3d.models.camera import (FALLBACK_FOV, Camera, camera_from_degrees, camera_from_fov, estimate_camera,
-                                   load_moge)
+from pixal3d.models.camera import (
+    FALLBACK_FOV,
+    Camera,
+    camera_from_degrees,
+    camera_from_fov,
+    estimate_camera,
+    load_moge,
+)
 
 
 @pytest.mark.parametrize("fov", [0.3, FALLBACK_FOV, 1.2, 2.5])

@@ -6,13 +6,24 @@ import torch.nn.functional as F
 from PIL import Image
 
 from pixal3d.models.camera import FALLBACK_FOV, camera_from_fov
-from pixal3d.models.conditioning import (EXTRACTORS, ExtractorConfig, FeatureCache, backbone_features, condition,
-                                         negative_condition, scaled_extractors)
-from pixal3d.models.dinov3 import (extract_tokens, load_dinov3, prepare_image, tiny_dinov3_config,
-                                   write_tiny_dinov3)
+from pixal3d.models.conditioning import (
+    EXTRACTORS,
+    ExtractorConfig,
+    FeatureCache,
+    backbone_features,
+    condition,
+    negative_condition,
+    scaled_extractors,
+)
+from pixal3d.models.dinov3 import (
+    extract_tokens,
+    load_dinov3,
+    prepare_image,
+    tiny_dinov3_config,
+    write_tiny_dinov3,
+)
 from pixal3d.models.naf import NAF
 from pixal3d.nn.sparse_tensor import SparseTensor
-
 
 # Patch size 4 and every image/NAF size divided by 4: the same 32² / 64² token grids and 16/32/64 projection
 # grids as the real extractors, at 1/16 of the pixels.

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from pixal3d.models.loading import CheckpointError, build_model, load_model
 from pixal3d.models.naf import NAF, load_naf, naf_state_names, write_tiny_naf
 
+
 # The published naf_release.pth key set at the default config (dim 256, 4 heads, 2 layers, kernel 9),
 # written from valeoai/NAF src/model/naf.py + src/layers/{convolutions,rope}.py.
 def published_naf_shapes() -> dict[str, tuple[int, ...]]:

@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pixal3d.models.preprocess import (BackgroundRemover, ImageError, load_image, preprocess_image,
-                                       to_rgb_or_rgba)
+from pixal3d.models.preprocess import (
+    BackgroundRemover,
+    ImageError,
+    load_image,
+    preprocess_image,
+    to_rgb_or_rgba,
+)
 
 
 class FakeSession:

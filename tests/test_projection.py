@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from pixal3d.models.camera import FALLBACK_FOV, Camera, camera_from_fov
-from pixal3d.models.projection import (bilinear_taps, coords_points, grid_points, project, sample_map,
-                                       sample_pointwise)
+from pixal3d.models.projection import (
+    bilinear_taps,
+    coords_points,
+    grid_points,
+    project,
+    sample_map,
+    sample_pointwise,
+)
 
 
 def test_grid_points_rotate_grid_axes_to_world():

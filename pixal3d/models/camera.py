@@ -72,7 +72,8 @@ def load_moge(source: str = MOGE_REPO, device: torch.device | str = "cpu") -> to
                        "field of view %.4f rad; install it with pip install "
                        "\"git+https://github.com/microsoft/MoGe.git\" or pass --fov", FALLBACK_FOV)
         return None
-    from moge.model.v2 import MoGeModel  # optional dependency, imported only when installed
+    # optional dependency, imported only when installed
+    from moge.model.v2 import MoGeModel
 
     return MoGeModel.from_pretrained(source).to(device).eval()
 

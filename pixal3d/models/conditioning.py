@@ -27,7 +27,13 @@ from ..nn.sparse_tensor import SparseTensor
 from .camera import Camera
 from .dinov3 import extract_tokens, num_global_tokens, prepare_image
 from .naf import NAF
-from .projection import coords_points, grid_points, project, sample_map, sample_pointwise
+from .projection import (
+    coords_points,
+    grid_points,
+    project,
+    sample_map,
+    sample_pointwise,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ class BackboneFeatures:
     def patch_map(self) -> torch.Tensor:
         """Patch tokens as a ``[1, C, S/16, S/16]`` map (row-major ``[y][x]``)."""
         patches = self.tokens[:, self.num_global:]
-        side = int(round(patches.shape[1] ** 0.5))
+        side = round(patches.shape[1] ** 0.5)
         return patches.reshape(1, side, side, -1).permute(0, 3, 1, 2)
 
 

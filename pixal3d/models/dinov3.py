@@ -25,8 +25,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def tiny_dinov3_config(**overrides) -> DINOv3ViTConfig:
     """A DINOv3 ViT small enough for CPU tests: width 32, 2 layers, 2 heads, patch 16, 4 registers."""
-    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
-                num_register_tokens=4, image_size=512, layerscale_value=1.0)
+    args = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "patch_size": 16, "num_register_tokens": 4, "image_size": 512, "layerscale_value": 1.0}
     args.update(overrides)
     return DINOv3ViTConfig(**args)
 

@@ -19,10 +19,13 @@ so the projection can read the few pixels it needs without the T×T×C map (4 Gi
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
 from .loading import CheckpointError, register_model
@@ -225,12 +228,10 @@ def load_naf(path: str | Path, *, device: torch.device | str = "cpu", **config) 
                               f"https://github.com/valeoai/NAF/releases/download/model/naf_release.pth")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             state = load_file(str(path), device=str(torch.device(device)))
         else:
             state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as err:  # torch/safetensors raise many types for corrupt files
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, SafetensorError) as err:
         raise CheckpointError(f"NAF weights {path} are not readable ({err}); delete the file and download it again") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]

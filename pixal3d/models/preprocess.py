@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -128,7 +129,8 @@ class BackgroundRemover:
     @property
     def session(self) -> MaskSession:
         if self._session is None:
-            from rembg import new_session  # heavy (onnxruntime); rembg downloads and caches its own model
+            # heavy (onnxruntime), so imported on first use; rembg downloads and caches its own model
+            from rembg import new_session
 
             self._session = new_session(self.model_name)
         return self._session

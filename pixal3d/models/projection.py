@@ -11,7 +11,7 @@ Vocabulary: a *sampling grid* is ``g [K, 2]`` in ``grid_sample``'s normalised ``
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
