@@ -5,8 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pixal3d.models import naf as naf_module
 from pixal3d.models.loading import CheckpointError, build_model, load_model
-from pixal3d.models.naf import NAF, load_naf, naf_state_names, write_tiny_naf
+from pixal3d.models.naf import (
+    NAF,
+    BandedEncoder,
+    load_naf,
+    naf_state_names,
+    write_tiny_naf,
+)
 
 
 # The published naf_release.pth key set at the default config (dim 256, 4 heads, 2 layers, kernel 9),
@@ -104,6 +111,36 @@ def test_frugal_pixels_equal_full_map():
         full = naf(image, features, size)
         part = naf.features_at(image, features, size, pixels)
     torch.testing.assert_close(part, full[0, :, pixels[:, 0], pixels[:, 1]].T, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_banded_encoder_equals_whole_map(monkeypatch, factor):
+    """Many thin bands (3×3 halos crossing band edges, merged GroupNorm statistics) == one whole-map pass."""
+    monkeypatch.setattr(naf_module, "_BAND_BYTES", 1)  # one patch row (8 output rows) per band
+    naf = tiny_naf(2)
+    gen = torch.Generator().manual_seed(4)
+    size = (72, 80)
+    image = torch.rand(1, 3, size[0] * factor, size[1] * factor, generator=gen) * 3 - 1
+    features = torch.randn(1, 8, 9, 10, generator=gen)
+    pixels = torch.cartesian_prod(torch.tensor([0, 7, 8, 9, 35, 63, 64, 71]), torch.tensor([0, 1, 40, 78, 79]))
+    banded = BandedEncoder(naf.image_encoder, image, size, features.shape[-2:])
+    assert banded.applies and banded._band_rows(8) == 8
+    with torch.no_grad():
+        queries, keys = banded.queries_and_keys(pixels[:, 0], pixels[:, 1])
+        ref_q, ref_k = naf._queries_and_keys(image, size, features.shape[-2:], pixels[:, 0], pixels[:, 1])
+        torch.testing.assert_close(queries, ref_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(keys, ref_k, rtol=1e-5, atol=1e-5)
+    # control: band-local GroupNorm statistics (what a naive tiling would do) give other queries
+
+    def first_band_only(self, ops, norm, band):
+        var, mean = torch.var_mean(self._rows(ops, 0, band).reshape(norm.num_groups, -1), dim=1, unbiased=False)
+        self.stats[id(norm)] = (mean, (var + norm.eps).rsqrt())
+
+    monkeypatch.setattr(BandedEncoder, "_gather_stats", first_band_only)
+    with torch.no_grad():
+        naive_q, _ = BandedEncoder(naf.image_encoder, image, size, features.shape[-2:]).queries_and_keys(
+            pixels[:, 0], pixels[:, 1])
+    assert not torch.allclose(naive_q, ref_q, atol=1e-3)
 
 
 def test_output_size_must_be_multiple_of_patch_grid():

@@ -14,7 +14,9 @@ Pure PyTorch, key-compatible with the published ``naf_release.pth`` (no ``natten
    what ``_attend`` computes, on the small maps, for any set of pixels.
 
 ``forward`` returns the full ``[1, C, T, T]`` map; ``features_at`` returns ``[P, C]`` for chosen pixels only,
-so the projection can read the few pixels it needs without the T×T×C map (4 GiB at T=1024, C=1024).
+so the projection can read the few pixels it needs without the T×T×C map (4 GiB at T=1024, C=1024). It also
+never holds the T×T×dim guidance map: the encoder runs over bands of rows (``BandedEncoder``), with each
+GroupNorm's statistics gathered over the whole map in an earlier pass, so its peak is one band.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from torch import nn
 from .loading import CheckpointError, register_model
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered value elements per attention chunk (128 MiB in fp32)
+_BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
 
 
 class EncBlock(nn.Module):
@@ -134,21 +137,28 @@ class NAF(nn.Module):
         height, width = output_size
         rows = torch.arange(height, device=image.device).repeat_interleave(width)
         cols = torch.arange(width, device=image.device).repeat(height)
-        out = self.features_at(image, features, output_size, torch.stack([rows, cols], dim=-1))  # [T*T, C]
+        self._check(image, features, output_size)
+        queries, keys = self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
+        out = self._attend(queries, rows, cols, keys, features, output_size)  # [T*T, C]
         return out.view(1, height, width, -1).permute(0, 3, 1, 2)  # channels-last view: no second T×T×C copy
 
     def features_at(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
                     pixels: torch.Tensor) -> torch.Tensor:
         """Upsampled features ``[P, C]`` at ``pixels [P, 2]`` (row, col) of the T×T output only."""
-        height, width = output_size
         self._check(image, features, output_size)
-        encoded = self.image_encoder.encode(image, output_size)  # [1, dim, T, T]
-        keys = self._keys(encoded, features.shape[-2:])  # [1, dim, h, w]
         rows, cols = pixels[:, 0].long(), pixels[:, 1].long()
-        queries = encoded[0][:, rows, cols].T  # [P, dim]
-        del encoded
-        queries = self.image_encoder.rope.rotate(queries, rows, cols, height, width)
+        banded = BandedEncoder(self.image_encoder, image, output_size, features.shape[-2:])
+        queries, keys = banded.queries_and_keys(rows, cols) if banded.applies else \
+            self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
         return self._attend(queries, rows, cols, keys, features, output_size)
+
+    def _queries_and_keys(self, image: torch.Tensor, output_size: tuple[int, int], patch_grid: torch.Size,
+                          rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[P, dim]`` at (rows, cols) and keys ``[1, dim, h, w]`` from the whole guidance map."""
+        encoded = self.image_encoder.encode(image, output_size)  # [1, dim, T, T]
+        keys = self._keys(encoded, patch_grid)
+        queries = encoded[0][:, rows, cols].T  # [P, dim]
+        return self.image_encoder.rope.rotate(queries, rows, cols, *output_size), keys
 
     # -- the maths ----------------------------------------------------------------------------
     def _check(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int]) -> None:
@@ -198,6 +208,119 @@ class NAF(nn.Module):
             weights = logits.softmax(dim=-1)
             out[sl] = torch.einsum("pnm,pmnd->pnd", weights, value_flat[index]).reshape(-1, channels)
         return out
+
+
+class BandedEncoder:
+    """``ImageEncoder`` evaluated a band of output rows at a time, for the queries at chosen pixels and the keys.
+
+    A band needs its rows plus a halo (one row per 3×3 conv) recomputed from the image; reflect padding is
+    applied only at the map's true top/bottom. GroupNorm needs whole-map statistics, so before the final pass
+    each GroupNorm gets one pass over all bands of the layers before it (mean/variance per band, merged with
+    Chan's formula) — about 3× the encoder's FLOPs for a peak of one band instead of several T×T maps.
+    Applies when the (published ≤4T-reduced) image size is a multiple of the output size.
+    """
+
+    def __init__(self, encoder: ImageEncoder, image: torch.Tensor, output_size: tuple[int, int],
+                 patch_grid: torch.Size):
+        self.encoder = encoder
+        height, width = output_size
+        if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
+            reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
+            image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
+        self.image = image
+        self.output_size = output_size
+        self.patch_grid = tuple(patch_grid)
+        self.factor = image.shape[-2] // height
+        self.applies = (image.shape[-2] == self.factor * height and image.shape[-1] == self.factor * width
+                        and image.shape[-1] // width == self.factor)
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- layers as a flat list: conv, then (GroupNorm→SiLU, conv) pairs -------------------------
+    @staticmethod
+    def _ops(stack: nn.Sequential) -> list[nn.Module]:
+        ops: list[nn.Module] = [stack[0]]
+        for block in stack[1:]:
+            ops += [block.norm1, block.conv1, block.norm2, block.conv2]
+        return ops
+
+    def _rows(self, ops: list[nn.Module], top: int, bottom: int) -> torch.Tensor:
+        """Output rows ``[top, bottom)`` (image resolution) of the layer stack ``ops``."""
+        total = self.image.shape[-2]
+        halo = sum(op.kernel_size[0] // 2 for op in ops if isinstance(op, nn.Conv2d))
+        lo, hi = max(0, top - halo), min(total, bottom + halo)
+        x = self.image[:, :, lo:hi]
+        for op in ops:
+            if isinstance(op, nn.GroupNorm):
+                x = F.silu(self._group_norm(x, op), inplace=True)
+                continue
+            pad = op.kernel_size[0] // 2
+            above, below = (pad if lo == 0 else 0), (pad if hi == total else 0)
+            if pad:
+                x = F.pad(x, (pad, pad, above, below), mode="reflect")
+            x = F.conv2d(x, op.weight, op.bias)
+            lo, hi = lo + pad - above, hi - pad + below
+        return x[:, :, top - lo:bottom - lo]
+
+    def _group_norm(self, x: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
+        mean, rstd = self.stats[id(norm)]  # [G] each
+        shape = x.shape
+        x = (x.reshape(1, norm.num_groups, -1) - mean[None, :, None]) * rstd[None, :, None]
+        return x.reshape(shape) * norm.weight[None, :, None, None] + norm.bias[None, :, None, None]
+
+    def _gather_stats(self, ops: list[nn.Module], norm: nn.GroupNorm, band: int) -> None:
+        """Whole-map mean and 1/std per group of the input of ``norm`` (= output of ``ops``), band by band."""
+        count, mean, m2 = 0, None, None
+        for top in range(0, self.image.shape[-2], band):
+            x = self._rows(ops, top, min(top + band, self.image.shape[-2]))
+            grouped = x.reshape(norm.num_groups, -1)
+            var_b, mean_b = torch.var_mean(grouped, dim=1, unbiased=False)
+            n_b = grouped.shape[1]
+            mean_b, m2_b = mean_b.double().cpu(), var_b.double().cpu() * n_b  # merged in float64 on the CPU
+            if mean is None:
+                count, mean, m2 = n_b, mean_b, m2_b
+                continue
+            delta = mean_b - mean
+            total = count + n_b
+            mean = mean + delta * n_b / total
+            m2 = m2 + m2_b + delta ** 2 * count * n_b / total
+            count = total
+        rstd = (m2 / count + norm.eps).rsqrt()
+        device, dtype = norm.weight.device, norm.weight.dtype
+        self.stats[id(norm)] = (mean.to(device, dtype), rstd.to(device, dtype))
+
+    def _band_rows(self, channels: int) -> int:
+        """Output rows per band: a whole number of patch rows within the activation budget."""
+        rows_per_patch = self.output_size[0] // self.patch_grid[0]
+        bytes_per_row = 3 * channels * self.factor * self.image.shape[-1] * self.image.element_size()
+        return rows_per_patch * max(1, _BAND_BYTES // (bytes_per_row * rows_per_patch))
+
+    def queries_and_keys(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[P, dim]`` at (rows, cols) of the T×T guidance map and keys ``[1, dim, h, w]``."""
+        enc = self.encoder
+        branches = [self._ops(enc.encoder), self._ops(enc.sem_encoder)]
+        band = self._band_rows(enc.encoder[0].out_channels)
+        for ops in branches:  # 1. GroupNorm statistics, layer after layer
+            for index, op in enumerate(ops):
+                if isinstance(op, nn.GroupNorm):
+                    self._gather_stats(ops[:index], op, band * self.factor)
+        height, width = self.output_size
+        rows_per_patch = height // self.patch_grid[0]
+        dim = 2 * enc.encoder[0].out_channels
+        queries = self.image.new_empty(rows.shape[0], dim)
+        keys = []
+        for top in range(0, height, band):  # 2. bands of the guidance map: pick queries, pool keys
+            bottom = min(top + band, height)
+            x = torch.cat([self._rows(ops, top * self.factor, bottom * self.factor) for ops in branches], dim=1)
+            if self.factor > 1:
+                x = F.adaptive_avg_pool2d(x, (bottom - top, width))  # [1, dim, band, T]
+            inside = ((rows >= top) & (rows < bottom)).nonzero().squeeze(1)
+            queries[inside] = x[0][:, rows[inside] - top, cols[inside]].T
+            band_rows = torch.arange(top, bottom, device=x.device).repeat_interleave(width)
+            band_cols = torch.arange(width, device=x.device).repeat(bottom - top)
+            rotated = enc.rope.rotate(x[0].reshape(dim, -1).T, band_rows, band_cols, height, width)
+            rotated = rotated.T.reshape(1, dim, bottom - top, width)
+            keys.append(F.adaptive_avg_pool2d(rotated, ((bottom - top) // rows_per_patch, self.patch_grid[1])))
+        return enc.rope.rotate(queries, rows, cols, height, width), torch.cat(keys, dim=2)
 
 
 TINY_NAF_ARGS = {"dim": 16, "heads_attn": 4, "heads_rope": 4}
