@@ -4,7 +4,8 @@
         [--target 1000000] [--out /tmp/bench.glb] [--cache /tmp/bench_fields.npz]
 
 The shape is ``pixal3d.mesh.synthetic.blobby_sdf`` (smooth union of spheres and tori with a ripple),
-scaled so that its shell has about ``--voxels`` voxels at ``--resolution``; PBR attributes are a
+scaled (and, past the grid's size, repeated k³ times) so that its shell has about ``--voxels``
+voxels at ``--resolution``; PBR attributes are a
 smooth colour function of position. Generating the fields is not part of the timed export.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from pixal3d.mesh.export import ExportSettings, export_glb
 from pixal3d.mesh.fields import DualGridFields
-from pixal3d.mesh.synthetic import blobby_sdf, pbr_from_function, sdf_dual_grid
+from pixal3d.mesh.synthetic import blobby_sdf, pbr_from_function, repeated_sdf, sdf_dual_grid
 
 
 def _color(p: np.ndarray) -> np.ndarray:
@@ -33,15 +34,20 @@ def _color(p: np.ndarray) -> np.ndarray:
     return out
 
 
+MAX_SCALE = 1.25  # blobby_sdf(scale) stays inside [-0.5, 0.5]³ up to here
+
+
 def make_fields(voxels: int, resolution: int, seed: int) -> DualGridFields:
-    """Scale the blobby shape so that its dual-grid shell has about ``voxels`` voxels."""
+    """Scale (and if needed repeat k³ times) the blobby shape so its shell has about ``voxels`` voxels."""
     probe_res = 128
     probe = len(sdf_dual_grid(blobby_sdf(1.0, seed), probe_res, project=False).coords)
-    # surface voxels grow as (scale · resolution)²
-    scale = float(np.sqrt(voxels / (probe * (resolution / probe_res) ** 2)))
-    if scale > 1.6:
-        raise SystemExit(f"--voxels {voxels} needs a shape larger than the grid at R={resolution}; use fewer")
-    return sdf_dual_grid(blobby_sdf(scale, seed), resolution, project=False, seed=seed)
+    per_unit = probe * (resolution / probe_res) ** 2  # surface voxels grow as (scale · R)²; k³ copies → ×k
+    copies = max(1, int(np.ceil(voxels / (per_unit * MAX_SCALE**2))))
+    scale = float(np.sqrt(voxels / (per_unit * copies)))
+    sdf = blobby_sdf(scale, seed)
+    if copies > 1:
+        sdf = repeated_sdf(sdf, copies)
+    return sdf_dual_grid(sdf, resolution, project=False, seed=seed)
 
 
 def load_or_make(args) -> DualGridFields:
@@ -79,7 +85,7 @@ def main() -> None:
           f"in {time.perf_counter() - start:.1f} s (not timed below); RSS {psutil.Process().memory_info().rss / 2**30:.2f} GiB")
     settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size,
                               texture_format=args.format, projection=args.projection)
-    report = export_glb(fields, pbr, args.out, settings=settings, progress=False)
+    report = export_glb(fields, pbr, args.out, settings=settings, progress=False, exact_peak_rss=True)
     print(report.table())
     print(f"output: {report.faces:,} faces, {report.vertices:,} vertices, coverage {report.coverage:.1%}, "
           f"{report.file_bytes / 2**20:.1f} MiB → {report.path}")

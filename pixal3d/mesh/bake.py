@@ -134,19 +134,27 @@ class SurfaceProjector:
         return np.where(count[:, None] > 0, incident, -1)  # [V, K], repeats pad short fans
 
     @staticmethod
-    def _aligned_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+    def _aligned_normals(vertices: np.ndarray, faces: np.ndarray, *, chunk: int = 1 << 20) -> np.ndarray:
         """Area-weighted vertex normals with each face's normal sign-aligned to one incident face."""
-        v = vertices.astype(np.float64)
-        n = np.cross(v[faces[:, 1]] - v[faces[:, 0]], v[faces[:, 2]] - v[faces[:, 0]])
-        del v
-        ref = np.zeros(len(vertices), np.int64)
+
+        def normals_of(f: np.ndarray) -> np.ndarray:
+            a, b, c = vertices[f[:, 0]], vertices[f[:, 1]], vertices[f[:, 2]]
+            return np.cross(b - a, c - a)
+
+        nv = len(vertices)
+        ref = np.zeros(nv, np.int64)
         ref[faces.reshape(-1)] = np.repeat(np.arange(len(faces)), 3)
-        out = np.zeros((len(vertices), 3))
-        for k in range(3):
-            corner = faces[:, k]
-            sign = np.where(np.einsum("ij,ij->i", n, n[ref[corner]]) < 0, -1.0, 1.0)
-            for c in range(3):
-                out[:, c] += np.bincount(corner, weights=sign * n[:, c], minlength=len(out))
+        ref_normal = normals_of(faces[ref])  # [V, 3] the normal each vertex aligns to
+        del ref
+        out = np.zeros((nv, 3))
+        for s in range(0, len(faces), chunk):
+            f = faces[s : s + chunk]
+            n = normals_of(f)
+            for k in range(3):
+                corner = f[:, k]
+                sign = np.where(np.einsum("ij,ij->i", n, ref_normal[corner]) < 0, -1.0, 1.0)
+                for c in range(3):
+                    out[:, c] += np.bincount(corner, weights=sign * n[:, c], minlength=nv)
         return (out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-30)).astype(np.float32)
 
     def project(self, points: np.ndarray, *, chunk: int = 1 << 16) -> np.ndarray:

@@ -126,8 +126,9 @@ class ExportReport:
 class _Steps:
     """Runs named steps, timing each and recording its peak RSS; tells ``on_step`` when each starts."""
 
-    def __init__(self, on_step: Callable[[str], None] | None, progress: bool) -> None:
+    def __init__(self, on_step: Callable[[str], None] | None, progress: bool, exact_rss: bool) -> None:
         self.reports: list[StepReport] = []
+        self.exact_rss = exact_rss
         self.on_step = on_step
         self.bar = tqdm(total=len(STEPS), desc="export", disable=not progress)
 
@@ -137,7 +138,7 @@ class _Steps:
         self.bar.set_postfix_str(name)
         gc.collect()
         start = time.perf_counter()
-        with PeakRss() as rss:
+        with PeakRss(exact=self.exact_rss) as rss:
             result, detail = fn()
         self.reports.append(StepReport(name, time.perf_counter() - start, rss.peak, detail))
         log.info("export %s: %.2f s, peak %.2f GiB, %s", name, self.reports[-1].seconds, rss.peak / 2**30, detail)
@@ -165,11 +166,17 @@ def export_glb(
     settings: ExportSettings = ExportSettings(),
     progress: bool = True,
     on_step: Callable[[str], None] | None = None,
+    exact_peak_rss: bool = False,
 ) -> ExportReport:
-    """Mesh, simplify, unwrap, bake and write ``path`` (GLB); returns the per-step report."""
+    """Mesh, simplify, unwrap, bake and write ``path`` (GLB); returns the per-step report.
+
+    ``on_step(name)`` is called as each step in ``STEPS`` starts (telemetry sub-windows).
+    ``exact_peak_rss`` measures each step's peak with the kernel's high-water mark instead of
+    sampling; it resets that mark process-wide (see ``pixal3d.mesh.rss``), so keep it for benchmarks.
+    """
     _check_inputs(fields, pbr)
     res = fields.resolution
-    steps = _Steps(on_step, progress)
+    steps = _Steps(on_step, progress, exact_peak_rss)
 
     def extract():
         v, f = dual_grid_to_mesh(fields)

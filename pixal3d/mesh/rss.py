@@ -1,7 +1,10 @@
 """Peak resident memory over a window of code, for the export's per-step report.
 
-On Linux the kernel's high-water mark is exact: writing ``5`` to ``/proc/self/clear_refs`` resets
-``VmHWM`` to the current RSS. Elsewhere a background thread samples RSS (psutil) every few ms.
+Two ways: a background thread sampling RSS (psutil) every few ms (default: no side effects, may miss
+spikes shorter than the interval), or ``exact=True`` on Linux, which resets the kernel's high-water
+mark (write ``5`` to ``/proc/self/clear_refs``) and reads ``VmHWM`` at the end. The reset is
+process-wide: afterwards ``VmHWM`` and ``getrusage().ru_maxrss`` only cover the last window, so use it
+in benchmarks, not under a telemetry reader that relies on them.
 """
 from __future__ import annotations
 
@@ -35,15 +38,16 @@ def _reset_hwm() -> bool:
 class PeakRss:
     """Context manager; ``.peak`` is the process's peak RSS (bytes) inside the ``with`` block."""
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, *, exact: bool = False, interval: float = 0.005) -> None:
         self.interval = interval
+        self.want_exact = exact
         self.peak = 0
         self._exact = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "PeakRss":
-        self._exact = _reset_hwm()
+        self._exact = self.want_exact and _reset_hwm()
         self.peak = psutil.Process().memory_info().rss
         if not self._exact:
             self._thread = threading.Thread(target=self._sample, daemon=True)

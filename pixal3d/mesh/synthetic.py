@@ -63,6 +63,21 @@ def blobby_sdf(scale: float = 1.0, seed: int = 0) -> Sdf:
     return sdf
 
 
+def repeated_sdf(sdf: Sdf, copies: int) -> Sdf:
+    """``copies³`` copies of ``sdf`` (scaled by 1/copies) on a regular grid over [-0.5, 0.5]³.
+
+    Domain repetition: each point is evaluated against the copy of its own cell, which is exact as
+    long as every copy stays inside its cell (the scaled shape must fit in [-0.5, 0.5]³).
+    """
+    cell = 1.0 / copies
+
+    def out(p: np.ndarray) -> np.ndarray:
+        local = np.mod(p + 0.5, cell) - 0.5 * cell
+        return sdf(local * copies) / copies
+
+    return out
+
+
 def _candidate_bricks(sdf: Sdf, resolution: int, brick: int) -> np.ndarray:
     nb = -(-resolution // brick)
     axis = np.arange(nb)
