@@ -32,7 +32,7 @@ from torch import nn
 
 from .loading import CheckpointError, register_model
 
-_CHUNK_ELEMENTS = 1 << 25  # gathered value elements per attention chunk (128 MiB in fp32)
+_CHUNK_ELEMENTS = 1 << 23  # gathered value elements per attention chunk (32 MiB in fp32)
 _BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
 
 
