@@ -14,7 +14,7 @@ import torch
 
 from pixal3d.config import ConditionConfig, SamplerConfig
 from pixal3d.hub import Normalization
-from pixal3d.models.conditioning import ExtractorConfig, condition, negative_condition
+from pixal3d.models.conditioning import ExtractorConfig, FeatureCache, condition, negative_condition
 from pixal3d.samplers import sample_flow_euler
 
 from .state import RunState
@@ -35,6 +35,8 @@ def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
                     coords: torch.Tensor | None) -> dict[str, Any]:
     """``{'global', 'proj'}`` for one extractor (recorded in ``state.conditions`` for fingerprints)."""
     naf = models["naf"] if ext.naf_size is not None else None
+    if state.features is None:
+        state.features = FeatureCache()  # lives for this run: one backbone forward per (image, size)
     cond = condition(ext, state.image, state.camera, coords, backbone=models["dinov3"], naf=naf,
                      cache=state.features)
     state.conditions.update(cond)

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
-from pixal3d.models.conditioning import FeatureCache
 from pixal3d.nn.sparse_tensor import SparseTensor
 
 
@@ -32,7 +31,7 @@ class RunState:
     image: Any = None                         # PIL.Image, RGB, object cropped and composited on black
     # camera
     camera: Any = None                        # pixal3d.models.camera.Camera
-    features: FeatureCache = field(default_factory=FeatureCache)  # DINOv3 tokens, once per (image, size)
+    features: Any = None                      # FeatureCache: DINOv3 tokens once per (image, size); first use
     # structure
     ss_noise: torch.Tensor | None = None      # [1, C, R, R, R] f32, CPU
     ss_latent: torch.Tensor | None = None     # [1, C, R, R, R] f32
@@ -57,3 +56,4 @@ class RunState:
     export_stats: dict[str, Any] = field(default_factory=dict)
     # per stage, transient
     conditions: dict[str, Any] = field(default_factory=dict)
+

@@ -54,7 +54,7 @@ def test_unknown_top_level_key(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, key", [
-    ("steps: 4, guidance_strength: 7.5, guidance_rescale: 0.7", "steps: four, guidance_strength: 7.5, "
+    ("steps: 2, guidance_strength: 7.5, guidance_rescale: 0.7", "steps: two, guidance_strength: 7.5, "
      "guidance_rescale: 0.7", "structure.sampler.steps"),
     ("seed: 42", "seed: true", "seed"),
     ("texture_size: 256", "texture_size: 2.5", "export.texture_size"),
