@@ -22,7 +22,12 @@ import torch
 
 from pixal3d.mesh.export import ExportSettings, export_glb
 from pixal3d.mesh.fields import DualGridFields
-from pixal3d.mesh.synthetic import blobby_sdf, pbr_from_function, repeated_sdf, sdf_dual_grid
+from pixal3d.mesh.synthetic import (
+    blobby_sdf,
+    pbr_from_function,
+    repeated_sdf,
+    sdf_dual_grid,
+)
 
 
 def _color(p: np.ndarray) -> np.ndarray:

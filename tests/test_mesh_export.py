@@ -35,7 +35,7 @@ def cube_fields():
 
 
 def _glb_json(path):
-    data = open(path, "rb").read()
+    data = path.read_bytes()
     length = struct.unpack("<I", data[12:16])[0]
     return json.loads(data[20 : 20 + length])
 

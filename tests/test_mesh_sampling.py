@@ -3,7 +3,13 @@ import numpy as np
 import pytest
 import torch
 
-from pixal3d.mesh.bake import SurfaceProjector, closest_point_on_triangles, fill_gutters, rasterize_uv, sample_trilinear
+from pixal3d.mesh.bake import (
+    SurfaceProjector,
+    closest_point_on_triangles,
+    fill_gutters,
+    rasterize_uv,
+    sample_trilinear,
+)
 from pixal3d.mesh.dual_grid import dual_grid_to_mesh
 from pixal3d.mesh.sparse_index import SparseIndex
 from pixal3d.mesh.synthetic import sdf_dual_grid, sphere_sdf

@@ -26,9 +26,9 @@ def test_simplification_hits_the_target_within_one_percent(sphere, target):
 
 
 def test_clustering_prepass_reduces_a_large_input_before_qem(sphere):
-    v, f = cluster_decimate(*sphere, 2 / RES)
+    _, f = cluster_decimate(*sphere, 2 / RES)
     assert len(f) < len(sphere[1]) / 3
-    v2, f2 = simplify_mesh(*sphere, 2000, voxel_size=1 / RES, prepass="cluster", prepass_above=1.5)
+    _, f2 = simplify_mesh(*sphere, 2000, voxel_size=1 / RES, prepass="cluster", prepass_above=1.5)
     assert abs(len(f2) - 2000) <= 20
 
 
@@ -38,7 +38,7 @@ def test_fill_small_holes_closes_small_loops_only(sphere):
     near_pole = np.linalg.norm(centroid - [0, 0, 0.3], axis=1) < 0.02  # a small cap
     big_cap = np.linalg.norm(centroid - [0, 0, -0.3], axis=1) < 0.15  # a large one
     holed = f[~near_pole & ~big_cap]
-    v2, f2 = fill_small_holes(v, holed, 0.2)
+    _, f2 = fill_small_holes(v, holed, 0.2)
     stats = edge_statistics(f2)
     assert 0 < stats["boundary"] == edge_statistics(f[~big_cap])["boundary"]
 

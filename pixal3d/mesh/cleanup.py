@@ -25,7 +25,7 @@ class EdgeTable:
     count: np.ndarray
 
     @classmethod
-    def build(cls, faces: np.ndarray) -> "EdgeTable":
+    def build(cls, faces: np.ndarray) -> EdgeTable:
         """Sort the 3F half-edges by undirected key ``min·n + max`` (int64)."""
         faces = np.asarray(faces)
         u = faces.reshape(-1)
@@ -64,7 +64,7 @@ def edge_statistics(faces: np.ndarray) -> dict[str, int]:
     table = EdgeTable.build(faces)
     pairs = table.half_edges_of(2)
     return {
-        "edges": int(len(table.first)),
+        "edges": len(table.first),
         "boundary": int((table.count == 1).sum()),
         "manifold": int((table.count == 2).sum()),
         "non_manifold": int((table.count > 2).sum()),
@@ -151,7 +151,7 @@ def fill_small_holes(vertices: np.ndarray, faces: np.ndarray, max_perimeter: flo
     sel = small[edge_label]
     if not sel.any():
         return vertices, faces
-    loops, loop_of_edge = np.unique(edge_label[sel], return_inverse=True)
+    _, loop_of_edge = np.unique(edge_label[sel], return_inverse=True)
     mid = 0.5 * (v64[bu[sel]] + v64[bv[sel]])
     centre = np.stack([np.bincount(loop_of_edge, weights=mid[:, k]) for k in range(3)], 1)
     centre /= np.bincount(loop_of_edge)[:, None]

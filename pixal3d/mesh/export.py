@@ -9,14 +9,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bake import PROJECTIONS, SurfaceProjector, bake_textures
+from .bake import PROJECTIONS, BakedTextures, SurfaceProjector, bake_textures
 from .cleanup import (
     clean_mesh,
     fill_small_holes,
@@ -30,7 +30,7 @@ from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, vertex_normals, write
 from .rss import PeakRss
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
-from .uv import uv_unwrap
+from .uv import UvMesh, uv_unwrap
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +128,19 @@ class _Steps:
 
     def __init__(self, on_step: Callable[[str], None] | None, progress: bool, exact_rss: bool) -> None:
         self.reports: list[StepReport] = []
-        self.exact_rss = exact_rss
         self.on_step = on_step
+        self.exact_rss = exact_rss
         self.bar = tqdm(total=len(STEPS), desc="export", disable=not progress)
 
-    def run(self, name: str, fn: Callable[[], tuple]) -> tuple:
+    def run(self, name: str, fn: Callable[..., tuple], *args):
+        """``fn(*args)`` returns ``(result, detail)``; records the step and returns ``result``."""
         if self.on_step is not None:
             self.on_step(name)
         self.bar.set_postfix_str(name)
         gc.collect()
         start = time.perf_counter()
         with PeakRss(exact=self.exact_rss) as rss:
-            result, detail = fn()
+            result, detail = fn(*args)
         self.reports.append(StepReport(name, time.perf_counter() - start, rss.peak, detail))
         log.info("export %s: %.2f s, peak %.2f GiB, %s", name, self.reports[-1].seconds, rss.peak / 2**30, detail)
         self.bar.update(1)
@@ -156,6 +157,58 @@ def _check_inputs(fields: DualGridFields, pbr: PbrVoxels) -> None:
         raise ValueError(f"PbrVoxels.attrs must be [M, 6] matching coords [M, 3], got {tuple(pbr.attrs.shape)}")
     if len(fields.coords) == 0:
         raise ValueError("the shape decoder produced no voxels: nothing to export")
+
+
+def _extract(fields: DualGridFields):
+    v, f = dual_grid_to_mesh(fields)
+    return (v, f), {"vertices": len(v), "faces": len(f)}
+
+
+def _reference(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+    f = remove_duplicate_faces(remove_degenerate_faces(v, f))
+    v, f = fill_small_holes(v, f, settings.max_hole_perimeter)
+    v, f, _ = remove_unreferenced_vertices(v, f)
+    return (v, f), {"vertices": len(v), "faces": len(f)}
+
+
+def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution: int):
+    v, f = simplify_mesh(v, f, settings.decimation_target, voxel_size=1.0 / resolution)
+    return (v, f), {"faces": len(f)}
+
+
+def _cleanup(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+    v, f = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
+                      min_component_area=settings.min_component_area)
+    if len(f) == 0:
+        raise ValueError("no faces left after cleanup: the decoded shape is only tiny fragments")
+    return (v, f), {"vertices": len(v), "faces": len(f)}
+
+
+def _unwrap(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+    edge = float(np.linalg.norm(v[f[:, 1]] - v[f[:, 0]], axis=1).mean())
+    uv = uv_unwrap(v, f, cell=settings.chart_cell_edges * edge, padding=settings.uv_padding,
+                   texture_size=settings.texture_size)
+    return (vertex_normals(v, f), uv), {"charts": uv.chart_count, "uv_vertices": len(uv.uvs)}
+
+
+def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: PbrVoxels,
+          settings: ExportSettings):
+    projector = None
+    if settings.projection is not None:
+        projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution)
+    index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
+    attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
+    tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
+                        settings.texture_size)
+    return tex, {"coverage": round(tex.coverage, 3)}
+
+
+def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, path: str | Path,
+         settings: ExportSettings):
+    mesh = build_mesh(v[uv.vertex_map], uv.faces, normals[uv.vertex_map], uv.uvs,
+                      tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode)
+    n = write_glb(mesh, path, texture_format=settings.texture_format)
+    return n, {"bytes": n, "format": settings.texture_format}
 
 
 def export_glb(
@@ -175,69 +228,20 @@ def export_glb(
     sampling; it resets that mark process-wide (see ``pixal3d.mesh.rss``), so keep it for benchmarks.
     """
     _check_inputs(fields, pbr)
-    res = fields.resolution
     steps = _Steps(on_step, progress, exact_peak_rss)
-
-    def extract():
-        v, f = dual_grid_to_mesh(fields)
-        return (v, f), {"vertices": len(v), "faces": len(f)}
-
-    src_v, src_f = steps.run("extract", extract)
-
-    def reference():
-        f = remove_duplicate_faces(remove_degenerate_faces(src_v, src_f))
-        v, f = fill_small_holes(src_v, f, settings.max_hole_perimeter)
-        v, f, _ = remove_unreferenced_vertices(v, f)
-        return (v, f), {"vertices": len(v), "faces": len(f)}
-
-    src_v, src_f = steps.run("reference", reference)
-
-    def simplify():
-        v, f = simplify_mesh(src_v, src_f, settings.decimation_target, voxel_size=1.0 / res)
-        return (v, f), {"faces": len(f)}
-
-    v, f = steps.run("simplify", simplify)
-
-    def cleanup():
-        cv, cf = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
-                            min_component_area=settings.min_component_area)
-        return (cv, cf), {"vertices": len(cv), "faces": len(cf)}
-
-    v, f = steps.run("cleanup", cleanup)
-    if len(f) == 0:
-        raise ValueError("no faces left after cleanup: the decoded shape is only tiny fragments")
-
-    def unwrap():
-        edge = np.linalg.norm(v[f[:, 1]] - v[f[:, 0]], axis=1).mean()
-        uv = uv_unwrap(v, f, cell=settings.chart_cell_edges * float(edge), padding=settings.uv_padding,
-                       texture_size=settings.texture_size)
-        return (vertex_normals(v, f), uv), {"charts": uv.chart_count, "uv_vertices": len(uv.uvs)}
-
-    normals, uv = steps.run("uv", unwrap)
-
-    def bake():
-        projector = None
-        if settings.projection is not None:
-            projector = SurfaceProjector(src_v, src_f, mode=settings.projection, max_shift=2.0 / res)
-        pbr_coords = pbr.coords.detach().cpu().numpy()
-        index = SparseIndex(pbr_coords, pbr.resolution)
-        attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
-        tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, res, settings.texture_size)
-        return tex, {"coverage": round(tex.coverage, 3)}
-
-    tex = steps.run("bake", bake)
-    del src_v, src_f
-
-    def glb():
-        mesh = build_mesh(v[uv.vertex_map], uv.faces, normals[uv.vertex_map], uv.uvs,
-                          tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode)
-        n = write_glb(mesh, path, texture_format=settings.texture_format)
-        return n, {"bytes": n, "format": settings.texture_format}
-
-    nbytes = steps.run("glb", glb)
+    # 1-2. raw dual-grid mesh → the reference surface that texels are projected onto
+    ref_v, ref_f = steps.run("extract", _extract, fields)
+    ref_v, ref_f = steps.run("reference", _reference, ref_v, ref_f, settings)
+    # 3-4. the output mesh
+    v, f = steps.run("simplify", _simplify, ref_v, ref_f, settings, fields.resolution)
+    v, f = steps.run("cleanup", _cleanup, v, f, settings)
+    # 5-7. atlas, textures, file
+    normals, uv = steps.run("uv", _unwrap, v, f, settings)
+    tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, settings)
+    del ref_v, ref_f
+    nbytes = steps.run("glb", _glb, v, normals, uv, tex, path, settings)
     steps.bar.close()
     return ExportReport(
         path=str(path), steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
         texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=nbytes,
     )
-

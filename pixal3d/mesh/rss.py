@@ -46,7 +46,7 @@ class PeakRss:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._exact = self.want_exact and _reset_hwm()
         self.peak = psutil.Process().memory_info().rss
         if not self._exact:

@@ -8,7 +8,7 @@ the zero level set by Newton steps. The search is coarse to fine (8³ bricks), n
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
