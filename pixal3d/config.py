@@ -5,7 +5,7 @@ parameters of each stage, and the export settings. ``load_config(path)`` reads i
 dataclasses do not declare, a missing required key, or a value of the wrong type is a
 ``ConfigError`` that names the key (dotted path) and the file. A file may start from another one
 with ``base: other.yaml`` (path relative to the file) and override only some keys; mappings are
-merged key by key, everything else is replaced.
+merged key by key (a weight source under ``weights`` is replaced whole), everything else is replaced.
 """
 from __future__ import annotations
 
@@ -226,11 +226,13 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return _deep_merge(parent, data)
 
 
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Merge ``over`` into ``base`` key by key; a weight source (``weights.<name>``) is replaced whole."""
     merged = dict(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _deep_merge(dict(merged[key]), value)
+        atomic = path == ("weights",)
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping) and not atomic:
+            merged[key] = _deep_merge(dict(merged[key]), value, path + (key,))
         else:
             merged[key] = value
     return merged

@@ -286,8 +286,12 @@ def _checkpoint_stems(pipeline: Mapping[str, Any], wanted: list[str], path: Path
     for name in wanted:
         stem = str(models[name])
         if stem.count("/") >= 2 and not stem.startswith(("ckpts/", "./")):
-            raise WeightsError(f"{path}: args.models.{name} = {stem!r} points into another repository; "
-                               f"download that checkpoint into this folder as ckpts/ and edit pipeline.json")
+            # "owner/repo/ckpts/x" names another repository (TRELLIS convention); the Pixal3D repo ships
+            # the same checkpoint as ckpts/x, which is what we fetch (pinned with this repo).
+            local = "ckpts/" + stem.rsplit("/", 1)[-1]
+            logger.info("%s: args.models.%s = %r points into another repository; using %s from this one",
+                        path, name, stem, local)
+            stem = local
         stems[name] = stem
     return stems
 

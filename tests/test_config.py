@@ -102,10 +102,14 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_base_chain_merges_mappings_and_resolves_relative_local_paths(tmp_path):
     (tmp_path / "sub").mkdir()
     _write(tmp_path, TINY_TEXT.replace("pixal3d: {generate: tiny}", "pixal3d: {local: weights/p}"), "base.yaml")
-    child = _write(tmp_path / "sub", "base: ../base.yaml\nupsample: {hr_resolution: 64}\n", "child.yaml")
+    child = _write(tmp_path / "sub", "base: ../base.yaml\nupsample: {hr_resolution: 64}\n"
+                   "weights: {dinov3: {local: d}}\n", "child.yaml")
     config = load_config(child)
     assert config.upsample.hr_resolution == 64 and config.upsample.times == 2
     assert config.weights.pixal3d.local == str((tmp_path / "weights" / "p").resolve())
+    # a weight source is replaced whole (no mix of the base's generate with the child's local)
+    assert config.weights.dinov3.local == str((tmp_path / "sub" / "d").resolve())
+    assert config.weights.dinov3.generate is None
     assert config.source == str(child)
 
 

@@ -149,3 +149,12 @@ def test_generated_source_resolves_from_the_pixal3d_cache(tiny_cache):
                             naf=WeightSource(generate="tiny", files=("naf.safetensors",)), rembg=None)
     resolved = resolve_weights(weights, offline=True)
     assert resolved.pipeline_dir == _tiny_dir(tiny_cache) / "pixal3d"
+
+
+def test_a_checkpoint_named_in_another_repository_is_taken_from_this_one(local_copy):
+    path = local_copy / "pixal3d" / "pipeline.json"
+    pipeline = json.loads(path.read_text())
+    pipeline["args"]["models"]["sparse_structure_decoder"] = "microsoft/TRELLIS-image-large/ckpts/ss_dec_tiny"
+    path.write_text(json.dumps(pipeline))
+    resolved = resolve_weights(_local(local_copy), offline=True)
+    assert resolved.checkpoints["sparse_structure_decoder"] == local_copy / "pixal3d" / "ckpts" / "ss_dec_tiny"
