@@ -132,3 +132,20 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
 def test_settings_reject_bad_values_with_a_clear_message(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ExportSettings(**kwargs)
+
+
+def test_export_rejects_mismatched_or_empty_inputs(cube_fields, tmp_path):
+    import dataclasses
+
+    import torch
+
+    fields, pbr = cube_fields
+    with pytest.raises(ValueError, match="resolution"):
+        export_glb(fields, dataclasses.replace(pbr, resolution=2 * RES), tmp_path / "a.glb", progress=False)
+    empty = dataclasses.replace(
+        fields, coords=torch.zeros((0, 3), dtype=torch.int32), dual_vertices=torch.zeros((0, 3)),
+        intersected=torch.zeros((0, 3), dtype=torch.bool), split_weight=torch.zeros(0),
+    )
+    with pytest.raises(ValueError, match="no voxels"):
+        export_glb(empty, pbr, tmp_path / "b.glb", progress=False)
+    assert not any(tmp_path.iterdir())
