@@ -221,20 +221,40 @@ def write_naf(cache: Path) -> Path:
     return path
 
 
-def write_all(cache: Path, manifest: Path = DEFAULT_MANIFEST, only: Iterable[str] | None = None) -> dict[str, Path]:
-    """Write (or reuse) every manifest checkpoint plus DINOv3 and NAF; return {model name: stem or path}."""
+def write_pipeline_json(cache: Path, manifest: Path = DEFAULT_MANIFEST, channels: int = 32) -> Path:
+    """``<cache>/pipeline.json`` naming the manifest's checkpoints, with identity latent normalization."""
+    models = json.loads(Path(manifest).read_text())["models"]
+    identity = {"mean": [0.0] * channels, "std": [1.0] * channels}
+    pipeline = {"name": "Pixal3DImageTo3DPipeline", "args": {
+        "models": {key: entry["file"] for key, entry in models.items()},
+        "shape_slat_normalization": identity, "tex_slat_normalization": identity}}
+    path = cache / "pipeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pipeline, indent=1) + "\n")
+    return path
+
+
+def write_all(cache: Path, manifest: Path = DEFAULT_MANIFEST, only: Iterable[str] | None = None, *,
+              jobs: int = 1) -> dict[str, Path]:
+    """Write (or reuse) every manifest checkpoint plus DINOv3 and NAF; return {model name: stem or path}.
+
+    ``jobs`` > 1 writes the files in that many processes (each file is still written by one)."""
     models = json.loads(Path(manifest).read_text())["models"]
     wanted = set(only) if only else None
     unknown = (wanted or set()) - set(models) - {"dinov3", "naf"}
     if unknown:
         raise SystemExit(f"--only names {sorted(unknown)} are not in {manifest}; known: {sorted(models)} + dinov3, naf")
-    out = {key: write_manifest_checkpoint(cache, key, entry)
-           for key, entry in models.items() if wanted is None or key in wanted}
-    if wanted is None or "dinov3" in wanted:
-        out["dinov3"] = write_dinov3(cache)
-    if wanted is None or "naf" in wanted:
-        out["naf"] = write_naf(cache)
-    return out
+    tasks = [(key, write_manifest_checkpoint, (cache, key, entry))
+             for key, entry in models.items() if wanted is None or key in wanted]
+    tasks += [(key, fn, (cache,)) for key, fn in (("dinov3", write_dinov3), ("naf", write_naf))
+              if wanted is None or key in wanted]
+    if jobs <= 1:
+        return {key: fn(*fn_args) for key, fn, fn_args in tasks}
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {key: pool.submit(fn, *fn_args) for key, fn, fn_args in tasks}
+        return {key: future.result() for key, future in futures.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -242,10 +262,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="output folder (default %(default)s)")
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     parser.add_argument("--only", nargs="*", help="model names to write (default: all, plus dinov3 and naf)")
+    parser.add_argument("--jobs", type=int, default=1, help="files written in parallel (default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     t0 = time.perf_counter()
-    paths = write_all(args.cache.expanduser(), args.manifest, args.only)
+    paths = write_all(args.cache.expanduser(), args.manifest, args.only, jobs=args.jobs)
+    write_pipeline_json(args.cache.expanduser(), args.manifest)
     logger.info("%d checkpoints ready under %s in %.1f s", len(paths), args.cache, time.perf_counter() - t0)
 
 
