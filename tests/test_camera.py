@@ -24,10 +24,20 @@ def test_distance_frames_the_unit_cube(fov):
     assert camera.distance == pytest.approx(0.5 / math.tan(fov / 2), rel=1e-6)
 
 
-def test_distance_uses_float32_tan_like_the_reference():
-    tan32 = torch.tan(torch.tensor(FALLBACK_FOV / 2, dtype=torch.float32)).item()
-    assert camera_from_fov(FALLBACK_FOV).distance == (16 / tan32) * 512 / 32 * -0.5 / -256
-    assert camera_from_fov(FALLBACK_FOV).distance != 0.5 / math.tan(FALLBACK_FOV / 2)  # control: f64 tan differs
+def reference_distance(fov: float) -> float:
+    """Pixal3D inference.py `distance_from_fov(fov, (-1,0,0), (0, 511), 1, 512)` written out: the focal
+    length is a float32 tensor (`compute_f_pixels`), read out with .item()."""
+    focal32 = (16.0 / torch.tan(torch.tensor(fov / 2.0))) * 512 / 32.0  # float32 throughout
+    return focal32.item() * -0.5 / (0 - 512 / 2.0) - 0.0
+
+
+@pytest.mark.parametrize("fov", [FALLBACK_FOV, 0.1, 0.7, 1.3, 2.9])
+def test_distance_is_bit_exact_to_the_reference_float32_focal_length(fov):
+    assert camera_from_fov(fov).distance == reference_distance(fov)
+    # controls: a float64 focal length from the float32 tan (the earlier bug), or all-float64, differ
+    tan32 = torch.tan(torch.tensor(fov / 2, dtype=torch.float32)).item()
+    assert (16 / tan32) * 512 / 32 * -0.5 / -256 != reference_distance(fov)
+    assert 0.5 / math.tan(fov / 2) != reference_distance(fov)
 
 
 def test_degrees_are_converted():
@@ -76,3 +86,26 @@ def test_estimator_intrinsics_give_the_horizontal_fov():
     assert moge.seen.shape == (3, 48, 64) and moge.seen.dtype == torch.float32
     assert float(moge.seen[0].max()) == 1.0 and float(moge.seen[1].max()) == 0.0
     assert isinstance(camera, Camera)
+
+
+class FixedFxMoGe(FakeMoGe):
+    def __init__(self, fx_normalised: float):
+        super().__init__()
+        self.fx_normalised = fx_normalised
+
+    def infer(self, image):
+        return {"intrinsics": torch.tensor([[self.fx_normalised, 0.0, 0.5], [0.0, 1.1, 0.5], [0.0, 0.0, 1.0]])}
+
+
+def test_estimated_fov_uses_the_reference_float32_fx():
+    # reference get_camera_params_wild_moge: intrinsics float32 numpy; fx = fx_n * width and
+    # width / (2 * fx) stay float32 scalars, math.atan turns them into a Python float
+    width, fx_n = 517, 0.8123
+    intrinsics = torch.tensor([[fx_n]]).numpy()
+    fx = intrinsics[0, 0] * width
+    expected = 2 * math.atan(width / (2 * fx))
+    camera = estimate_camera(Image.new("RGB", (width, 300)), FixedFxMoGe(fx_n))
+    assert camera.fov == expected
+    assert camera == camera_from_fov(expected)
+    control = 2 * math.atan(width / (2 * float(intrinsics[0, 0]) * width))  # float64 arithmetic differs
+    assert control != expected

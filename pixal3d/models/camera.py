@@ -44,10 +44,10 @@ def camera_from_fov(fov: float) -> Camera:
         raise ValueError(f"field of view {fov!r} rad is not in (0, pi); pass --fov in degrees between 0 and 180 "
                          f"(exclusive), e.g. --fov 49")
     # Reference `distance_from_fov`: the grid point (-1, 0, 0) -> world (-0.5, 0, 0) must land on pixel
-    # column 0 of a virtual 512-px image. tan runs in float32 (torch), the rest in Python floats.
-    tan_half = torch.tan(torch.tensor(fov / 2, dtype=torch.float32)).item()
-    focal_px = (16 / tan_half) * 512 / 32
-    x_ndc = 0 - 256
+    # column 0 of a virtual 512-px image. The focal length (`compute_f_pixels`) is a float32 tensor
+    # (16 / tan, then * 512 / 32), read out as a Python float; the rest is Python float math.
+    focal_px = ((16.0 / torch.tan(torch.tensor(fov / 2.0, dtype=torch.float32))) * 512 / 32.0).item()
+    x_ndc = 0.0 - 256.0
     distance = focal_px * -0.5 / x_ndc - 0.0
     return Camera(fov=float(fov), distance=distance, mesh_scale=1.0)
 
@@ -89,9 +89,11 @@ def estimate_camera(image: Image.Image, estimator: torch.nn.Module | None) -> Ca
     tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(device)  # [3, H, W]
     with torch.no_grad():
         output = estimator.infer(tensor)
-    # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width.
-    fx_normalised = float(output["intrinsics"][..., 0, 0].reshape(-1)[0])
+    # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width. As the reference
+    # (`get_camera_params_wild_moge`), fx and width / (2 fx) are float32 numpy scalars; atan in float64.
+    fx_normalised = np.float32(output["intrinsics"][..., 0, 0].reshape(-1)[0].float().cpu().numpy())
     width = image.width
-    fov = 2 * math.atan(width / (2 * fx_normalised * width))
+    fx = fx_normalised * np.float32(width)
+    fov = 2 * math.atan(float(np.float32(width) / (np.float32(2) * fx)))
     logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg", math.degrees(fov))
     return camera_from_fov(fov)
