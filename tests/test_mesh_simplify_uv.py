@@ -85,3 +85,22 @@ def test_tiled_prepass_keeps_a_closed_mesh_closed_and_manifold(sphere):
     assert abs(len(f) - 1500) <= 15
     assert stats["boundary"] == 0 and stats["non_manifold"] == 0
     assert len(v) - stats["edges"] + len(f) == 2
+
+
+def test_xatlas_binding_maps_normals_and_uvs_keywords_to_the_right_slots():
+    # An old xatlas-python bound the Python names of uvs/normals in the opposite order; uv.py passes
+    # every argument by keyword, so pin that the names land where they say.
+    import xatlas
+
+    p = np.array([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 0]], np.float32)
+    i = np.array([[0, 1, 2], [0, 2, 3]], np.uint32)
+    n = np.tile(np.array([[0, 0, 1]], np.float32), (4, 1))
+    uv = np.array([[0, 0], [0.5, 0], [0.5, 0.25], [0, 0.25]], np.float32)  # a 2:1 chart
+    atlas = xatlas.Atlas()
+    atlas.add_mesh(positions=p, indices=i, normals=n, uvs=uv)
+    options = xatlas.ChartOptions()
+    options.use_input_mesh_uvs = True
+    atlas.generate(chart_options=options)
+    assert atlas.atlas_count == 1 and atlas.width / atlas.height == pytest.approx(2, rel=0.05)
+    with pytest.raises(ValueError, match="Nx3"):  # control: swapped arrays are rejected
+        xatlas.Atlas().add_mesh(positions=p, indices=i, normals=uv, uvs=n)
