@@ -18,8 +18,8 @@ setup(
         "transformers>=4.56",  # DINOv3ViTModel first shipped in 4.56
         "rembg[cpu]",
         "trimesh",
-        "xatlas",
-        "fast-simplification",
+        "xatlas==0.0.11",  # the keyword binding (normals/uvs) is pinned by tests/test_mesh_simplify_uv.py
+        "fast-simplification>=0.2",  # preserve_border for the slab pre-pass
         "scipy",
         "psutil",
         "tqdm",
