@@ -9,11 +9,12 @@ code as the real one::
 
 Values come from NumPy's PCG64 seeded with a CRC32 of ``<file>/<tensor>`` and are stored in float32
 (the tiny networks compute in float32: bf16/fp16 matmuls are slow on CPUs), so the bytes are the same
-on every run and machine (for one transformers version, which writes its version into ``config.json``). Scales follow
-a fan-in rule (uniform ``±sqrt(3/fan_in)`` for matrices and kernels, ones/zeros for norm weights/
-biases, ``±0.02`` for other vectors); three biases are set so the random networks give a usable
-structure: the sparse-structure decoder's output layer (scale and bias: occupancy) and the shape
-decoder's subdivision biases (most children kept).
+on every run and machine (for one transformers version, which writes its version into
+``config.json``). Scales follow a fan-in rule (uniform ``±sqrt(3/fan_in)`` for matrices and kernels,
+ones/zeros for norm weights/biases, ``±0.02`` for other vectors); buffers such as NAF's RoPE periods
+keep their true values. A few tensors are then set so the random networks give a usable structure:
+the sparse-structure decoder's output layer (scale and bias: occupancy) and the shape decoder's
+subdivision biases (most children kept).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
-TINY_VERSION = "tiny-v4"
+TINY_VERSION = "tiny-v5"
 
 DINO_HIDDEN = 64
 LATENT = 8  # tiny shape/texture latent channels (32 in the published models)
@@ -126,13 +127,20 @@ def deterministic_tensor(label: str, key: str, shape: tuple[int, ...]) -> torch.
 
 
 def _state_for(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every stored tensor of the model ``spec`` describes: deterministic values for parameters, the true
+    (config-derived) values for persistent buffers such as NAF's RoPE periods."""
     from pixal3d.models.loading import build_model
     from pipelines.loaders import register_model_classes
 
     register_model_classes()
-
     model = build_model(spec, device="meta", source=label)
-    return {key: deterministic_tensor(label, key, tuple(t.shape)) for key, t in model.state_dict().items()}
+    state = {key: deterministic_tensor(label, key, tuple(t.shape)) for key, t in model.state_dict().items()}
+    buffers = [name for name, _ in model.named_buffers() if name in state]
+    if buffers:
+        with torch.random.fork_rng(devices=[]):
+            real = dict(build_model(spec, device="cpu", source=label).named_buffers())
+        state.update({name: real[name].float() for name in buffers})
+    return state
 
 
 def _write_checkpoint(folder: Path, name: str) -> None:
