@@ -218,15 +218,14 @@ def _status() -> dict[str, int]:
 
 
 def prefault(module: torch.nn.Module) -> int:
-    """Read one byte of every 4 KiB page of every CPU parameter/buffer; return the bytes covered."""
-    seen, total = set(), 0
+    """Read one byte of every 4 KiB page of every CPU parameter/buffer, in address order (= file order
+    for a mapped safetensors file, so the kernel's readahead sees a sequential read); return the bytes."""
+    tensors = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type != "cpu" or tensor.is_meta or tensor.numel() == 0:
-            continue
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
+        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.numel():
+            tensors.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+    total = 0
+    for _, tensor in sorted(tensors.items()):
         flat = tensor.detach().reshape(-1).view(torch.uint8)
         flat[::4096].sum()
         total += flat.numel()
@@ -358,7 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--lr-tokens", type=int, default=CPU_WORK.lr_tokens, help="synthetic LR structure size")
     parser.add_argument("--hr-tokens", type=int, default=CPU_WORK.hr_tokens, help="synthetic HR structure size")
-    parser.add_argument("--child", choices=POLICIES, help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild the report from the results and traces already under --out")
+    parser.add_argument("--child", choices=(*POLICIES, "offload"), help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -373,14 +374,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from scripts import bench_report
 
+    traces = args.out / "traces"
+    raw_path = traces / "cpu-raw-read.json"
+    command = " ".join(["python scripts/bench_memory.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.report_only:
+        raw = json.loads(raw_path.read_text())
+        results = {p: json.loads((traces / f"cpu-{p}.result.json").read_text()) for p in args.policies}
+        command = raw.pop("command", command)
+        bench_report.write_cpu_report(args.out, results, raw, command_line=command)
+        return 0
     work = dataclasses.replace(CPU_WORK, lr_tokens=args.lr_tokens, hr_tokens=args.hr_tokens)
     wrc.write_all(cache)
     wrc.write_pipeline_json(cache)
     raw = bench_io.cold_and_warm(weight_files(cache))
     logger.info("raw read: cold %.2f GB/s (%.0f%% cached before), warm %.2f GB/s",
                 raw["cold"].gb_per_s, 100 * raw["cold"].cached_before, raw["warm"].gb_per_s)
-    results = run_policies(args.policies, cache, args.out / "traces", work, device="cpu", label="cpu")
-    command = " ".join(["python scripts/bench_memory.py", *(argv if argv is not None else sys.argv[1:])])
+    traces.mkdir(parents=True, exist_ok=True)
+    raw_path.write_text(json.dumps({"command": command, **{k: v.to_dict() for k, v in raw.items()}}, indent=1))
+    results = run_policies(args.policies, cache, traces, work, device="cpu", label="cpu")
     bench_report.write_cpu_report(args.out, results, raw, command_line=command)
     return 0
 

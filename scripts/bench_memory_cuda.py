@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts import bench_io, write_random_checkpoints as wrc  # noqa: E402
-from scripts.bench_memory import CUDA_WORK, REPO, run_policies, weight_files  # noqa: E402
+from scripts.bench_memory import CPU_WORK, CUDA_WORK, REPO, run_policies, weight_files  # noqa: E402
 from scripts.bench_report import stage_peaks  # noqa: E402
 
 logger = logging.getLogger("bench_memory_cuda")
@@ -90,16 +90,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--policies", nargs="+", default=["staged", "resident"],
                         choices=["staged", "resident", "eager", "offload"])
-    parser.add_argument("--lr-tokens", type=int, default=CUDA_WORK.lr_tokens)
-    parser.add_argument("--hr-tokens", type=int, default=CUDA_WORK.hr_tokens)
+    parser.add_argument("--lr-tokens", type=int, help=f"LR structure voxels (default {CUDA_WORK.lr_tokens})")
+    parser.add_argument("--hr-tokens", type=int, help=f"HR tokens (default {CUDA_WORK.hr_tokens})")
     parser.add_argument("--decode-tokens", type=int, default=None, help="HR tokens the decoders see (default all)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps per flow stage (default: config)")
     parser.add_argument("--jobs", type=int, default=8, help="processes writing the checkpoints (first run only)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="plumbing check on any device: the CPU benchmark's reduced work, not realistic sizes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cache = args.cache.expanduser()
-    work = dataclasses.replace(CUDA_WORK, lr_tokens=args.lr_tokens, hr_tokens=args.hr_tokens,
-                               decode_tokens=args.decode_tokens, steps=args.steps)
+    base = CPU_WORK if args.smoke else CUDA_WORK
+    given = {"lr_tokens": args.lr_tokens, "hr_tokens": args.hr_tokens, "decode_tokens": args.decode_tokens,
+             "steps": args.steps}
+    work = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
 
     start = time.perf_counter()
     wrc.write_all(cache, jobs=args.jobs)
