@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from pixal3d.staging.events import Event
@@ -139,7 +140,8 @@ class Cascade:
             registry.enter(stage.name)
             used: set[str] = set()
             start = time.perf_counter()
-            stage.run(state, _UsageView(registry, used))
+            with torch.no_grad():
+                stage.run(state, _UsageView(registry, used))
             seconds = time.perf_counter() - start
             prints: dict[str, str] = {}
             for name in stage.outputs:

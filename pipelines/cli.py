@@ -136,7 +136,7 @@ def _prepare(args: argparse.Namespace):
         check_writable(args.keep_latents)
     if args.trace is not None:
         check_writable(args.trace.parent)
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device) if args.device else default_device()
 
     fov = args.fov if args.fov is not None else config.camera.fov_deg
     use_moge = fov is None and config.weights.moge is not None and moge_available()
@@ -154,6 +154,22 @@ def _prepare(args: argparse.Namespace):
     cascade = Cascade(stages, model_loaders(weights, device, moge=use_moge, remover=remover),
                       policy=policy.value, events=_Forward())
     return cascade, config, policy.value, reasons, jobs, device
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device`` as a torch device that exists on this machine."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text!r} is not a torch device; use cpu, cuda, cuda:1 or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text} asks for CUDA, which this torch build or machine does not have; "
+                         f"use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {text} asks for Apple MPS, which is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {text}: only cpu, cuda and mps are supported")
+    return device
 
 
 def default_device() -> torch.device:

@@ -49,7 +49,7 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     if moge and weights.moge is not None:
         from pixal3d.models.camera import load_moge
 
-        loaders["moge"] = functools.partial(load_moge, str(weights.moge), device)
+        loaders["moge"] = functools.partial(load_moge, str(weights.moge / "model.pt"), device)
     if remover is not None:
         loaders["rembg"] = remover
     return loaders

@@ -6,6 +6,7 @@ from typing import Callable, Mapping
 
 from torch import nn
 
+from pixal3d.hub import MissingWeightsError
 from pixal3d.models.preprocess import load_background_remover, load_image, preprocess_image
 
 from .stage import Stage
@@ -43,6 +44,13 @@ class RemoverModule(nn.Module):
     def __init__(self, model_name: str):
         super().__init__()
         self.remover = load_background_remover(model_name)
+        try:
+            self.remover.session  # create the session now: a missing model fails at load time, clearly
+        except Exception as err:  # rembg/onnxruntime/pooch raise many types for a model they cannot get
+            raise MissingWeightsError(
+                f"could not load the background-removal model {model_name!r} ({type(err).__name__}: {err}); "
+                f"run once with network access so rembg can download it, or pass an RGBA image whose alpha "
+                f"marks the object") from None
 
     def forward(self, image):
         return self.remover(image)

@@ -1,0 +1,167 @@
+"""Stage-level rules of the cascade, without networks: coords pooling, the cascade quantizer and token
+budget, camera/preprocess needs, fingerprints, and the Cascade's handling of its stage list."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipelines.camera import CameraStage
+from pipelines.cascade import Cascade
+from pipelines.fingerprint import fingerprint_tensor, fingerprints
+from pipelines.preprocess import PreprocessStage
+from pipelines.stage import Stage
+from pipelines.state import RunState
+from pipelines.structure import EmptyStructureError, occupied_coords
+from pipelines.upsample import UpsampleStage, quantize_coords
+from pixal3d.config import UpsampleConfig
+from pixal3d.nn.sparse_tensor import SparseTensor
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "assets" / "example.png"
+
+
+def _state(**fields) -> RunState:
+    state = RunState(input_path=EXAMPLE, output_path=Path("o.glb"), seed=0, device=torch.device("cpu"),
+                     progress=False)
+    for key, value in fields.items():
+        setattr(state, key, value)
+    return state
+
+
+def test_occupied_coords_max_pools_then_lists_positive_voxels_in_lexicographic_order():
+    logits = torch.full((1, 1, 4, 4, 4), -1.0)
+    logits[0, 0, 3, 0, 1] = 0.5   # pooled voxel (1, 0, 0)
+    logits[0, 0, 0, 2, 2] = 2.0   # pooled voxel (0, 1, 1)
+    coords = occupied_coords(logits, 2)
+    assert coords.dtype == torch.int32
+    assert coords.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    with pytest.raises(EmptyStructureError):
+        occupied_coords(torch.full((1, 1, 4, 4, 4), -1.0), 2)
+
+
+def test_quantizer_is_pixal3ds_rounding_rule_with_unique_sorted_rows():
+    fine = torch.tensor([[0, 511, 0, 256], [0, 510, 1, 255], [0, 0, 0, 0]], dtype=torch.int32)
+    coords = quantize_coords(fine, 512, 64)
+    expected = sorted({(0, *[round((c + 0.5) / 512 * 63) for c in row[1:]]) for row in fine.tolist()})
+    assert coords.tolist() == [list(r) for r in expected] and coords.dtype == torch.int32
+    assert coords.tolist()[-1] == [0, 63, 0, 32]
+    # round((7 + 0.5) / 512 * 63) = 1, where TRELLIS.2's int((c + 0.5) / 512 * 64) would give 0
+    assert quantize_coords(torch.tensor([[0, 7, 0, 0]], dtype=torch.int32), 512, 64).tolist() == [[0, 1, 0, 0]]
+
+
+class _Upsampler(nn.Module):
+    """Stands in for the shape decoder: ``upsample`` returns a dense block of fine coords."""
+
+    def __init__(self, side: int):
+        super().__init__()
+        self.side = side
+
+    def upsample(self, latent, times):
+        g = torch.arange(self.side)
+        xyz = torch.cartesian_prod(g, g, g)
+        return torch.cat([torch.zeros(len(xyz), 1, dtype=torch.long), xyz], 1).int()
+
+
+def test_token_budget_steps_the_resolution_down_by_128_until_under_budget_or_1024():
+    """The 1536 cascade's loop with a 1000-token budget: a block of 60³ fine coords has 1728, 1331, 1000, 729
+    HR tokens at 1536, 1408, 1280, 1152; the loop stops at the first count under the budget."""
+    config = UpsampleConfig(times=4, hr_resolution=1536, max_tokens=1000, resolution_step=128, min_resolution=1024)
+    results = {}
+    for side in (16, 60, 100):
+        state = _state(lr_latent=None)
+        UpsampleStage(config, 32).run(state, {"shape_slat_decoder": _Upsampler(side)})
+        results[side] = (state.hr_resolution, len(state.coords_hr))
+    assert results[16] == (1536, 64)      # under budget at once: no step down
+    assert results[60] == (1152, 729)     # 1000 is not under 1000: one more step
+    assert results[100] == (1024, 2197)   # never under budget: stops at min_resolution
+
+
+def test_camera_stage_needs_moge_only_without_a_field_of_view():
+    assert CameraStage(49.0, use_moge=True).needs == ()
+    assert CameraStage(None, use_moge=True).needs == ("moge",)
+    assert CameraStage(None, use_moge=False).needs == ()
+    state = _state()
+    CameraStage(60.0, use_moge=False).run(state, {})
+    assert state.camera.fov == pytest.approx(math.radians(60.0))
+    assert state.camera.distance == pytest.approx(0.5 / math.tan(math.radians(30.0)), rel=1e-6)
+
+
+class _Forbidden(dict):
+    def __getitem__(self, name):
+        raise AssertionError(f"{name} must not be loaded")
+
+
+def test_an_rgba_input_never_loads_the_background_remover():
+    stage = PreprocessStage(use_remover=True)
+    assert stage.needs == ("rembg",)
+    state = _state()
+    stage.run(state, _Forbidden())
+    assert state.image.mode == "RGB" and state.image.size[0] == state.image.size[1]
+
+
+def test_fingerprints_cover_dtype_shape_and_bytes():
+    a = torch.arange(6, dtype=torch.float32)
+    assert fingerprint_tensor(a) == fingerprint_tensor(a.clone())
+    assert fingerprint_tensor(a) != fingerprint_tensor(a.reshape(2, 3))
+    assert fingerprint_tensor(a) != fingerprint_tensor(a.view(torch.int32))
+    b = a.clone()
+    b[3] = torch.nextafter(b[3], torch.tensor(10.0))
+    assert fingerprint_tensor(a) != fingerprint_tensor(b)
+    sparse = SparseTensor(torch.ones(2, 3), torch.zeros(2, 4, dtype=torch.int32))
+    keys = fingerprints({"x": sparse, "m": torch.tensor([True, False]), "n": 1.5}, "out")
+    assert sorted(keys) == ["out.m", "out.n", "out.x.coords", "out.x.feats"]
+
+
+class _Use(Stage):
+    outputs = ("export_stats",)
+
+    def __init__(self, name, needs):
+        self.name, self.needs = name, needs
+
+    def run(self, state, models):
+        state.export_stats[self.name] = [float(models[n].weight.sum()) for n in self.needs]
+
+
+def _loaders(count, built):
+    def make(i):
+        def load():
+            built.append(i)
+            layer = nn.Linear(2, 2)
+            nn.init.constant_(layer.weight, float(i))
+            return layer
+        return load
+    return {f"m{i}": make(i) for i in range(count)}
+
+
+def test_a_stage_replaced_before_the_first_run_changes_what_is_loaded():
+    built = []
+    cascade = Cascade([_Use("a", ("m0",)), _Use("b", ("m1",))], _loaders(3, built), policy="staged")
+    cascade.stages[1] = _Use("b", ("m2",))  # e.g. a benchmark's synthetic stage
+    state = _state()
+    records = cascade.run(state)
+    assert built == [0, 2] and [r.used for r in records] == [["m0"], ["m2"]]
+    assert state.export_stats == {"a": [0.0], "b": [8.0]}
+    assert cascade.registry.loaded() == ["m2"]  # m0 was released on entering b
+    cascade.close()
+
+
+def test_eager_loads_everything_before_the_first_stage_and_resident_keeps_what_it_loaded():
+    built = []
+    eager = Cascade([_Use("a", ("m0",)), _Use("b", ("m1",))], _loaders(2, built), policy="eager")
+    eager.run(_state())
+    assert built == [0, 1] and sorted(eager.registry.loaded()) == ["m0", "m1"]
+    resident = Cascade([_Use("a", ("m0",)), _Use("b", ())], _loaders(2, []), policy="resident")
+    resident.run(_state())
+    assert resident.registry.loaded() == ["m0"]
+
+
+def test_cascade_rejects_bad_plans():
+    with pytest.raises(ValueError, match="policy 'auto' is not one of"):
+        Cascade([], {}, policy="auto")
+    with pytest.raises(ValueError, match="stage names must be unique"):
+        Cascade([_Use("a", ()), _Use("a", ())], {}).run(_state())
+    with pytest.raises(KeyError, match=r"without a loader: \['m9'\]"):
+        Cascade([_Use("a", ("m9",))], {}).run(_state())
