@@ -31,21 +31,26 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from scripts import bench_io, write_random_checkpoints as wrc  # noqa: E402
 from scripts.bench_memory import CPU_WORK, CUDA_WORK, REPO, run_policies, weight_files  # noqa: E402
-from scripts.bench_report import stage_peaks  # noqa: E402
+from scripts.bench_report import read_trace, stage_peaks, window_weights  # noqa: E402
 
 logger = logging.getLogger("bench_memory_cuda")
 GIB = 2**30
 
 
-def stage_rows(result: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Stage → device peak, loaded bytes, load seconds and compute seconds of one policy's run."""
+def stage_rows(result: Mapping[str, Any], trace: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Stage → device peak, weights resident, working set (peak minus weights), loaded bytes, load
+    seconds and compute seconds of one policy's run."""
     peaks = stage_peaks(result)
+    weights = window_weights(result, trace) if trace is not None else {}
     rows = {}
     for record in result["stages"]:
         row = peaks.get(record["stage"], {})
         load_s = float(row.get("load_seconds") or 0.0)
+        held = weights.get(record["stage"])
+        peak = row.get("peak_device")
         rows[record["stage"]] = {
-            "peak_device": row.get("peak_device"), "peak_process": row.get("peak_process"),
+            "peak_device": peak, "peak_process": row.get("peak_process"), "weights": held,
+            "working_set": peak - held if peak is not None and held is not None else None,
             "loaded_bytes": row.get("loaded_bytes", 0), "load_seconds": round(load_s, 3),
             "compute_seconds": round(max(0.0, record["seconds"] - load_s), 3),
             "stage_seconds": record["seconds"]}
@@ -56,28 +61,30 @@ def _cell(value: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def table_md(results: Mapping[str, Mapping[str, Any]]) -> str:
-    """Markdown table: per stage, each policy's max_memory_allocated, load s and compute s."""
-    rows = {p: stage_rows(r) for p, r in results.items()}
+def table_md(results: Mapping[str, Mapping[str, Any]],
+             traces: Mapping[str, list[dict[str, Any]]] | None = None) -> str:
+    """Markdown table: per stage, each policy's max_memory_allocated, working set, load s and compute s."""
+    traces = traces or {}
+    rows = {p: stage_rows(r, traces.get(p)) for p, r in results.items()}
     policies = list(results)
     head = ["stage"]
     for p in policies:
-        head += [f"{p} max alloc (GB)", f"{p} load s", f"{p} compute s"]
+        head += [f"{p} max alloc (GiB)", f"{p} working set (GiB)", f"{p} load s", f"{p} compute s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     stages = [s["stage"] for s in next(iter(results.values()))["stages"]]
     for stage in stages:
         cells = [stage]
         for p in policies:
             r = rows[p].get(stage, {})
-            peak = r.get("peak_device")
-            cells += [_cell(peak / GIB if peak is not None else None), _cell(r.get("load_seconds"), "{:.1f}"),
-                      _cell(r.get("compute_seconds"), "{:.1f}")]
+            peak, work = r.get("peak_device"), r.get("working_set")
+            cells += [_cell(peak / GIB if peak is not None else None), _cell(work / GIB if work is not None else None),
+                      _cell(r.get("load_seconds"), "{:.1f}"), _cell(r.get("compute_seconds"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     totals = ["**whole run**"]
     for p in policies:
         summary = results[p]["summary"]
         peak = summary.get("peak_device")
-        totals += [_cell(peak / GIB if peak is not None else None), _cell(summary["loads"]["seconds"], "{:.1f}"),
+        totals += [_cell(peak / GIB if peak is not None else None), "", _cell(summary["loads"]["seconds"], "{:.1f}"),
                    _cell(results[p]["seconds"], "{:.1f} (wall)")]
     lines.append("| " + " | ".join(totals) + " |")
     return "\n".join(lines)
@@ -112,13 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = bench_io.cold_and_warm(weight_files(cache))
     logger.info("raw read: cold %.2f GB/s, warm %.2f GB/s", raw["cold"].gb_per_s, raw["warm"].gb_per_s)
     results = run_policies(args.policies, cache, args.out / "traces", work, device=args.device, label="cuda")
+    traces = {p: read_trace(args.out / "traces" / f"cuda-{p}.jsonl") for p in results}
 
     command = " ".join(["python scripts/bench_memory_cuda.py", *(argv if argv is not None else sys.argv[1:])])
     device_name = _device_name(args.device)
     md = "\n".join([
         f"Command: `{command}` on {device_name}", "",
         *[f"- {k}: {v}" for k, v in work.describe().items()], "",
-        table_md(results), "",
+        table_md(results, traces), "",
         f"Raw sequential read of the same files: cold {raw['cold'].gb_per_s:.2f} GB/s "
         f"({100 * raw['cold'].cached_before:.0f}% cached before), warm {raw['warm'].gb_per_s:.2f} GB/s.",
         *[f"- {p}: {r['summary']['loads']['count']} loads, {r['summary']['loads']['bytes'] / 1e9:.2f} GB in "
@@ -129,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "cuda_memory.json").write_text(json.dumps({
         "command": command, "device": device_name, "work": dataclasses.asdict(work),
         "raw_read": {k: v.to_dict() for k, v in raw.items()},
-        "policies": {p: {"seconds": r["seconds"], "stages": stage_rows(r), "info": r["info"],
+        "policies": {p: {"seconds": r["seconds"], "stages": stage_rows(r, traces[p]), "info": r["info"],
                          "loads": r["summary"]["loads"], "peak_device": r["summary"]["peak_device"]}
                      for p, r in results.items()}}, indent=1) + "\n")
     print(md, flush=True)

@@ -46,7 +46,7 @@ def _result(peak_extra: int):
 
 
 def test_weight_timeline_follows_loads_and_releases():
-    assert br.weight_timeline(_trace(0)) == [(0.0, 0), (1.0, 100 * MIB), (3.0, 0)]
+    assert br.weight_timeline(_trace(0)) == [(0.0, 0), (0.5, 100 * MIB), (3.0, 0)]  # from the load's start
 
 
 def test_copy_check_passes_a_zero_copy_load_and_catches_a_second_copy():
@@ -92,4 +92,4 @@ def test_cuda_table_subtracts_loads_from_stage_time():
     rows = bmc.stage_rows(result)
     assert rows["structure"]["compute_seconds"] == 3.5
     table = bmc.table_md({"staged": result})
-    assert "| structure | 1.00 | 1.5 | 3.5 |" in table
+    assert "| structure | 1.00 | – | 1.5 | 3.5 |" in table
