@@ -90,10 +90,11 @@ def estimate_camera(image: Image.Image, estimator: torch.nn.Module | None) -> Ca
     with torch.no_grad():
         output = estimator.infer(tensor)
     # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width. As the reference
-    # (`get_camera_params_wild_moge`), fx and width / (2 fx) are float32 numpy scalars; atan in float64.
-    fx_normalised = np.float32(output["intrinsics"][..., 0, 0].reshape(-1)[0].float().cpu().numpy())
+    # (`get_camera_params_wild_moge`), fx and width / (2 fx) stay numpy scalars of the intrinsics' dtype
+    # (float32); only atan runs in float64.
+    intrinsics = output["intrinsics"].squeeze().cpu().numpy()
     width = image.width
-    fx = fx_normalised * np.float32(width)
-    fov = 2 * math.atan(float(np.float32(width) / (np.float32(2) * fx)))
+    fx = intrinsics[0, 0] * width
+    fov = 2 * math.atan(width / (2 * fx))
     logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg", math.degrees(fov))
     return camera_from_fov(fov)
