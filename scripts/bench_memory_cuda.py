@@ -57,6 +57,20 @@ def stage_rows(result: Mapping[str, Any], trace: list[dict[str, Any]] | None = N
     return rows
 
 
+def per_token(rows: Mapping[str, Mapping[str, Any]], info: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Working-set bytes per token of each flow/decoder stage: the number ``pipelines/plan.py``'s
+    estimate multiplies by the token count (structure: 16^3 dense tokens; decode: decoded voxels)."""
+    tokens = {"structure": 16**3, "shape_512": info.get("lr_tokens"), "upsample": info.get("lr_tokens"),
+              "shape_1024": info.get("hr_tokens"), "texture": info.get("hr_tokens"),
+              "decode": info.get("decoded_voxels")}
+    out = {}
+    for stage, count in tokens.items():
+        work = rows.get(stage, {}).get("working_set")
+        if count and work is not None:
+            out[stage] = {"tokens": count, "working_set": work, "bytes_per_token": round(work / count)}
+    return out
+
+
 def _cell(value: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
@@ -88,6 +102,34 @@ def table_md(results: Mapping[str, Mapping[str, Any]],
                    _cell(results[p]["seconds"], "{:.1f} (wall)")]
     lines.append("| " + " | ".join(totals) + " |")
     return "\n".join(lines)
+
+
+def write_cuda_report(out: Path, results: Mapping[str, Mapping[str, Any]], traces: Mapping[str, list],
+                      raw: Mapping[str, Mapping[str, Any]], work: Any, command: str, device_name: str) -> str:
+    """Write ``<out>/cuda_memory.md`` and ``.json``; return the markdown."""
+    first = "staged" if "staged" in results else next(iter(results))
+    tokens = per_token(stage_rows(results[first], traces[first]), results[first]["info"])
+    md = "\n".join([
+        f"Command: `{command}` on {device_name}", "",
+        *[f"- {k}: {v}" for k, v in work.describe().items()], "",
+        table_md(results, traces), "",
+        f"Raw sequential read of the same files: cold {raw['cold']['gb_per_s']:.2f} GB/s "
+        f"({100 * raw['cold']['cached_before']:.0f}% cached before), warm {raw['warm']['gb_per_s']:.2f} GB/s.",
+        *[f"- {p}: {r['summary']['loads']['count']} loads, {r['summary']['loads']['bytes'] / 1e9:.2f} GB in "
+          f"{r['summary']['loads']['seconds']:.1f} s; tokens {r['info']}" for p, r in results.items()],
+        "", f"Working set per token ({first} run; calibrates pipelines/plan.py's estimates):",
+        *[f"- {stage}: {v['working_set'] / GIB:.2f} GiB over {v['tokens']} tokens = {v['bytes_per_token']} B/token"
+          for stage, v in tokens.items()],
+    ])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda_memory.md").write_text(md + "\n")
+    (out / "cuda_memory.json").write_text(json.dumps({
+        "command": command, "device": device_name, "work": dataclasses.asdict(work), "raw_read": dict(raw),
+        "per_token": tokens,
+        "policies": {p: {"seconds": r["seconds"], "stages": stage_rows(r, traces[p]), "info": r["info"],
+                         "loads": r["summary"]["loads"], "peak_device": r["summary"]["peak_device"]}
+                     for p, r in results.items()}}, indent=1) + "\n")
+    return md
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,24 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     traces = {p: read_trace(args.out / "traces" / f"cuda-{p}.jsonl") for p in results}
 
     command = " ".join(["python scripts/bench_memory_cuda.py", *(argv if argv is not None else sys.argv[1:])])
-    device_name = _device_name(args.device)
-    md = "\n".join([
-        f"Command: `{command}` on {device_name}", "",
-        *[f"- {k}: {v}" for k, v in work.describe().items()], "",
-        table_md(results, traces), "",
-        f"Raw sequential read of the same files: cold {raw['cold'].gb_per_s:.2f} GB/s "
-        f"({100 * raw['cold'].cached_before:.0f}% cached before), warm {raw['warm'].gb_per_s:.2f} GB/s.",
-        *[f"- {p}: {r['summary']['loads']['count']} loads, {r['summary']['loads']['bytes'] / 1e9:.2f} GB in "
-          f"{r['summary']['loads']['seconds']:.1f} s; tokens {r['info']}" for p, r in results.items()],
-    ])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cuda_memory.md").write_text(md + "\n")
-    (args.out / "cuda_memory.json").write_text(json.dumps({
-        "command": command, "device": device_name, "work": dataclasses.asdict(work),
-        "raw_read": {k: v.to_dict() for k, v in raw.items()},
-        "policies": {p: {"seconds": r["seconds"], "stages": stage_rows(r, traces[p]), "info": r["info"],
-                         "loads": r["summary"]["loads"], "peak_device": r["summary"]["peak_device"]}
-                     for p, r in results.items()}}, indent=1) + "\n")
+    raw_dict = {k: v.to_dict() for k, v in raw.items()}
+    md = write_cuda_report(args.out, results, traces, raw_dict, work, command, _device_name(args.device))
     print(md, flush=True)
     return 0
 

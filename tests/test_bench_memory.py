@@ -93,3 +93,19 @@ def test_cuda_table_subtracts_loads_from_stage_time():
     assert rows["structure"]["compute_seconds"] == 3.5
     table = bmc.table_md({"staged": result})
     assert "| structure | 1.00 | – | 1.5 | 3.5 |" in table
+
+
+def test_cuda_report_gives_working_set_per_token(tmp_path):
+    gib = 2**30
+    trace = [{"type": "start", "time": 0.0},
+             {"type": "event", "t": 2.0, "kind": "load", "model": "flow", "bytes": gib, "seconds": 1.0}]
+    result = {"stages": [{"stage": "shape_512", "seconds": 4.0, "used": ["flow"]}], "seconds": 5.0,
+              "info": {"lr_tokens": 1024},
+              "summary": {"rows": [{"stage": "shape_512", "start": 0.5, "seconds": 4.0, "peak_process": 1,
+                                    "peak_device": 3 * gib, "loaded_bytes": gib, "load_seconds": 1.0, "loads": 1}],
+                          "peak_device": 3 * gib, "loads": {"seconds": 1.0, "bytes": gib, "count": 1}}}
+    raw = {k: {"gb_per_s": 1.0, "cached_before": 0.0} for k in ("cold", "warm")}
+    md = bmc.write_cuda_report(tmp_path, {"staged": result}, {"staged": trace}, raw, bm.CUDA_WORK, "cmd", "GPU")
+    assert "| shape_512 | 3.00 | 2.00 | 1.0 | 3.0 |" in md  # 3 GiB peak - 1 GiB weights = 2 GiB working set
+    assert f"= {2 * gib // 1024} B/token" in md
+    assert (tmp_path / "cuda_memory.json").is_file()
