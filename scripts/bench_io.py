@@ -86,7 +86,7 @@ def cached_fraction(path: str | os.PathLike) -> float | None:
 def read_sequential(paths: Iterable[str | os.PathLike], label: str = "read") -> ReadResult:
     """Read every file front to back in 16 MiB blocks into one buffer; time the whole set."""
     paths = [Path(p) for p in paths]
-    cached = _mean_cached(paths)
+    cached = mean_cached_fraction(paths)
     buffer = bytearray(BLOCK)
     view = memoryview(buffer)
     total = 0
@@ -101,7 +101,8 @@ def read_sequential(paths: Iterable[str | os.PathLike], label: str = "read") -> 
     return ReadResult(label, total, time.perf_counter() - start, cached)
 
 
-def _mean_cached(paths: list[Path]) -> float:
+def mean_cached_fraction(paths: list[Path]) -> float:
+    """Size-weighted fraction of the files' pages in the page cache (NaN where mincore is unavailable)."""
     sizes = [p.stat().st_size for p in paths]
     fractions = [cached_fraction(p) for p in paths]
     if any(f is None for f in fractions) or not sum(sizes):

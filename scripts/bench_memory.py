@@ -334,7 +334,7 @@ def run_policies(policies: Sequence[str], cache: Path, traces: Path, work: Work,
     for policy in policies:
         for path in files:
             bench_io.evict(path)
-        cached = bench_io._mean_cached(files)
+        cached = bench_io.mean_cached_fraction(files)
         trace, result = traces / f"{label}-{policy}.jsonl", traces / f"{label}-{policy}.result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--child", policy, "--cache", str(cache),
                    "--trace", str(trace), "--result", str(result), "--device", device,
