@@ -15,6 +15,7 @@ from pipelines.state import RunState
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.hub import ResolvedWeights, resolve_weights
 from pipelines.tiny_weights import ensure_tiny_weights
+from pixal3d.models.dinov3 import load_dinov3
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
@@ -26,10 +27,12 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_cpu.json"
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A pixal3d cache holding the tiny weights; ``PIXAL3D_CACHE`` points at it for the session."""
     root = tmp_path_factory.mktemp("pixal3d-cache")
-    ensure_tiny_weights(root / "tiny")
+    folder = ensure_tiny_weights(root / "tiny")
     old = os.environ.get("PIXAL3D_CACHE")
     os.environ["PIXAL3D_CACHE"] = str(root)
-    gc.freeze()  # see pipelines.cli.main: keeps each release's gc.collect cheap
+    load_dinov3(folder / "dinov3")  # imports what a first load imports, so the freeze below covers it
+    gc.collect()
+    gc.freeze()  # as pipelines.cli.main does: keeps the collections during a run (and each release) cheap
     yield root
     gc.unfreeze()
     if old is None:

@@ -66,17 +66,17 @@ class _Upsampler(nn.Module):
 
 
 def test_token_budget_steps_the_resolution_down_by_128_until_under_budget_or_1024():
-    """The 1536 cascade's loop with a 1000-token budget: a block of 60³ fine coords has 1728, 1331, 1000, 729
-    HR tokens at 1536, 1408, 1280, 1152; the loop stops at the first count under the budget."""
-    config = UpsampleConfig(times=4, hr_resolution=1536, max_tokens=1000, resolution_step=128, min_resolution=1024)
+    """The 1536 cascade's loop with a 125-token budget: a block of 24³ fine coords has 125, 125, 125, 64 HR
+    tokens at 1536, 1408, 1280, 1152; the loop stops at the first count under (not equal to) the budget."""
+    config = UpsampleConfig(times=4, hr_resolution=1536, max_tokens=125, resolution_step=128, min_resolution=1024)
     results = {}
-    for side in (16, 60, 100):
+    for side in (16, 24, 40):
         state = _state(lr_latent=None)
         UpsampleStage(config, 32).run(state, {"shape_slat_decoder": _Upsampler(side)})
         results[side] = (state.hr_resolution, len(state.coords_hr))
     assert results[16] == (1536, 64)      # under budget at once: no step down
-    assert results[60] == (1152, 729)     # 1000 is not under 1000: one more step
-    assert results[100] == (1024, 2197)   # never under budget: stops at min_resolution
+    assert results[24] == (1152, 64)      # 125 is not under 125: keep stepping
+    assert results[40] == (1024, 216)     # never under budget: stops at min_resolution
 
 
 def test_camera_stage_needs_moge_only_without_a_field_of_view():
