@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from pixal3d.config import CascadeConfig
-from pixal3d.hub import ResolvedWeights
+from pixal3d.hub import Normalization, ResolvedWeights
 from pixal3d.models.camera import moge_available
 from pixal3d.staging.events import Event
 
@@ -33,19 +33,31 @@ from .upsample import UpsampleStage
 def build_stages(config: CascadeConfig, weights: ResolvedWeights, *, fov_deg: float | None = None,
                  use_moge: bool | None = None) -> list:
     """The nine stages in run order. ``fov_deg`` overrides the config's field of view."""
-    fov = fov_deg if fov_deg is not None else config.camera.fov_deg
     if use_moge is None:
         use_moge = weights.moge is not None and moge_available()
+    return _stages(config, weights.shape_normalization, weights.tex_normalization, fov_deg, use_moge)
+
+
+def stage_needs(config: CascadeConfig, *, fov_deg: float | None = None, use_moge: bool = False
+                ) -> dict[str, tuple[str, ...]]:
+    """Stage name → model names, in run order, without resolving any weights (for ``--plan``)."""
+    unused = Normalization(mean=(0.0,), std=(1.0,))  # the stages are only asked for their needs
+    return {s.name: tuple(s.needs) for s in _stages(config, unused, unused, fov_deg, use_moge)}
+
+
+def _stages(config: CascadeConfig, shape_norm: Normalization, tex_norm: Normalization, fov_deg: float | None,
+            use_moge: bool) -> list:
+    fov = fov_deg if fov_deg is not None else config.camera.fov_deg
     coords_res = config.structure.coords_resolution
     times = config.upsample.times
     return [
         PreprocessStage(use_remover=config.weights.rembg is not None),
         CameraStage(fov, use_moge=use_moge),
         StructureStage(config.structure),
-        Shape512Stage(config.shape_512, weights.shape_normalization, coords_res),
+        Shape512Stage(config.shape_512, shape_norm, coords_res),
         UpsampleStage(config.upsample, coords_res),
-        Shape1024Stage(config.shape_1024, weights.shape_normalization, times),
-        TextureStage(config.texture, weights.shape_normalization, weights.tex_normalization, times),
+        Shape1024Stage(config.shape_1024, shape_norm, times),
+        TextureStage(config.texture, shape_norm, tex_norm, times),
         DecodeStage(),
         ExportStage(config.export),
     ]

@@ -27,14 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from pixal3d.config import CascadeConfig, ConfigError, load_config
-from pixal3d.hub import WeightsError, resolve_weights
+from pixal3d.hub import WeightsError, planned_sizes, resolve_weights
 from pixal3d.models.camera import moge_available
 from pixal3d.models.loading import CheckpointError
 from pixal3d.models.preprocess import ImageError, load_image
 from pixal3d.staging.policy import MemoryPlan, Policy, PolicyError, detect_machine, format_plan, gib, resolve_policy
 from pixal3d.telemetry import MemoryMeter, format_bytes
 
-from .build import build_stages
+from .build import build_stages, stage_needs
 from .cascade import Cascade, StageRecord
 from .loaders import model_loaders
 from .plan import memory_plan
@@ -123,6 +123,7 @@ def _fail(err: BaseException, code: int) -> int:
 
 # -- 1. everything that can be checked before a weight is read -------------------------------------
 def _prepare(args: argparse.Namespace):
+    # 1. config, inputs, outputs, device
     config = load_config(args.config)
     if args.seed is not None:
         config = config.with_overrides(seed=args.seed)
@@ -137,19 +138,23 @@ def _prepare(args: argparse.Namespace):
     if args.trace is not None:
         check_writable(args.trace.parent)
     device = parse_device(args.device) if args.device else default_device()
-
     fov = args.fov if args.fov is not None else config.camera.fov_deg
     use_moge = fov is None and config.weights.moge is not None and moge_available()
-    weights = resolve_weights(config.weights, need_moge=use_moge)
-    stages = build_stages(config, weights, fov_deg=args.fov, use_moge=use_moge)
-    plan = memory_plan(config, weights, {s.name: s.needs for s in stages})
+    needs = stage_needs(config, fov_deg=args.fov, use_moge=use_moge)
+    models = sorted({m for n in needs.values() for m in n})
+    # 2. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
+    sizes, notes = planned_sizes(config.weights, models=models)
+    plan = memory_plan(config, sizes, needs)
     machine = detect_machine(device)
     check_memory(plan, machine.device_available, str(device))
     policy, reasons = resolve_policy(args.memory_policy, plan, machine)
     if args.plan or not args.quiet:
-        print(format_plan(plan, machine, policy, reasons), flush=True)
+        print(format_plan(plan, machine, policy, [*reasons, *notes]), flush=True)
     if args.plan:
         return None
+    # 3. the weights themselves (downloaded unless offline, verified) and the cascade
+    weights = resolve_weights(config.weights, need_moge=use_moge)
+    stages = build_stages(config, weights, fov_deg=args.fov, use_moge=use_moge)
     remover = rembg_loader(config.weights.rembg) if config.weights.rembg is not None else None
     cascade = Cascade(stages, model_loaders(weights, device, moge=use_moge, remover=remover),
                       policy=policy.value, events=_Forward())

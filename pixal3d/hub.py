@@ -138,6 +138,79 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
     return resolved
 
 
+def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
+                  generate: Callable[[Path], Path] | None = None) -> tuple[dict[str, int], list[str]]:
+    """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
+
+    Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
+    checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
+    Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
+    notes naming models whose size is unknown (counted as 0).
+    """
+    offline = hub_offline() if offline is None else offline
+    wanted = list(models)
+    fetch = _Fetcher(offline=offline, generate=generate)
+    sizes: dict[str, int] = {}
+    notes: list[str] = []
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    stems = _checkpoint_stems(_read_pipeline_json(pipe_dir / "pipeline.json"),
+                              [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
+    for name, stem in stems.items():
+        sizes[name] = _planned_file_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", offline=offline,
+                                          label="weights.pixal3d")
+    if "dinov3" in wanted:
+        folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
+        sizes["dinov3"] = _planned_file_bytes(weights.dinov3, folder, "model.safetensors", offline=offline,
+                                              label="weights.dinov3")
+    if "naf" in wanted:
+        if weights.naf.url is not None:
+            target = cache_root() / "downloads" / str(weights.naf.filename)
+            sizes["naf"] = target.stat().st_size if target.is_file() else 0
+            if not target.is_file():
+                notes.append("naf: not downloaded yet, size unknown (about 3 MB)")
+        else:
+            sizes["naf"] = fetch.file(weights.naf, label="weights.naf").stat().st_size
+    if "moge" in wanted and weights.moge is not None:
+        sizes["moge"] = _planned_repo_file_size(weights.moge, "model.pt", offline=offline, notes=notes)
+    if "rembg" in wanted:
+        sizes["rembg"] = 0
+        notes.append("rembg: its ONNX model size is not counted")
+    return sizes, notes
+
+
+def _planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, offline: bool, label: str) -> int:
+    path = folder / filename
+    if path.is_file():
+        return verify_safetensors(path)
+    if source.repo is None or offline:
+        raise MissingWeightsError(_missing_message(source, [filename], folder, label, offline=offline))
+    from huggingface_hub import parse_safetensors_file_metadata
+
+    try:
+        meta = parse_safetensors_file_metadata(source.repo, filename, revision=source.revision)
+    except Exception as err:  # network and Hub errors of many kinds: say what could not be read
+        raise MissingWeightsError(_missing_message(source, [filename], None, label, offline=offline,
+                                                   reason=f"{type(err).__name__}: {_first_line(err)}")) from None
+    return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
+
+
+def _planned_repo_file_size(source: WeightSource, filename: str, *, offline: bool, notes: list[str]) -> int:
+    if source.local is not None:
+        path = Path(source.local) / filename
+        return path.stat().st_size if path.is_file() else 0
+    if source.repo is None or offline:
+        notes.append(f"{filename}: size unknown offline")
+        return 0
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().get_paths_info(source.repo, [filename], revision=source.revision)
+    except Exception as err:  # network and Hub errors of many kinds
+        notes.append(f"{filename}: size unknown ({type(err).__name__})")
+        return 0
+    return int(getattr(info[0], "size", 0) or 0) if info else 0
+
+
 # -- sources -------------------------------------------------------------------------------------
 
 class _Fetcher:

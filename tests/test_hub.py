@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pixal3d.config import WeightsConfig, WeightSource
-from pixal3d.hub import (PIPELINE_MODELS, CorruptWeightsError, MissingWeightsError, read_safetensors_header,
-                         resolve_weights, verify_safetensors)
+from pixal3d.hub import (PIPELINE_MODELS, CorruptWeightsError, MissingWeightsError, planned_sizes,
+                         read_safetensors_header, resolve_weights, verify_safetensors)
 from pipelines.tiny_weights import TINY_VERSION, write_tiny_weights
 from tests.cascade_fixtures import tiny_cache  # noqa: F401
 
@@ -158,3 +158,40 @@ def test_a_checkpoint_named_in_another_repository_is_taken_from_this_one(local_c
     path.write_text(json.dumps(pipeline))
     resolved = resolve_weights(_local(local_copy), offline=True)
     assert resolved.checkpoints["sparse_structure_decoder"] == local_copy / "pixal3d" / "ckpts" / "ss_dec_tiny"
+
+
+def test_planned_sizes_read_headers_on_disk(local_copy):
+    sizes, notes = planned_sizes(_local(local_copy), models=[*PIPELINE_MODELS, "dinov3", "naf"], offline=True)
+    stem = local_copy / "pixal3d" / "ckpts" / "ss_flow_tiny.safetensors"
+    assert sizes["sparse_structure_flow_model"] == verify_safetensors(stem) and notes == []
+    assert sizes["naf"] == (local_copy / "naf" / "naf.safetensors").stat().st_size
+
+
+def test_planned_sizes_of_weights_not_downloaded_come_from_hub_headers_without_downloading(local_copy, tmp_path,
+                                                                                             monkeypatch):
+    import huggingface_hub
+
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    shutil.copy(local_copy / "pixal3d" / "pipeline.json", snapshot / "pipeline.json")
+    asked = []
+
+    def snapshot_download(repo_id, revision, allow_patterns, local_files_only):
+        assert allow_patterns == ["pipeline.json"]  # the plan never downloads a checkpoint
+        return str(snapshot)
+
+    class _Meta:
+        tensors = {"a": type("T", (), {"data_offsets": (0, 1000)})(), "b": type("T", (), {"data_offsets": (1000, 1500)})()}
+
+    def parse(repo_id, filename, revision):
+        asked.append((repo_id, filename, revision))
+        return _Meta()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "parse_safetensors_file_metadata", parse)
+    weights = WeightsConfig(pixal3d=WeightSource(repo="TencentARC/Pixal3D", revision=REV),
+                            dinov3=WeightSource(local=str(local_copy / "dinov3")),
+                            naf=WeightSource(local=str(local_copy / "naf"), files=("naf.safetensors",)))
+    sizes, _ = planned_sizes(weights, models=PIPELINE_MODELS, offline=False)
+    assert set(sizes.values()) == {1500} and len(asked) == 7
+    assert ("TencentARC/Pixal3D", "ckpts/ss_flow_tiny.safetensors", REV) in asked
+    assert sorted(p.name for p in snapshot.iterdir()) == ["pipeline.json"]
