@@ -8,7 +8,8 @@ e.g. a benchmark replacing the structure stage by a subclass with synthetic coor
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,8 +24,8 @@ from .decode import DecodeStage
 from .export import ExportStage
 from .loaders import model_loaders
 from .preprocess import PreprocessStage, rembg_loader
-from .shape_1024 import Shape1024Stage
 from .shape_512 import Shape512Stage
+from .shape_1024 import Shape1024Stage
 from .structure import StructureStage
 from .texture import TextureStage
 from .upsample import UpsampleStage

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn

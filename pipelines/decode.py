@@ -2,7 +2,7 @@
 guided by those logits, → PBR voxels on exactly the shape's voxels (reference §1.9, §1.10)."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

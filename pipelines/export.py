@@ -6,8 +6,8 @@ or interrupted run never leaves a half-written file at the output path.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from torch import nn
 

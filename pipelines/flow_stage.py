@@ -7,8 +7,9 @@ that generator: models are loaded inside ``preserved_rng()`` by the registry.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

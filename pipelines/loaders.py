@@ -7,7 +7,7 @@ CPU copy on the way to the device.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,8 +18,7 @@ from pixal3d.models.loading import load_model
 
 def register_model_classes() -> None:
     """Import every network module so its class names are registered for ``build_model``."""
-    from pixal3d.models import (naf, slat_flow, sparse_structure_decoder,  # noqa: F401
-                                sparse_structure_flow, sparse_unet_vae)
+    from pixal3d.models import naf, slat_flow, sparse_structure_decoder, sparse_structure_flow, sparse_unet_vae  # noqa: F401
 
 
 def checkpoint_loaders(weights: ResolvedWeights, device: torch.device) -> dict[str, Callable[[], nn.Module]]:

@@ -8,7 +8,7 @@ sizes the reference reports (§7.4: ~3.9k LR tokens at 32³, ~20k HR tokens and 
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from pixal3d.config import CascadeConfig
 from pixal3d.staging.policy import MemoryPlan

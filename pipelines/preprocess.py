@@ -2,7 +2,7 @@
 black (reference §1.1). An RGBA input with a real alpha channel needs no model."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from torch import nn
 
@@ -45,8 +45,8 @@ class RemoverModule(nn.Module):
         super().__init__()
         self.remover = load_background_remover(model_name)
         try:
-            self.remover.session  # create the session now: a missing model fails at load time, clearly
-        except Exception as err:  # rembg/onnxruntime/pooch raise many types for a model they cannot get
+            _ = self.remover.session  # create the session now: a missing model fails at load time, clearly
+        except Exception as err:  # noqa: BLE001 -- rembg/onnxruntime/pooch raise many types for a model they cannot get
             raise MissingWeightsError(
                 f"could not load the background-removal model {model_name!r} ({type(err).__name__}: {err}); "
                 f"run once with network access so rembg can download it, or pass an RGBA image whose alpha "

@@ -6,8 +6,9 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pixal3d.config import CascadeConfig, to_dict
 

@@ -5,7 +5,7 @@ Noise ``randn(N_hr, 32)`` (CPU) on ``coords_hr``; projection grid = the HR token
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

@@ -6,7 +6,7 @@ DINOv3 at 512 px and NAF to 512²; the sampled latent is de-normalized with pipe
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

@@ -8,7 +8,7 @@ releasing and parking are the registry's job.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

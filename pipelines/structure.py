@@ -6,7 +6,7 @@ coords ``[N, 4]`` int32 ``(b, x, y, z)`` in lexicographic order.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F

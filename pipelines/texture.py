@@ -7,7 +7,7 @@ de-normalized with ``tex_slat_normalization``.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

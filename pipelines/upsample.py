@@ -8,7 +8,7 @@ resolution steps down by ``resolution_step`` (the 1536 cascade's token budget).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

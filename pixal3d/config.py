@@ -13,9 +13,10 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -186,7 +187,7 @@ class CascadeConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     source: str = ""  # the file it was read from (set by load_config, not a YAML key)
 
-    def with_overrides(self, **changes: Any) -> "CascadeConfig":
+    def with_overrides(self, **changes: Any) -> CascadeConfig:
         """A copy with top-level fields replaced (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 

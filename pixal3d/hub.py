@@ -22,9 +22,10 @@ import logging
 import os
 import shlex
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from pixal3d.config import WeightsConfig, WeightSource
 
@@ -188,7 +189,7 @@ def _planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, of
 
     try:
         meta = parse_safetensors_file_metadata(source.repo, filename, revision=source.revision)
-    except Exception as err:  # network and Hub errors of many kinds: say what could not be read
+    except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds: say what failed
         raise MissingWeightsError(_missing_message(source, [filename], None, label, offline=offline,
                                                    reason=f"{type(err).__name__}: {_first_line(err)}")) from None
     return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
@@ -205,7 +206,7 @@ def _planned_repo_file_size(source: WeightSource, filename: str, *, offline: boo
 
     try:
         info = HfApi().get_paths_info(source.repo, [filename], revision=source.revision)
-    except Exception as err:  # network and Hub errors of many kinds
+    except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds
         notes.append(f"{filename}: size unknown ({type(err).__name__})")
         return 0
     return int(getattr(info[0], "size", 0) or 0) if info else 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pipelines.cli import main  # noqa: E402
+from pipelines.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pipelines.tiny_weights import TINY_VERSION, ensure_tiny_weights  # noqa: E402
-from pixal3d.hub import cache_root  # noqa: E402
+from pipelines.tiny_weights import TINY_VERSION, ensure_tiny_weights
+from pixal3d.hub import cache_root
 
 
 def main(argv: list[str] | None = None) -> int:

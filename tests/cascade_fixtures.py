@@ -12,9 +12,9 @@ import torch
 from pipelines.build import build_cascade
 from pipelines.cascade import StageRecord
 from pipelines.state import RunState
+from pipelines.tiny_weights import ensure_tiny_weights
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.hub import ResolvedWeights, resolve_weights
-from pipelines.tiny_weights import ensure_tiny_weights
 from pixal3d.models.dinov3 import load_dinov3
 
 REPO = Path(__file__).resolve().parents[1]

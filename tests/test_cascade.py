@@ -20,9 +20,9 @@ def _golden() -> dict[str, dict[str, str]]:
 
 
 def _diff(actual: dict, expected: dict) -> str:
-    for stage in expected:
-        if actual.get(stage) != expected[stage]:
-            keys = sorted(k for k in expected[stage] if actual.get(stage, {}).get(k) != expected[stage][k])
+    for stage, prints in expected.items():
+        if actual.get(stage) != prints:
+            keys = sorted(k for k, v in prints.items() if actual.get(stage, {}).get(k) != v)
             return f"first differing stage {stage!r}: {keys}"
     return "extra stages" if actual != expected else ""
 
@@ -64,7 +64,7 @@ def test_staged_strict_full_run_matches_golden_uses_exactly_its_needs_even_with_
     the global generator (preserved_rng restores it)."""
     config, weights = tiny
     log = EventLog()
-    import pipelines.build as build
+    from pipelines import build
     monkeypatch.setattr(build, "model_loaders", lambda *a, **k: _consuming(model_loaders(*a, **k)))
     records, state = run_tiny(config, weights, "staged", tmp=tmp_path, export=True, strict=True, events=log)
     assert "outside_stage" not in log.kinds()
@@ -80,7 +80,7 @@ def test_staged_strict_full_run_matches_golden_uses_exactly_its_needs_even_with_
 def test_control_without_rng_preservation_the_fingerprints_drift(tiny, tmp_path, monkeypatch):
     """The control: the same loads with preserved_rng disabled shift the noise, and the comparison sees it."""
     config, weights = tiny
-    import pipelines.build as build
+    from pipelines import build
     monkeypatch.setattr(build, "model_loaders", lambda *a, **k: _consuming(model_loaders(*a, **k)))
     records, _ = run_tiny(config, weights, "staged", tmp=tmp_path, preserve_rng=False, until="shape_512")
     actual, expected = stage_fingerprints(records), _golden()

@@ -13,7 +13,7 @@ import torch
 import trimesh
 import yaml
 
-import pipelines.cli as cli
+from pipelines import cli
 from pixal3d.staging.policy import Machine
 from tests.cascade_fixtures import EXAMPLE, GOLDEN, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 
@@ -56,7 +56,7 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
 
 
 def test_plan_prints_the_plan_and_policy_and_reads_no_weights(tiny_cache, tmp_path, capsys, monkeypatch):
-    import pipelines.loaders as loaders
+    from pipelines import loaders
 
     def forbidden(*args, **kwargs):
         raise AssertionError("--plan must not read weights")
@@ -166,7 +166,7 @@ def test_a_failure_during_the_run_exits_1_with_one_line_and_no_output(tiny_cache
 
 
 def test_a_failed_export_leaves_no_partial_glb(tmp_path, monkeypatch):
-    import pipelines.export as export
+    from pipelines import export
     from pipelines.export import ExportStage
     from pipelines.state import RunState
     from pixal3d.config import ExportConfig

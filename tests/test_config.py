@@ -54,8 +54,8 @@ def test_unknown_top_level_key(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, key", [
-    ("steps: 2, guidance_strength: 7.5, guidance_rescale: 0.7", "steps: two, guidance_strength: 7.5, "
-     "guidance_rescale: 0.7", "structure.sampler.steps"),
+    ("steps: 2, guidance_strength: 7.5, guidance_rescale: 0.7",
+     "steps: two, guidance_strength: 7.5, guidance_rescale: 0.7", "structure.sampler.steps"),
     ("seed: 42", "seed: true", "seed"),
     ("texture_size: 256", "texture_size: 2.5", "export.texture_size"),
     ("guidance_interval: [0.6, 0.9]", "guidance_interval: [0.6]", "texture.sampler.guidance_interval"),

@@ -10,10 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pixal3d.config import WeightsConfig, WeightSource
-from pixal3d.hub import (PIPELINE_MODELS, CorruptWeightsError, MissingWeightsError, planned_sizes,
-                         read_safetensors_header, resolve_weights, verify_safetensors)
 from pipelines.tiny_weights import TINY_VERSION, write_tiny_weights
+from pixal3d.config import WeightsConfig, WeightSource
+from pixal3d.hub import (
+    PIPELINE_MODELS,
+    CorruptWeightsError,
+    MissingWeightsError,
+    planned_sizes,
+    read_safetensors_header,
+    resolve_weights,
+    verify_safetensors,
+)
 from tests.cascade_fixtures import tiny_cache  # noqa: F401
 
 REV = "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"
@@ -180,8 +187,13 @@ def test_planned_sizes_of_weights_not_downloaded_come_from_hub_headers_without_d
         assert allow_patterns == ["pipeline.json"]  # the plan never downloads a checkpoint
         return str(snapshot)
 
+    class _Tensor:
+        def __init__(self, start: int, end: int):
+            self.data_offsets = (start, end)
+
     class _Meta:
-        tensors = {"a": type("T", (), {"data_offsets": (0, 1000)})(), "b": type("T", (), {"data_offsets": (1000, 1500)})()}
+        def __init__(self):
+            self.tensors = {"a": _Tensor(0, 1000), "b": _Tensor(1000, 1500)}
 
     def parse(repo_id, filename, revision):
         asked.append((repo_id, filename, revision))
