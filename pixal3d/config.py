@@ -240,14 +240,15 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any], path: tuple[str, 
 
 
 def _absolutize_local_paths(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``weights.*.local`` relative to the config file's folder."""
+    """``weights.*.local``: ``~`` expanded, relative paths taken from the config file's folder."""
     weights = raw.get("weights")
     if not isinstance(weights, Mapping):
         return raw
     fixed = dict(weights)
     for name, src in weights.items():
-        if isinstance(src, Mapping) and isinstance(src.get("local"), str) and not Path(src["local"]).is_absolute():
-            fixed[name] = {**src, "local": str((path.parent / src["local"]).resolve())}
+        if isinstance(src, Mapping) and isinstance(src.get("local"), str):
+            local = Path(src["local"]).expanduser()
+            fixed[name] = {**src, "local": str(local if local.is_absolute() else (path.parent / local).resolve())}
     return {**raw, "weights": fixed}
 
 
