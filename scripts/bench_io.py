@@ -13,9 +13,9 @@ import ctypes.util
 import mmap
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
 
 BLOCK = 16 << 20  # 16 MiB reads
 _PAGE = mmap.PAGESIZE

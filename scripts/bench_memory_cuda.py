@@ -23,15 +23,17 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts import bench_io, write_random_checkpoints as wrc  # noqa: E402
-from scripts.bench_memory import CPU_WORK, CUDA_WORK, REPO, run_policies, weight_files  # noqa: E402
-from scripts.bench_report import read_trace, stage_peaks, window_weights  # noqa: E402
+from scripts import bench_io
+from scripts import write_random_checkpoints as wrc
+from scripts.bench_memory import CPU_WORK, CUDA_WORK, REPO, run_policies, weight_files
+from scripts.bench_report import read_trace, stage_peaks, window_weights
 
 logger = logging.getLogger("bench_memory_cuda")
 GIB = 2**30

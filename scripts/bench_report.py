@@ -7,8 +7,9 @@ throughput is in GB/s of 10**9 bytes, as disks are rated.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 GIB = 2**30
 PRIOR_ART = {  # stageload on a 48 GB Mac, peak footprint per stage, eager vs staged (GB)
@@ -208,7 +209,7 @@ def goals(results: Mapping[str, dict[str, Any]], raw: Mapping[str, Any],
         first, ratios = staged_eager_ratios(results["eager"], results["staged"])
         held = eager_held(results["eager"], results["staged"], traces)
         peaks = stage_peaks(results["staged"])
-        held_ratios = {s: peaks[s]["peak_process"] / held[s] for s in ratios if s in held and held[s]}
+        held_ratios = {s: peaks[s]["peak_process"] / held[s] for s in ratios if held.get(s)}
         out["1_staged_le_0.4_eager"] = {
             "from_stage": first, "ratios": {s: round(r, 3) for s, r in ratios.items()},
             "max_ratio": round(max(ratios.values()), 3), "ok": max(ratios.values()) <= 0.4,
@@ -248,13 +249,11 @@ def goals(results: Mapping[str, dict[str, Any]], raw: Mapping[str, Any],
 
 
 def _stage_of(result: Mapping[str, Any], load: Mapping[str, Any]) -> str | None:
-    """The stage a recorded load happened in, matched to the registry event of the same model and time."""
-    best = None
-    for event in result.get("events", []):
-        if event.get("kind") in ("load", "reload") and event.get("model") == load["model"]:
-            if best is None or abs(event["t"] - (load["time"] - result["summary"]["meta"]["time"])) < \
-                    abs(best["t"] - (load["time"] - result["summary"]["meta"]["time"])):
-                best = event
+    """The stage a recorded load happened in: that of the registry event for the same model nearest in time."""
+    when = load["time"] - result["summary"]["meta"]["time"]  # seconds since the meter started
+    events = [e for e in result.get("events", [])
+              if e.get("kind") in ("load", "reload") and e.get("model") == load["model"]]
+    best = min(events, key=lambda e: abs(e["t"] - when), default=None)
     return best.get("stage") if best else None
 
 

@@ -27,9 +27,9 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -164,8 +164,7 @@ def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec],
                 value = fixed[spec.name].detach().to("cpu", _TORCH_DTYPE[spec.dtype]).contiguous()
                 f.write(value.view(torch.uint8).numpy().tobytes())
                 continue
-            for start in range(0, spec.numel, CHUNK):
-                f.write(tensor_bytes(file_key, spec, start, min(CHUNK, spec.numel - start)))
+            f.writelines(tensor_bytes(file_key, spec, start, min(CHUNK, spec.numel - start)) for start in range(0, spec.numel, CHUNK))
     tmp.replace(path)
     return True
 
