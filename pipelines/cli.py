@@ -267,10 +267,11 @@ def _run_one(cascade: Cascade, config: CascadeConfig, input_path: Path, output_p
         finally:
             sink.target = None
             bar.close()
-    peaks = {row.stage: {"process": row.peak_process, "device": row.peak_device} for row in meter.report()}
+    rows = meter.report()
+    peaks = {row.stage: {"process": row.peak_process, "device": row.peak_device} for row in rows}
     write_json(run_json_path(output_path),
                run_record(config, state, records, policy=policy, reasons=reasons, peaks=peaks,
-                          argv=["pixal3d-image-to-mesh", *args.argv]))
+                          argv=["pixal3d-image-to-mesh", *args.argv], memory=[row.to_dict() for row in rows]))
     if args.keep_latents is not None:
         _save_latents(state, args.keep_latents / f"{input_path.stem}.latents.pt")
     if not args.quiet:

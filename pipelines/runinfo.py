@@ -35,8 +35,10 @@ def run_json_path(output: Path) -> Path:
 
 
 def run_record(config: CascadeConfig, state: RunState, records: Sequence[StageRecord], *, policy: str,
-               reasons: Sequence[str], peaks: dict[str, dict[str, int | None]], argv: Sequence[str]) -> dict[str, Any]:
-    """The run.json content."""
+               reasons: Sequence[str], peaks: dict[str, dict[str, int | None]], argv: Sequence[str],
+               memory: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The run.json content (``memory``: the meter's per-window rows, including the ``setup`` window
+    before the first stage, where an eager run loads its models)."""
     stages = []
     for record in records:
         peak = peaks.get(record.stage, {})
@@ -57,6 +59,7 @@ def run_record(config: CascadeConfig, state: RunState, records: Sequence[StageRe
         "tokens": {"lr": _rows(state.coords_lr), "hr": _rows(state.coords_hr), "hr_resolution": state.hr_resolution},
         "total_seconds": round(sum(r.seconds for r in records), 4),
         "stages": stages,
+        "memory": list(memory),
         "export": state.export_stats,
     }
 

@@ -10,8 +10,10 @@
   ``~/.cache/pixal3d``), checked against its sha256 when the config pins one.
 - ``generate: tiny``: the deterministic demo weights, generated into the cache on first use.
 
-Files that are not there become one ``MissingWeightsError`` naming the files, where they should
-come from and the command that fetches them. Every safetensors file the run will read is checked
+``planned_sizes`` gives each model's bytes for the memory plan without downloading any checkpoint
+(headers on disk, or the header the Hub serves). Files that are not there become one
+``MissingWeightsError`` naming the files, where they should come from and the command that fetches
+them. Every safetensors file the run will read is checked
 (header parses, file is as long as the header says, not a git-lfs pointer) before anything loads.
 """
 from __future__ import annotations

@@ -50,6 +50,7 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
     assert [s["stage"] for s in record["stages"]][-1] == "export"
     assert all(s["seconds"] >= 0 and s["peak_process_bytes"] > 0 for s in record["stages"])
     assert record["versions"]["torch"] and record["policy_reasons"]
+    assert [row["stage"] for row in record["memory"]][-1] == "export"
     assert _files(out.parent) == ["demo.glb", "demo.run.json"]  # no temporary files left
     table = stdout[stdout.index("stage       seconds"):]
     assert "texture" in table and "MiB" in table and "total" in table
