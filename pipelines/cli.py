@@ -230,12 +230,17 @@ def check_writable(folder: Path) -> None:
 
 
 def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
-    """Refuse a run whose smallest footprint (one stage at a time) exceeds the available memory."""
-    if plan.staged_peak > available:
+    """Refuse a run when even one stage's weights, loaded alone, exceed the available memory.
+
+    Only weights are compared (they are exact, from file headers); the working-set estimates are
+    too rough to refuse a run on, so the policy's reasons carry them as a warning instead.
+    """
+    largest = max(plan.stages, key=lambda s: s.weight_bytes, default=None)
+    if largest is not None and largest.weight_bytes > available:
         raise NotEnoughMemoryError(
-            f"not enough memory for any policy: the largest stage needs {gib(plan.staged_peak)} even when models "
-            f"are loaded one stage at a time, but {device} has {gib(available)} available; close other programs "
-            f"or run on a machine with more memory")
+            f"not enough memory for any policy: stage {largest.name} alone needs {gib(largest.weight_bytes)} of "
+            f"weights even when models are loaded one stage at a time, but {device} has {gib(available)} "
+            f"available; close other programs or run on a machine with more memory")
 
 
 # -- 2. the run ----------------------------------------------------------------------------------
