@@ -60,7 +60,7 @@ class NotEnoughMemoryError(RuntimeError):
 # Errors a user can cause: one line, no traceback.
 BEFORE_RUN_ERRORS = (UsageError, ConfigError, WeightsError, CheckpointError, PolicyError, NotEnoughMemoryError,
                      ImageError)
-RUN_ERRORS = (ImageError, WeightsError, CheckpointError, EmptyStructureError, OSError)
+RUN_ERRORS = (ImageError, WeightsError, CheckpointError, EmptyStructureError, OSError, torch.OutOfMemoryError)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
