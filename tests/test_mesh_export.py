@@ -149,3 +149,18 @@ def test_export_rejects_mismatched_or_empty_inputs(cube_fields, tmp_path):
     with pytest.raises(ValueError, match="no voxels"):
         export_glb(empty, pbr, tmp_path / "b.glb", progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_written_glb_has_an_ordinary_file_mode_not_the_temporary_files_0600(tmp_path):
+    import os
+    import stat
+
+    from pixal3d.mesh import glb
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "mode.glb"
+        glb.write_glb(trimesh.creation.box(), path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644

@@ -77,6 +77,12 @@ def build_mesh(
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_glb(mesh: trimesh.Trimesh, path: str | os.PathLike, *, texture_format: str = "png") -> int:
     """Encode ``mesh`` as GLB and write it atomically (temporary file, then rename); returns bytes."""
     if texture_format not in TEXTURE_FORMATS:
@@ -88,6 +94,7 @@ def write_glb(mesh: trimesh.Trimesh, path: str | os.PathLike, *, texture_format:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the GLB gets an ordinary file's mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
