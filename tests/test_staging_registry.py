@@ -54,6 +54,18 @@ def test_enter_releases_what_the_new_stage_does_not_need_before_the_stage_event(
         denoiser(torch.zeros(1, 32), torch.zeros(1, 32))
 
 
+def test_enter_collects_garbage_once_for_all_the_models_it_releases(monkeypatch):
+    import gc
+
+    models, _, log = registry()
+    models.enter("denoise")
+    models["encoder"], models["denoiser"]
+    calls = Counter()
+    monkeypatch.setattr(gc, "collect", lambda: calls.update(["collect"]))  # every caller's gc.collect
+    models.enter("decode")
+    assert len(log.of_kind("release")) == 2 and calls["collect"] == 1
+
+
 def test_a_model_the_new_stage_also_needs_stays_loaded():
     models, _, log = registry()
     models.enter("decode")

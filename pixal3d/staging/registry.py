@@ -6,6 +6,7 @@ emits the ``stage`` event, so a memory meter can open the stage's window after t
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -159,6 +160,7 @@ class StagedModels(Mapping[str, nn.Module]):
         ]
         staying = [n for n in self.loaded() if n not in idle]
         wanted = {self._share_key(n) for n in [*needs, *self._pinned]} - {None}
+        released = False
         for names, module in self._by_instance(idle):
             users = [n for n in staying if self._slots[n].module is module]
             if users or any(self._share_key(n) in wanted for n in names):
@@ -167,7 +169,11 @@ class StagedModels(Mapping[str, nn.Module]):
             elif self._idle == "offload":
                 self._park(names, module, stage)
             else:
-                self._release(names, module, stage)
+                self._release(names, module, stage, collect=False)
+                released = True
+        if released:
+            gc.collect()  # once for all the releases above, before the new stage's window opens
+            empty_device_cache()
         if stage != self._stage:
             self._stage = stage
             self._emit(Event("stage", stage=stage))
@@ -248,10 +254,10 @@ class StagedModels(Mapping[str, nn.Module]):
         """The key of a ``SharedInstances.loader``, so equal keys are known to share before loading."""
         return getattr(self._slots[name].loader, "share_key", None)
 
-    def _release(self, names: list[str], module: nn.Module, stage: str | None) -> None:
+    def _release(self, names: list[str], module: nn.Module, stage: str | None, *, collect: bool = True) -> None:
         others = [s.module for s in self._slots.values() if s.module is not None and s.module is not module]
         start = time.perf_counter()
-        nbytes = release(module, name=names[0], stage=stage, keep=others)
+        nbytes = release(module, name=names[0], stage=stage, keep=others, collect=collect, empty_cache=collect)
         seconds = time.perf_counter() - start
         for name in names:
             self._slots[name].module = None
