@@ -1,6 +1,6 @@
 """Write real-size checkpoints filled with deterministic random weights, for memory benchmarks.
 
-Every tensor named in a manifest (``shared/reference/checkpoints.json``: name, shape, stored dtype of
+Every tensor named in a manifest (``assets/checkpoints.json``: name, shape, stored dtype of
 each of the seven Pixal3D checkpoints, with the config args) is written to
 ``<cache>/<file>.safetensors`` with a ``<file>.json`` ``{"name": <class>, "args": {...}}`` beside it,
 so ``pixal3d.models.loading.load_model(stem)`` reads it like the published file. A real-size DINOv3
@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 logger = logging.getLogger("write_random_checkpoints")
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MANIFEST = REPO.parent / "shared" / "reference" / "checkpoints.json"
+DEFAULT_MANIFEST = REPO / "assets" / "checkpoints.json"  # the published checkpoints' tensors, names and args
 DEFAULT_CACHE = Path(os.environ.get("PIXAL3D_BENCH_CACHE", Path.home() / ".cache" / "pixal3d" / "bench"))
 GENERATOR_VERSION = "pixal3d-bench-random-v1"
 CHUNK = 1 << 22  # elements hashed per step: 16 MiB of float32 scratch
