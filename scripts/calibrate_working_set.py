@@ -45,7 +45,7 @@ from pixal3d.telemetry import linux
 
 logger = logging.getLogger("calibrate_working_set")
 REPO = Path(__file__).resolve().parents[1]
-MANIFEST = Path("/work/shared/reference/checkpoints.json")
+MANIFEST = REPO / "assets" / "checkpoints.json"  # the published configs (decoder args)
 CACHE = Path.home() / ".cache" / "pixal3d" / "bench"
 MIB = 2**20
 
