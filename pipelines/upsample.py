@@ -17,6 +17,7 @@ from pixal3d.config import UpsampleConfig
 
 from .stage import Stage
 from .state import RunState
+from .structure import EmptyStructureError
 
 
 class UpsampleStage(Stage):
@@ -33,6 +34,10 @@ class UpsampleStage(Stage):
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         fine = models["shape_slat_decoder"].upsample(state.lr_latent, times=cfg.times)  # [M, 4] int32
+        if fine.shape[0] == 0:
+            raise EmptyStructureError(
+                f"the shape decoder kept no voxel when upsampling the {state.lr_latent.feats.shape[0]} LR tokens "
+                f"(every subdivision logit <= 0); try another seed or image")
         upsampled = self.coords_resolution * 2 ** cfg.times
         resolution = cfg.hr_resolution
         while True:

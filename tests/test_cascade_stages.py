@@ -79,6 +79,17 @@ def test_token_budget_steps_the_resolution_down_by_128_until_under_budget_or_102
     assert results[40] == (1024, 216)     # never under budget: stops at min_resolution
 
 
+def test_an_upsampling_that_keeps_no_voxel_is_a_clear_empty_structure_error():
+    """All subdivision logits <= 0: stop at the upsample stage, not with an obscure failure on 0 HR tokens."""
+    config = UpsampleConfig(times=4, hr_resolution=1024)
+    coords = torch.tensor([[0, 1, 2, 3], [0, 2, 2, 3], [0, 3, 2, 3]], dtype=torch.int32)
+    latent = SparseTensor(torch.zeros(3, 32), coords)
+    state = _state(lr_latent=latent)
+    with pytest.raises(EmptyStructureError, match="kept no voxel when upsampling the 3 LR tokens"):
+        UpsampleStage(config, 32).run(state, {"shape_slat_decoder": _Upsampler(0)})
+    assert state.coords_hr is None
+
+
 def test_camera_stage_needs_moge_only_without_a_field_of_view():
     assert CameraStage(49.0, use_moge=True).needs == ()
     assert CameraStage(None, use_moge=True).needs == ("moge",)
