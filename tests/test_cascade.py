@@ -87,3 +87,25 @@ def test_control_without_rng_preservation_the_fingerprints_drift(tiny, tmp_path,
     assert actual["preprocess"] == expected["preprocess"]  # before any load: unaffected
     assert actual["structure"]["ss_noise"] != expected["structure"]["ss_noise"]
     assert _diff(actual, {k: expected[k] for k in actual}).startswith("first differing stage 'structure'")
+
+
+def test_the_four_noises_are_consecutive_cpu_draws_right_after_the_seed(tiny, tmp_path):
+    """Reference §7.1: after the seed, nothing but the four noise draws consumes the CPU generator, in the
+    order structure, shape 512, shape 1024, texture, with shapes [1, C, R, R, R], [N_lr, C], [N_hr, C] x 2."""
+    config, weights = tiny
+    _, state = run_tiny(config, weights, "staged", tmp=tmp_path)
+    r, n_lr, n_hr = config.structure.noise_resolution, len(state.coords_lr), len(state.coords_hr)
+    torch.manual_seed(config.seed)
+    expected = [torch.randn(1, config.structure.latent_channels, r, r, r),
+                torch.randn(n_lr, config.shape_512.latent_channels),
+                torch.randn(n_hr, config.shape_1024.latent_channels),
+                torch.randn(n_hr, config.texture.latent_channels)]
+    drawn = [state.ss_noise, state.lr_noise, state.hr_noise, state.tex_noise]
+    for name, got, want in zip(("ss", "lr", "hr", "tex"), drawn, expected, strict=True):
+        assert got.device.type == "cpu" and got.dtype == torch.float32, name
+        assert torch.equal(got, want), f"{name} noise is not the expected draw"
+    assert state.coords_lr.dtype == state.coords_hr.dtype == torch.int32
+    assert (state.coords_lr[:, 0] == 0).all() and (state.coords_hr[:, 0] == 0).all()
+    assert torch.equal(state.coords_hr, torch.unique(state.coords_hr, dim=0))  # sorted rows = noise row order
+    torch.manual_seed(config.seed + 1)
+    assert not torch.equal(torch.randn(1, config.structure.latent_channels, r, r, r), expected[0])  # control
