@@ -176,3 +176,43 @@ def test_cascade_rejects_bad_plans():
         Cascade([_Use("a", ()), _Use("a", ())], {}).run(_state())
     with pytest.raises(KeyError, match=r"without a loader: \['m9'\]"):
         Cascade([_Use("a", ("m9",))], {}).run(_state())
+
+
+class _ZeroFlow(nn.Module):
+    """A flow predicting zero velocity (the sampler returns its noise); records the concat_cond it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.concat = []
+
+    def forward(self, x, t, cond, concat_cond=None):
+        self.concat.append(concat_cond)
+        return x.replace(torch.zeros_like(x.feats))
+
+
+def test_shape_and_texture_latents_are_normalized_in_the_reference_directions(monkeypatch):
+    """Shape: ``latent·std + mean``; texture: the flow gets ``(shape − mean_s)/std_s`` as concat_cond and its
+    output becomes ``latent·std_t + mean_t`` (reference §1.5, §1.8)."""
+    from pipelines import shape_1024, texture
+    from pixal3d.config import ConditionConfig, SamplerConfig, ShapeConfig
+    from pixal3d.hub import Normalization
+
+    for module in (shape_1024, texture):
+        monkeypatch.setattr(module, "stage_condition", lambda *a, **k: {})
+    sampler = SamplerConfig(steps=2, guidance_strength=1.0, guidance_rescale=0.0, guidance_interval=(0.6, 0.9),
+                            rescale_t=3.0)
+    cfg = ShapeConfig(latent_channels=2, sampler=sampler, condition=ConditionConfig(image_size=64))
+    shape_norm, tex_norm = Normalization(mean=(1.0, -2.0), std=(3.0, 0.5)), Normalization(mean=(5.0, 6.0),
+                                                                                         std=(2.0, 4.0))
+    coords = torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3]], dtype=torch.int32)
+    state = _state(coords_hr=coords, hr_resolution=48)
+    shape_flow, tex_flow = _ZeroFlow(), _ZeroFlow()
+    torch.manual_seed(0)
+    shape_1024.Shape1024Stage(cfg, shape_norm, 2).run(state, {"shape_slat_flow_model_1024": shape_flow})
+    texture.TextureStage(cfg, shape_norm, tex_norm, 2).run(state, {"tex_slat_flow_model_1024": tex_flow})
+    s_mean, s_std = torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, 0.5]])
+    assert torch.allclose(state.shape_latent.feats, state.hr_noise * s_std + s_mean)
+    assert torch.allclose(tex_flow.concat[0].feats, state.hr_noise, atol=1e-6)  # the round trip of the shape
+    t_mean, t_std = torch.tensor([[5.0, 6.0]]), torch.tensor([[2.0, 4.0]])
+    assert torch.allclose(state.tex_latent.feats, state.tex_noise * t_std + t_mean)
+    assert not torch.equal(state.hr_noise, state.tex_noise)
