@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from pixal3d.models.camera import camera_from_fov, estimate_camera
+from pixal3d.staging import preserved_rng
 
 from .stage import Stage
 from .state import RunState
@@ -30,4 +31,7 @@ class CameraStage(Stage):
         if self.fov_deg is not None:
             state.camera = camera_from_fov(math.radians(self.fov_deg))
         else:
-            state.camera = estimate_camera(state.image, models["moge"] if self.use_moge else None)
+            # The reference estimates the camera before seeding: whatever MoGe draws must not move
+            # the four noise draws that follow.
+            with preserved_rng():
+                state.camera = estimate_camera(state.image, models["moge"] if self.use_moge else None)

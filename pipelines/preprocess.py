@@ -8,6 +8,7 @@ from torch import nn
 
 from pixal3d.hub import MissingWeightsError
 from pixal3d.models.preprocess import load_background_remover, load_image, preprocess_image
+from pixal3d.staging import preserved_rng
 
 from .stage import Stage
 from .state import RunState
@@ -35,7 +36,9 @@ class _LazyRemover:
         self._models = models
 
     def __call__(self, image):
-        return self._models["rembg"](image)
+        # The reference removes the background before seeding: the remover must not move the noise draws.
+        with preserved_rng():
+            return self._models["rembg"](image)
 
 
 class RemoverModule(nn.Module):

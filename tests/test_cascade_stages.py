@@ -113,6 +113,46 @@ def test_an_rgba_input_never_loads_the_background_remover():
     assert state.image.mode == "RGB" and state.image.size[0] == state.image.size[1]
 
 
+class _RandomEstimator(nn.Module):
+    """A camera estimator / background remover that consumes the global generator, as a model might."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def infer(self, pixels):
+        torch.randn(16)
+        return {"intrinsics": torch.tensor([[0.8, 0.0, 0.5], [0.0, 0.8, 0.5], [0.0, 0.0, 1.0]])}
+
+    def forward(self, image):
+        torch.randn(16)
+        rgba = image.convert("RGBA")
+        rgba.putalpha(255)
+        inner = rgba.crop((8, 8, rgba.width - 8, rgba.height - 8))
+        rgba.paste((0, 0, 0, 0), (0, 0, rgba.width, rgba.height))
+        rgba.paste(inner, (8, 8))
+        return rgba
+
+
+def test_camera_and_background_models_do_not_move_the_noise_draws(tmp_path):
+    from PIL import Image
+
+    rgb = tmp_path / "rgb.png"
+    Image.new("RGB", (64, 64), (200, 120, 40)).save(rgb)
+    state = RunState(input_path=rgb, output_path=tmp_path / "out.glb", seed=0, device=torch.device("cpu"),
+                     progress=False)
+    models = {"rembg": _RandomEstimator(), "moge": _RandomEstimator()}
+    torch.manual_seed(0)
+    PreprocessStage(use_remover=True).run(state, models)
+    CameraStage(None, use_moge=True).run(state, models)
+    after = torch.randn(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.randn(4))
+    torch.manual_seed(0)
+    models["moge"].infer(None)  # control: the same model outside the stage does move the generator
+    assert not torch.equal(torch.randn(4), after)
+
+
 def test_fingerprints_cover_dtype_shape_and_bytes():
     a = torch.arange(6, dtype=torch.float32)
     assert fingerprint_tensor(a) == fingerprint_tensor(a.clone())
