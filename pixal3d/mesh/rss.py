@@ -9,30 +9,18 @@ in benchmarks, not under a telemetry reader that relies on them.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import psutil
 
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_STATUS = Path("/proc/self/status")
+from pixal3d.telemetry.linux import process_memory, reset_peak
 
 
 def _read_hwm() -> int | None:
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return process_memory()[1]
 
 
 def _reset_hwm() -> bool:
-    try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return _read_hwm() is not None
+    return reset_peak() and _read_hwm() is not None
 
 
 class PeakRss:
