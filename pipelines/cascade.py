@@ -125,7 +125,7 @@ class Cascade:
             {n: self.loaders[n] for n in needed}, self.plan(),
             pinned=needed if self.policy in ("eager", "resident") else (),
             events=self.events, strict=self.strict,
-            idle="offload" if self.policy == "offload" else "release",
+            idle="park" if self.policy == "offload" else "release",
             preserve_rng=self.preserve_rng)
         if self.policy == "eager":
             registry.load_all()

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from pixal3d.staging import EventLog, StagedModels, is_released, model_device, park, unpark
+from pixal3d.staging import EventLog, StagedModels
+from pixal3d.staging.offload import model_device, park, unpark
+from pixal3d.staging.release import is_released
 from tests.substitute_pipeline import STAGES, build, make_loaders, run
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -17,7 +19,7 @@ def test_parking_a_cpu_module_moves_nothing():
 
 def test_offload_registry_parks_instead_of_releasing_and_brings_back_the_same_module():
     log = EventLog()
-    models = StagedModels(make_loaders(), STAGES, events=log, idle="offload")
+    models = StagedModels(make_loaders(), STAGES, events=log, idle="park")
     models.enter("encode")
     encoder = models["encoder"]
     models.enter("decode")
@@ -34,7 +36,7 @@ def test_offload_registry_parks_instead_of_releasing_and_brings_back_the_same_mo
 
 def test_offload_run_matches_staged_run():
     staged = StagedModels(make_loaders(), STAGES)
-    offload = StagedModels(make_loaders(), STAGES, idle="offload")
+    offload = StagedModels(make_loaders(), STAGES, idle="park")
     assert run(offload, enter=offload.enter) == run(staged, enter=staged.enter)
 
 

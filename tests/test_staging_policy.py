@@ -10,15 +10,11 @@ from pixal3d.staging import (
     MemoryPlan,
     Policy,
     PolicyError,
-    choose_policy,
     detect_machine,
     format_plan,
-    model_sizes,
-    registry_for,
     resolve_policy,
-    safetensors_nbytes,
 )
-from tests.substitute_pipeline import STAGES, make_loaders
+from pixal3d.staging.policy import choose_policy, model_sizes, placement, safetensors_nbytes
 
 GB = 10**9
 GiB = 2**30
@@ -126,8 +122,6 @@ def test_auto_never_offloads_on_unified_memory():
 def test_offload_is_refused_on_unified_memory_with_the_next_step():
     with pytest.raises(PolicyError, match="unified memory.*--memory-policy staged"):
         resolve_policy("offload", PLAN, unified(24))
-    with pytest.raises(PolicyError, match="discrete-GPU"):
-        registry_for(Policy.offload, make_loaders(), STAGES, machine=detect_machine("cpu"))
 
 
 def test_resolve_explicit_policies_and_auto():
@@ -140,21 +134,11 @@ def test_resolve_explicit_policies_and_auto():
         resolve_policy("lazy", PLAN, unified(24))
 
 
-def test_registry_for_applies_each_policy():
-    cpu = detect_machine("cpu")
-    resident = registry_for("resident", make_loaders(), STAGES, machine=cpu)
-    assert resident.loaded() == []
-    resident.enter("encode")
-    resident["encoder"]
-    resident.enter("decode")
-    assert resident.loaded() == ["encoder"]  # resident keeps what it loaded
-    staged = registry_for("staged", make_loaders(), STAGES, machine=cpu)
-    staged.enter("encode")
-    staged["encoder"]
-    staged.enter("decode")
-    assert staged.loaded() == []
+def test_auto_must_be_resolved_before_it_becomes_a_placement():
     with pytest.raises(PolicyError, match="resolved first"):
-        registry_for("auto", make_loaders(), STAGES, machine=cpu)
+        placement("auto")
+    with pytest.raises(PolicyError, match="unknown policy 'lazy'"):
+        placement("lazy")
 
 
 def test_plan_table_lists_every_stage_the_machine_and_the_choice():

@@ -10,8 +10,8 @@ from pixal3d.staging import (
     OutsideStageError,
     ReleasedModuleError,
     StagedModels,
-    module_nbytes,
 )
+from pixal3d.staging.release import module_nbytes
 from tests.substitute_pipeline import STAGES, make_loaders
 
 

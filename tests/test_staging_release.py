@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pixal3d.staging import ReleasedModuleError, is_released, module_nbytes, release
+from pixal3d.staging import ReleasedModuleError, release
+from pixal3d.staging.release import is_released, module_nbytes
 from tests.substitute_pipeline import Denoiser, Encoder, build
 
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from pixal3d.staging import EventLog, SharedInstances, StagedModels, is_released, module_nbytes
+from pixal3d.staging import EventLog, SharedInstances, StagedModels
+from pixal3d.staging.release import is_released, module_nbytes
 
 USERS = ["extractor_a", "extractor_b", "extractor_c", "extractor_d"]
 

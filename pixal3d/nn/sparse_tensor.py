@@ -47,6 +47,10 @@ class SparseTensor:
     def type(self, dtype: torch.dtype) -> "SparseTensor":
         return self.replace(self.feats.type(dtype))
 
+    def fingerprint_parts(self) -> dict[str, torch.Tensor]:
+        """What identifies this tensor bit for bit (``pixal3d.staging.fingerprint``): coords and features."""
+        return {"coords": self.coords, "feats": self.feats}
+
     # -- properties ---------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:

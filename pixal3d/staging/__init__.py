@@ -1,57 +1,65 @@
-"""Stage-aware model memory: lazy per-stage loading, release to meta, RNG preservation, sharing, policy.
+"""Stage-aware model memory for any pipeline: stages that declare their models, a runner, a registry that
+loads lazily and releases per stage, RNG preservation, shared instances, and the memory policy.
 
-Pipeline-agnostic: nothing here imports the rest of pixal3d.
+Pipeline-agnostic: nothing here imports the rest of pixal3d. A pipeline author needs:
+
+- ``Stage`` and ``StageRunner`` (``runner.py``): declare stages, run them, get ``StageRecord``s;
+- ``Policy``, ``MemoryPlan``, ``detect_machine``, ``resolve_policy``, ``format_plan`` (``policy.py``):
+  choose where idle models live from the plan and the machine;
+- ``StagedModels`` (``registry.py``) when driving stages by hand; ``SharedInstances`` for one module
+  under several names; ``preserved_rng`` around code that may draw from the global generators;
+- ``Event`` / ``EventLog`` to watch loads and releases; ``fingerprints`` to compare runs bit for bit.
 """
-from .events import EVENT_KINDS, Event, EventLog, EventSink
-from .offload import model_device, park, unpark
+from .events import Event, EventLog, EventSink
+from .fingerprint import fingerprints
 from .policy import (
     Machine,
     MemoryPlan,
+    Placement,
     Policy,
     PolicyError,
-    StagePlan,
-    choose_policy,
     detect_machine,
     format_plan,
-    model_sizes,
-    registry_for,
+    placement,
     resolve_policy,
-    safetensors_nbytes,
 )
 from .registry import OutsideStageError, StagedModels
-from .release import ReleasedModuleError, ReleaseInfo, empty_device_cache, is_released, module_nbytes, release
+from .release import ReleasedModuleError, release
 from .rng import preserved_rng
-from .share import SharedInstances, SharedLoader
+from .runner import Stage, StageGraphError, StageRecord, StageRunner, check_stages
+from .safetensors_header import (
+    SafetensorsHeader,
+    SafetensorsHeaderError,
+    read_safetensors_header,
+)
+from .share import SharedInstances
 
 __all__ = [
-    "EVENT_KINDS",
     "Event",
     "EventLog",
     "EventSink",
     "Machine",
     "MemoryPlan",
     "OutsideStageError",
+    "Placement",
     "Policy",
     "PolicyError",
-    "ReleaseInfo",
     "ReleasedModuleError",
+    "SafetensorsHeader",
+    "SafetensorsHeaderError",
     "SharedInstances",
-    "SharedLoader",
-    "StagePlan",
+    "Stage",
+    "StageGraphError",
+    "StageRecord",
+    "StageRunner",
     "StagedModels",
-    "choose_policy",
+    "check_stages",
     "detect_machine",
-    "empty_device_cache",
+    "fingerprints",
     "format_plan",
-    "is_released",
-    "model_device",
-    "model_sizes",
-    "module_nbytes",
-    "park",
+    "placement",
     "preserved_rng",
-    "registry_for",
+    "read_safetensors_header",
     "release",
     "resolve_policy",
-    "safetensors_nbytes",
-    "unpark",
 ]

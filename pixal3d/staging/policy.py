@@ -13,26 +13,21 @@ The plan reads model sizes from safetensors headers only; no tensor is read to p
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
-import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
 import torch
-from torch import nn
 
-from .events import EventSink
-from .registry import StagedModels
+from .registry import IdlePlacement
+from .safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
 logger = logging.getLogger(__name__)
 
 HEADROOM = 0.15
 """Fraction of available memory the plan leaves free: "fits" means fits in the other 85%."""
-
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header size
 
 
 class Policy(str, enum.Enum):
@@ -91,26 +86,10 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
 
 def safetensors_nbytes(path: str | os.PathLike) -> int:
     """Bytes of tensor data in a safetensors file, from its header alone (no tensor is read)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise PolicyError(f"{os.fspath(path)!r} is too short to be a safetensors file")
-        (size,) = struct.unpack("<Q", raw)
-        if size > _MAX_HEADER:
-            raise PolicyError(f"{os.fspath(path)!r}: header of {size} bytes is not a safetensors header")
-        try:
-            header = json.loads(f.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PolicyError(f"{os.fspath(path)!r}: unreadable safetensors header ({err})") from err
-    total = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            raise PolicyError(f"{os.fspath(path)!r}: tensor {key!r} has no data_offsets in the header")
-        total += offsets[1] - offsets[0]
-    return total
+    try:
+        return read_safetensors_header(path, check_length=False).data_bytes
+    except SafetensorsHeaderError as err:
+        raise PolicyError(f"cannot plan with {os.fspath(path)!r}: {err}") from None
 
 
 def model_sizes(files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]]) -> dict[str, int]:
@@ -306,33 +285,29 @@ def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Ite
     return "\n".join(lines)
 
 
-def registry_for(
-    policy: Policy | str,
-    loaders: Mapping[str, Callable[[], nn.Module]],
-    stages: Mapping[str, Sequence[str]],
-    *,
-    machine: Machine | None = None,
-    pinned: Iterable[str] = (),
-    events: EventSink | None = None,
-    strict: bool = False,
-) -> StagedModels:
-    """A ``StagedModels`` that applies a resolved policy (``eager`` loads every model before returning)."""
-    policy = Policy(policy)
+@dataclass(frozen=True)
+class Placement:
+    """What a resolved policy means for the registry: where idle models live, and whether every model
+    loads before the first stage."""
+
+    idle: IdlePlacement
+    preload: bool = False
+
+
+PLACEMENTS: Mapping[Policy, Placement] = {
+    Policy.eager: Placement("keep", preload=True),
+    Policy.resident: Placement("keep"),
+    Policy.staged: Placement("release"),
+    Policy.offload: Placement("park"),
+}
+
+
+def placement(policy: Policy | str) -> Placement:
+    """The registry behaviour of a resolved policy (``auto`` must be resolved first)."""
+    try:
+        policy = Policy(policy)
+    except ValueError:
+        raise PolicyError(f"unknown policy {policy!r}; choose one of {[p.value for p in Policy]}") from None
     if policy is Policy.auto:
         raise PolicyError("policy 'auto' must be resolved first: call resolve_policy(plan, machine)")
-    if policy is Policy.offload and (machine is None or machine.unified):
-        raise PolicyError(
-            "policy 'offload' needs a discrete-GPU Machine (detect_machine()); on unified memory use 'staged'"
-        )
-    keep_all = policy in (Policy.resident, Policy.eager)
-    registry = StagedModels(
-        loaders,
-        stages,
-        pinned=list(loaders) if keep_all else pinned,
-        events=events,
-        strict=strict,
-        idle="offload" if policy is Policy.offload else "release",
-    )
-    if policy is Policy.eager:
-        registry.load_all()
-    return registry
+    return PLACEMENTS[policy]

@@ -24,7 +24,9 @@ from .rng import preserved_rng
 
 logger = logging.getLogger(__name__)
 
-IdlePlacement = Literal["release", "offload"]
+IdlePlacement = Literal["release", "park", "keep"]
+"""Where a model lives while the stage being entered does not need it: released to ``meta``, parked in
+host memory, or kept where it is."""
 
 
 class OutsideStageError(RuntimeError):
@@ -49,7 +51,8 @@ class StagedModels(Mapping[str, nn.Module]):
     order, the model names each stage needs. ``models[name]`` loads on first access inside
     ``preserved_rng()``; ``in``, ``len()`` and iteration never load (``get``, ``values`` and
     ``items`` do, as for any Mapping). ``pinned`` names are never released by ``enter``.
-    ``idle="offload"`` parks idle models in host memory instead of releasing them (discrete GPUs).
+    ``idle`` says where idle models go: ``"release"`` (to ``meta``), ``"park"`` (host memory, for discrete
+    GPUs) or ``"keep"`` (nothing moves; ``enter`` only changes the stage).
     Events go to ``events`` (any callable taking an ``Event``). Names whose loaders come from one
     ``SharedInstances.loader`` share one instance: loaded once, released once, when no stage being
     entered needs any of them.
@@ -76,8 +79,8 @@ class StagedModels(Mapping[str, nn.Module]):
         self._pinned: set[str] = set()
         for name in pinned:
             self.pin(name)
-        if idle not in ("release", "offload"):
-            raise ValueError(f"idle={idle!r} is not a placement; use 'release' or 'offload'")
+        if idle not in ("release", "park", "keep"):
+            raise ValueError(f"idle={idle!r} is not a placement; use 'release', 'park' or 'keep'")
         self._idle = idle
         self._sink = events
         self._strict = strict
@@ -153,7 +156,8 @@ class StagedModels(Mapping[str, nn.Module]):
         idle = [
             name
             for name, slot in self._slots.items()
-            if slot.module is not None
+            if self._idle != "keep"
+            and slot.module is not None
             and name not in needs
             and name not in self._pinned
             and id(slot.module) not in self._parked
@@ -166,7 +170,7 @@ class StagedModels(Mapping[str, nn.Module]):
             if users or any(self._share_key(n) in wanted for n in names):
                 # A shared instance: one of its users is still needed, so it stays whole.
                 logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users or needs)
-            elif self._idle == "offload":
+            elif self._idle == "park":
                 self._park(names, module, stage)
             else:
                 self._release(names, module, stage, collect=False)

@@ -1,0 +1,245 @@
+"""The generic stage runner: stages declare what they need, read and write; the runner enters, runs, records.
+
+Vocabulary (used across ``pixal3d.staging``):
+
+- a *stage* is one named step of a pipeline (``Stage``);
+- its *needs* are the registry model names it may ask for while it runs;
+- its *inputs* are the state fields it reads, its *outputs* the fields it writes; outputs are
+  fingerprinted after the stage returns (``fingerprint.py``). *Transient* outputs are fingerprinted,
+  then cleared: large per-stage data (image conditioning, say) that must not outlive its stage;
+- its *working set* is the estimated memory it needs beyond its models' weights, in bytes;
+- the *state* is any object holding those fields (typically a dataclass); the fields set before the
+  first stage are what the run *provides*.
+
+The runner checks the declarations when it is built, before any model loads: unique names, a working
+set per stage, every input provided or written by an earlier stage, every field a field of the state
+type, a loader for every need. Each ``run_stage`` is ``registry.enter(name)`` (which releases, parks or
+keeps idle models according to the policy), ``stage.run(state, models)`` under ``torch.no_grad``, then
+the fingerprints of its outputs. Pipeline-specific code (the Pixal3D cascade) lives outside this package.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import torch
+from torch import nn
+
+from .events import EventSink
+from .fingerprint import fingerprints
+from .policy import Policy, placement
+from .registry import StagedModels
+
+logger = logging.getLogger(__name__)
+
+
+class Stage:
+    """One step of a pipeline. Subclass and set ``name``, ``needs``, ``inputs``, ``outputs`` (and
+    ``transient``), implement ``run`` and ``working_set``."""
+
+    name: str = ""
+    needs: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    transient: tuple[str, ...] = ()
+
+    def working_set(self) -> int | None:
+        """Estimated bytes beyond the weights of ``needs`` (activations, buffers); ``None``: not declared,
+        which the runner refuses — declare 0 for a stage that needs nothing worth counting."""
+        return None
+
+    def run(self, state: Any, models: Mapping[str, nn.Module]) -> None:
+        """Read ``inputs`` of ``state``, write its ``outputs``, using only the models in ``needs``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run(state, models)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, needs={list(self.needs)})"
+
+
+class StageGraphError(ValueError):
+    """The stages' declarations do not fit together (found when the runner is built, not mid-run)."""
+
+
+@dataclass
+class StageRecord:
+    """What one stage did: wall seconds, the models it asked for, fingerprints of what it wrote, and
+    (when a memory meter watched the run) its peak process and device memory in bytes."""
+
+    stage: str
+    seconds: float
+    used: list[str]
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    peak_process_bytes: int | None = None
+    peak_device_bytes: int | None = None
+
+
+def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state_type: type | None = None,
+                 loaders: Mapping[str, Any] | None = None) -> None:
+    """Raise ``StageGraphError`` naming the first declaration that cannot work (see the module docstring)."""
+    names = [s.name for s in stages]
+    if "" in names or len(set(names)) != len(names):
+        raise StageGraphError(f"stage names must be non-empty and unique, got {names}")
+    known = None
+    if state_type is not None and dataclasses.is_dataclass(state_type):
+        known = {f.name for f in dataclasses.fields(state_type)}
+    available = set(provides)
+    if known is not None and available - known:
+        raise StageGraphError(f"the run provides {sorted(available - known)}, which are not fields of "
+                              f"{state_type.__name__}")
+    for stage in stages:
+        if stage.working_set() is None:
+            raise StageGraphError(f"stage {stage.name!r} ({type(stage).__name__}) declares no working-set "
+                                  f"estimate; implement working_set() (return 0 if it needs nothing to speak of)")
+        if known is not None:
+            unknown = [f for f in (*stage.inputs, *stage.outputs, *stage.transient) if f not in known]
+            if unknown:
+                raise StageGraphError(f"stage {stage.name!r} names {unknown}, which are not fields of "
+                                      f"{state_type.__name__}")
+        missing = [f for f in stage.inputs if f not in available]
+        if missing:
+            raise StageGraphError(f"stage {stage.name!r} reads {missing}, which no earlier stage writes and the "
+                                  f"run does not provide; available then: {sorted(available)}")
+        available.update(stage.outputs)
+        if loaders is not None:
+            absent = [m for m in stage.needs if m not in loaders]
+            if absent:
+                raise StageGraphError(f"stage {stage.name!r} needs models without a loader: {absent}; "
+                                      f"loaders: {sorted(loaders)}")
+
+
+class _UsageView(Mapping[str, nn.Module]):
+    """The registry as one stage sees it: every model the stage asks for is recorded in ``used``."""
+
+    def __init__(self, registry: StagedModels, used: set[str]):
+        self._registry = registry
+        self.used = used
+
+    def __getitem__(self, name: str) -> nn.Module:
+        self.used.add(name)
+        return self._registry[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registry)
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registry
+
+
+class StageRunner:
+    """Stages + loaders + a resolved policy; runs stages in order over a state.
+
+    loaders:      model name → zero-argument callable returning the loaded module
+    provides:     state fields set before the first stage (checked against the stages' inputs)
+    state_type:   the state's dataclass, so misspelt field names are found at build time
+    policy:       a resolved ``Policy`` (``auto`` must be resolved first); its ``Placement`` decides the registry
+    events:       sink for registry events (``MemoryMeter.on_event``, an ``EventLog``, ...)
+    strict:       a model asked for outside its stage's needs raises instead of emitting ``outside_stage``
+    preserve_rng: restore the global generators around every load (off only in control tests)
+    """
+
+    def __init__(self, stages: Sequence[Stage], loaders: Mapping[str, Callable[[], nn.Module]], *,
+                 provides: Iterable[str] = (), state_type: type | None = None, policy: Policy | str = Policy.staged,
+                 events: EventSink | None = None, strict: bool = False, preserve_rng: bool = True,
+                 pinned: Iterable[str] = ()):
+        self.policy = Policy(policy)
+        self._placement = placement(self.policy)
+        self._stages = list(stages)
+        self._loaders = dict(loaders)
+        self._provides = tuple(provides)
+        self._state_type = state_type
+        self._events = events
+        self._strict = strict
+        self._preserve_rng = preserve_rng
+        self._pinned = tuple(pinned)
+        self._registry: StagedModels | None = None
+        check_stages(self._stages, provides=self._provides, state_type=state_type, loaders=self._loaders)
+
+    # -- the declarations ------------------------------------------------------------------
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages in run order (replace one with ``replace``)."""
+        return tuple(self._stages)
+
+    def stage(self, name: str) -> Stage:
+        """The stage called ``name``."""
+        for stage in self._stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self._stages]}")
+
+    def needs(self) -> dict[str, tuple[str, ...]]:
+        """Stage name → the model names it needs, in run order."""
+        return {s.name: tuple(s.needs) for s in self._stages}
+
+    def working_sets(self) -> dict[str, int]:
+        """Stage name → its working-set estimate in bytes."""
+        return {s.name: int(s.working_set()) for s in self._stages}
+
+    def replace(self, name: str, stage: Stage) -> None:
+        """Put ``stage`` in place of the stage called ``name`` (checked as at build; models reload lazily)."""
+        stages = [stage if s.name == name else s for s in self._stages]
+        if stages == self._stages:
+            raise KeyError(f"no stage {name!r} to replace; stages: {[s.name for s in self._stages]}")
+        check_stages(stages, provides=self._provides, state_type=self._state_type, loaders=self._loaders)
+        self.close()
+        self._stages = stages
+
+    # -- running ---------------------------------------------------------------------------
+    @property
+    def registry(self) -> StagedModels:
+        """The model registry, built on first use (an ``eager`` policy loads every model then)."""
+        if self._registry is None:
+            needs = self.needs()
+            wanted = list(dict.fromkeys(m for ms in needs.values() for m in ms))
+            self._registry = StagedModels(
+                {n: self._loaders[n] for n in wanted}, needs, pinned=self._pinned, events=self._events,
+                strict=self._strict, idle=self._placement.idle, preserve_rng=self._preserve_rng)
+            if self._placement.preload:
+                self._registry.load_all()
+        return self._registry
+
+    def run_stage(self, stage: Stage | str, state: Any) -> StageRecord:
+        """Enter ``stage``, run it over ``state``, fingerprint its outputs (transient ones then cleared)."""
+        stage = self.stage(stage) if isinstance(stage, str) else stage
+        registry = self.registry
+        registry.enter(stage.name)
+        used: set[str] = set()
+        start = time.perf_counter()
+        with torch.no_grad():
+            stage.run(state, _UsageView(registry, used))
+        seconds = time.perf_counter() - start
+        prints: dict[str, str] = {}
+        for name in (*stage.outputs, *stage.transient):
+            prints.update(fingerprints(getattr(state, name), name))
+        for name in stage.transient:
+            setattr(state, name, None)
+        logger.debug("stage %s: %.2f s, used %s", stage.name, seconds, sorted(used))
+        return StageRecord(stage.name, seconds, sorted(used), prints)
+
+    def run(self, state: Any, *, on_stage: Callable[[Stage], None] | None = None) -> list[StageRecord]:
+        """Run every stage in order over ``state``; one record per stage."""
+        records = []
+        for stage in self._stages:
+            if on_stage is not None:
+                on_stage(stage)
+            records.append(self.run_stage(stage, state))
+        return records
+
+    def close(self) -> None:
+        """Release every model (the registry is rebuilt on the next run)."""
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

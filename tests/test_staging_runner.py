@@ -1,0 +1,162 @@
+"""StageRunner: declarations checked at build time, each policy's placement, transient outputs, replacing a
+stage by name, and the example chain of examples/toy_chain.py (staged == eager, one model held at a time)."""
+from __future__ import annotations
+
+import runpy
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from pixal3d.staging import (
+    EventLog,
+    Policy,
+    PolicyError,
+    Stage,
+    StageGraphError,
+    StageRunner,
+)
+from tests.substitute_pipeline import build, make_loaders
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "toy_chain.py"
+
+
+@dataclass
+class State:
+    x: torch.Tensor
+    feats: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+
+
+class Encode(Stage):
+    name, needs, inputs, outputs, transient = "encode", ("encoder",), ("x",), ("feats",), ("scratch",)
+
+    def working_set(self) -> int:
+        return 10
+
+    def run(self, state, models):
+        state.scratch = torch.zeros(3)
+        state.feats = models["encoder"](state.x)
+
+
+class Decode(Stage):
+    name, needs, inputs, outputs = "decode", ("decoder",), ("feats",), ("y",)
+
+    def working_set(self) -> int:
+        return 0
+
+    def run(self, state, models):
+        state.y = models["decoder"](state.feats)
+
+
+def runner(stages=None, **kwargs) -> StageRunner:
+    return StageRunner(stages or [Encode(), Decode()], make_loaders(kwargs.pop("builds", None)), provides=("x",),
+                       state_type=State, **kwargs)
+
+
+def test_a_stage_reading_a_field_nobody_writes_is_refused_when_the_runner_is_built():
+    class Refine(Decode):
+        name, inputs = "refine", ("latent_from_nowhere",)
+    with pytest.raises(StageGraphError, match=r"'refine' names \['latent_from_nowhere'\].*not fields of State"):
+        runner([Encode(), Refine()])
+
+    class Early(Decode):
+        name = "early"
+    with pytest.raises(StageGraphError, match=r"'early' reads \['feats'\], which no earlier stage writes"):
+        runner([Early(), Encode()])  # order matters: feats is written only after
+
+
+def test_a_stage_without_a_working_set_estimate_is_refused_when_the_runner_is_built():
+    class Vague(Decode):
+        def working_set(self):
+            return super(Decode, self).working_set()
+    with pytest.raises(StageGraphError, match="'decode' .*declares no working-set estimate"):
+        runner([Encode(), Vague()])
+
+
+def test_other_declaration_errors_name_the_stage():
+    class Twin(Decode):
+        name = "encode"
+    with pytest.raises(StageGraphError, match="unique"):
+        runner([Encode(), Twin()])
+
+    class Greedy(Decode):
+        needs = ("decoder", "vae")
+    with pytest.raises(StageGraphError, match=r"'decode' needs models without a loader: \['vae'\]"):
+        runner([Encode(), Greedy()])
+    with pytest.raises(PolicyError, match="resolved first"):
+        runner(policy="auto")
+
+
+@pytest.mark.parametrize(("policy", "loaded_after"), [("staged", []), ("resident", ["encoder", "decoder"]),
+                                                      ("eager", ["encoder", "decoder"])])
+def test_each_policy_places_idle_models_as_its_placement_says(policy, loaded_after):
+    builds, log = Counter(), EventLog()
+    run = runner(policy=policy, events=log, builds=builds)
+    if policy == "eager":
+        run.registry  # noqa: B018 -- building the registry preloads under eager
+        assert sorted(builds) == ["decoder", "encoder"] and log.of_kind("stage") == []
+    state = State(x=torch.ones(2, 16))
+    records = run.run(state)
+    assert [r.stage for r in records] == ["encode", "decode"]
+    assert [r.used for r in records] == [["encoder"], ["decoder"]]
+    released = [e.model for e in log.of_kind("release")]
+    assert released == (["encoder"] if policy == "staged" else [])
+    run.registry.enter("encode")  # a second pass over the stages: staged released the decoder now
+    assert sorted(run.registry.loaded()) == sorted(loaded_after)
+    run.close()
+    assert builds == Counter({"encoder": 1, "decoder": 1})
+
+
+def test_offload_parks_idle_models_instead_of_releasing_them():
+    log = EventLog()
+    run = runner(policy=Policy.offload, events=log)
+    run.run(State(x=torch.ones(2, 16)))
+    assert [(e.model, e.note) for e in log.of_kind("release")] == [("encoder", "parked in host memory")]
+    assert "encoder" in run.registry.loaded()
+
+
+def test_outputs_are_fingerprinted_and_transient_fields_cleared_after_their_stage():
+    state = State(x=torch.ones(2, 16))
+    records = runner().run(state)
+    assert set(records[0].fingerprints) == {"feats", "scratch"}
+    assert state.scratch is None and state.feats is not None
+    expected = build("decoder")(build("encoder")(torch.ones(2, 16)))
+    assert torch.equal(state.y, expected)
+
+
+def test_replace_swaps_a_stage_by_name_and_checks_it():
+    class Halve(Decode):
+        def run(self, state, models):
+            state.y = models["decoder"](state.feats) / 2
+    run = runner()
+    full = State(x=torch.ones(2, 16))
+    run.run(full)
+    run.replace("decode", Halve())
+    half = State(x=torch.ones(2, 16))
+    run.run(half)
+    assert torch.equal(half.y, full.y / 2)
+    with pytest.raises(KeyError, match="no stage 'refine'"):
+        run.replace("refine", Halve())
+
+    class Orphan(Decode):
+        inputs = ("y",)
+    with pytest.raises(StageGraphError, match="reads"):
+        run.replace("decode", Orphan())
+    assert isinstance(run.stage("decode"), Halve)  # a refused replacement changes nothing
+
+
+def test_the_example_chain_gives_eager_fingerprints_staged_holding_only_the_largest_model():
+    example = runpy.run_path(str(EXAMPLE), run_name="toy_chain")
+    eager, eager_peak = example["run_chain"]("eager")
+    staged, staged_peak = example["run_chain"]("staged")
+    assert staged == eager and set(eager) == {"features", "latent", "output"}
+    width = example["WIDTH"]
+    largest = 6 * (width * width + width) * 4
+    assert staged_peak == largest
+    assert eager_peak == (2 + 6 + 3) * (width * width + width) * 4
+    other_seed, _ = example["run_chain"]("staged", seed=1)
+    assert other_seed["latent"] != staged["latent"] and other_seed["features"] == staged["features"]  # control
