@@ -1,0 +1,10 @@
+"""The Pixal3D cascade as stage objects, the library entry point and the command line.
+
+    from pipelines import Pixal3D
+    result = Pixal3D.from_config("configs/tiny.yaml").run("assets/example.png", seed=42)
+    result.save("outputs/demo.glb")
+"""
+from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan
+from .result import Result
+
+__all__ = ["NotEnoughMemoryError", "Pixal3D", "Result", "RunPlan"]

@@ -7,17 +7,21 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from pixal3d.models.camera import camera_from_fov, estimate_camera
+from pixal3d.config import CascadeConfig
+from pixal3d.models.camera import camera_from_fov, estimate_camera, moge_available
 from pixal3d.staging import preserved_rng
 
-from .stage import Stage
+from .stage import CascadeStage
 from .state import RunState
 
 
-class CameraStage(Stage):
-    """``state.camera`` from ``fov_deg`` when given, else from MoGe-2 (``use_moge``), else the fallback."""
+class CameraStage(CascadeStage):
+    """``state.camera`` from the run's ``fov_deg``, else the config's, else MoGe-2 (``use_moge``), else the
+    reference's fallback field of view."""
 
     name = "camera"
+    section = "camera"
+    inputs = ("image", "fov_deg")
     outputs = ("camera",)
 
     def __init__(self, fov_deg: float | None, *, use_moge: bool):
@@ -27,9 +31,19 @@ class CameraStage(Stage):
         self.use_moge = use_moge and fov_deg is None
         self.needs = ("moge",) if self.use_moge else ()
 
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> CameraStage:
+        """MoGe-2 is used when no field of view is configured, a source is, and the package is installed."""
+        fov = config.camera.fov_deg
+        return cls(fov, use_moge=fov is None and config.weights.moge is not None and moge_available())
+
+    def working_set(self) -> int:
+        return 0  # MoGe-2's activations at 512 px are small beside its weights
+
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        if self.fov_deg is not None:
-            state.camera = camera_from_fov(math.radians(self.fov_deg))
+        fov = state.fov_deg if state.fov_deg is not None else self.fov_deg
+        if fov is not None:
+            state.camera = camera_from_fov(math.radians(fov))
         else:
             # The reference estimates the camera before seeding: whatever MoGe draws must not move
             # the four noise draws that follow.

@@ -16,31 +16,22 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from pixal3d.config import CascadeConfig, ConfigError, load_config
-from pixal3d.hub import WeightsError, planned_sizes, resolve_weights
-from pixal3d.models.camera import moge_available
+from pixal3d.config import CameraConfig, ConfigError, load_config
+from pixal3d.hub import WeightsError
 from pixal3d.models.loading import CheckpointError
-from pixal3d.models.preprocess import ImageError, load_image
-from pixal3d.staging.policy import MemoryPlan, Policy, PolicyError, detect_machine, format_plan, gib, resolve_policy
-from pixal3d.telemetry import MemoryMeter, format_bytes
+from pixal3d.models.preprocess import ImageError, probe_image
+from pixal3d.staging import Policy, PolicyError, StageGraphError, StageRecord
+from pixal3d.telemetry import format_bytes
 
-from .build import build_stages, stage_needs
-from .cascade import Cascade, StageRecord
-from .loaders import model_loaders
-from .plan import memory_plan
-from .preprocess import rembg_loader
-from .runinfo import run_json_path, run_record, write_json
-from .state import RunState
+from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan, check_seed, default_device
+from .result import run_json_path
 from .structure import EmptyStructureError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "1024_cascade.yaml"
@@ -53,13 +44,9 @@ class UsageError(ValueError):
     """Bad inputs or outputs on the command line."""
 
 
-class NotEnoughMemoryError(RuntimeError):
-    """Even the smallest-footprint policy needs more memory than the machine has available."""
-
-
 # Errors a user can cause: one line, no traceback.
 BEFORE_RUN_ERRORS = (UsageError, ConfigError, WeightsError, CheckpointError, PolicyError, NotEnoughMemoryError,
-                     ImageError)
+                     ImageError, StageGraphError)
 RUN_ERRORS = (ImageError, WeightsError, CheckpointError, EmptyStructureError, OSError, torch.OutOfMemoryError)
 
 
@@ -99,19 +86,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
     try:
-        setup = _prepare(args)
+        plan, jobs = _prepare(args)
+        if args.plan or not args.quiet:
+            print(plan.table(), flush=True)
+        if args.plan:
+            return 0
+        pipe = Pixal3D.from_plan(plan)  # fetches (unless offline) and verifies the weights; loads nothing
     except BEFORE_RUN_ERRORS as err:
         return _fail(err, 2)
-    if setup is None:
-        return 0
-    cascade, config, policy, reasons, jobs, device = setup
     try:
-        for input_path, output_path in jobs:
-            _run_one(cascade, config, input_path, output_path, device, policy, reasons, args)
+        with pipe:
+            for input_path, output_path in jobs:
+                _run_one(pipe, input_path, output_path, args)
     except RUN_ERRORS as err:
         return _fail(err, 1)
-    finally:
-        cascade.close()
     return 0
 
 
@@ -122,13 +110,19 @@ def _fail(err: BaseException, code: int) -> int:
 
 
 # -- 1. everything that can be checked before a weight is read -------------------------------------
-def _prepare(args: argparse.Namespace):
-    # 1. config, inputs, outputs, device
+def _prepare(args: argparse.Namespace) -> tuple[RunPlan, list[tuple[Path, Path]]]:
+    # 1. config (with the command's overrides), inputs, outputs, device
     config = load_config(args.config)
     if args.seed is not None:
-        config = config.with_overrides(seed=args.seed)
-    if args.fov is not None and not 0.0 < args.fov < 180.0:
-        raise UsageError(f"--fov {args.fov} is not a field of view in degrees; use a value in (0, 180), e.g. --fov 49")
+        try:
+            config = config.with_overrides(seed=check_seed(args.seed))
+        except ValueError as err:
+            raise UsageError(f"--seed: {err}") from None
+    if args.fov is not None:
+        if not 0.0 < args.fov < 180.0:
+            raise UsageError(f"--fov {args.fov} is not a field of view in degrees; use a value in (0, 180), "
+                             f"e.g. --fov 49")
+        config = config.with_overrides(camera=CameraConfig(fov_deg=args.fov))
     inputs = collect_inputs(args.inputs)
     jobs = list(zip(inputs, plan_outputs(inputs, args.output)))
     for _, output in jobs:
@@ -138,27 +132,8 @@ def _prepare(args: argparse.Namespace):
     if args.trace is not None:
         check_writable(args.trace.parent)
     device = parse_device(args.device) if args.device else default_device()
-    fov = args.fov if args.fov is not None else config.camera.fov_deg
-    use_moge = fov is None and config.weights.moge is not None and moge_available()
-    needs = stage_needs(config, fov_deg=args.fov, use_moge=use_moge)
-    models = sorted({m for n in needs.values() for m in n})
     # 2. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
-    sizes, notes = planned_sizes(config.weights, models=models)
-    plan = memory_plan(config, sizes, needs)
-    machine = detect_machine(device)
-    check_memory(plan, machine.device_available, str(device))
-    policy, reasons = resolve_policy(args.memory_policy, plan, machine)
-    if args.plan or not args.quiet:
-        print(format_plan(plan, machine, policy, [*reasons, *notes]), flush=True)
-    if args.plan:
-        return None
-    # 3. the weights themselves (downloaded unless offline, verified) and the cascade
-    weights = resolve_weights(config.weights, need_moge=use_moge)
-    stages = build_stages(config, weights, fov_deg=args.fov, use_moge=use_moge)
-    remover = rembg_loader(config.weights.rembg) if config.weights.rembg is not None else None
-    cascade = Cascade(stages, model_loaders(weights, device, moge=use_moge, remover=remover),
-                      policy=policy.value, events=_Forward())
-    return cascade, config, policy.value, reasons, jobs, device
+    return Pixal3D.plan(config, policy=args.memory_policy, device=device), jobs
 
 
 def parse_device(text: str) -> torch.device:
@@ -177,15 +152,6 @@ def parse_device(text: str) -> torch.device:
     return device
 
 
-def default_device() -> torch.device:
-    """cuda if available, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def collect_inputs(paths: Sequence[Path]) -> list[Path]:
     """Image files named directly, plus the images inside named folders (sorted); checked to exist."""
     found: list[Path] = []
@@ -200,7 +166,7 @@ def collect_inputs(paths: Sequence[Path]) -> list[Path]:
         else:
             raise UsageError(f"input {path} does not exist")
     for path in found:
-        load_image(path).close()  # unreadable or unsupported images fail here, before any weight is read
+        probe_image(path)  # not an image, or too small: found here from the header, before any weight is read
     stems = [p.stem for p in found]
     duplicates = sorted({s for s in stems if stems.count(s) > 1})
     if duplicates:
@@ -229,81 +195,18 @@ def check_writable(folder: Path) -> None:
                          f"choose another with -o") from None
 
 
-def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
-    """Refuse a run when even one stage's weights, loaded alone, exceed the available memory.
-
-    Only weights are compared (they are exact, from file headers); the working-set estimates are
-    too rough to refuse a run on, so the policy's reasons carry them as a warning instead.
-    """
-    largest = max(plan.stages, key=lambda s: s.weight_bytes, default=None)
-    if largest is not None and largest.weight_bytes > available:
-        raise NotEnoughMemoryError(
-            f"not enough memory for any policy: stage {largest.name} alone needs {gib(largest.weight_bytes)} of "
-            f"weights even when models are loaded one stage at a time, but {device} has {gib(available)} "
-            f"available; close other programs or run on a machine with more memory")
-
-
 # -- 2. the run ----------------------------------------------------------------------------------
-class _Forward:
-    """The registry's event sink, forwarded to the current image's memory meter."""
-
-    def __init__(self) -> None:
-        self.target = None
-
-    def __call__(self, event) -> None:
-        if self.target is not None:
-            self.target(event)
-
-
-def _run_one(cascade: Cascade, config: CascadeConfig, input_path: Path, output_path: Path, device: torch.device,
-             policy: str, reasons: Sequence[str], args: argparse.Namespace) -> None:
-    state = RunState(input_path=input_path, output_path=output_path, seed=config.seed, device=device,
-                     progress=not args.quiet)
+def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> None:
     trace = _trace_path(args.trace, input_path, several=len(args.inputs) > 1 or args.inputs[0].is_dir())
-    bar = _StageBar(len(cascade.stages), input_path.name, disable=args.quiet)
-    sink = cascade.events
-    start = time.perf_counter()
-    with MemoryMeter(trace, device=device, meta={"input": str(input_path), "policy": policy}) as meter:
-        sink.target = meter.on_event
-        try:
-            torch.manual_seed(config.seed)  # the run's one seed: every noise draw follows from it
-            records = cascade.run(state, on_stage=bar.enter)
-            bar.done()
-        finally:
-            sink.target = None
-            bar.close()
-    rows = meter.report()
-    peaks = {row.stage: {"process": row.peak_process, "device": row.peak_device} for row in rows}
-    write_json(run_json_path(output_path),
-               run_record(config, state, records, policy=policy, reasons=reasons, peaks=peaks,
-                          argv=["pixal3d-image-to-mesh", *args.argv], memory=[row.to_dict() for row in rows]))
+    result = pipe.run(input_path, progress=not args.quiet, trace=trace)
+    result.save(output_path)
+    result.save_record(run_json_path(output_path), output=output_path, command=["pixal3d-image-to-mesh", *args.argv])
     if args.keep_latents is not None:
-        _save_latents(state, args.keep_latents / f"{input_path.stem}.latents.pt")
+        result.save_latents(args.keep_latents / f"{input_path.stem}.latents.pt")
     if not args.quiet:
-        print(stage_table(records, peaks))
-        print(f"{output_path} ({time.perf_counter() - start:.1f} s, policy {policy}); "
+        print(stage_table(result.stages))
+        print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}); "
               f"run record {run_json_path(output_path)}", flush=True)
-
-
-class _StageBar:
-    """One tqdm bar per image, advanced as each stage finishes, showing the running stage."""
-
-    def __init__(self, total: int, name: str, *, disable: bool):
-        self.bar = tqdm(total=total, desc=name, unit="stage", disable=disable)
-        self.started = 0
-
-    def enter(self, stage) -> None:
-        if self.started:
-            self.bar.update(1)
-        self.started += 1
-        self.bar.set_postfix_str(stage.name)
-
-    def done(self) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix_str("done")
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _trace_path(trace: Path | None, input_path: Path, *, several: bool) -> Path | None:
@@ -312,24 +215,11 @@ def _trace_path(trace: Path | None, input_path: Path, *, several: bool) -> Path 
     return trace.with_name(f"{trace.stem}.{input_path.stem}{trace.suffix}")
 
 
-def _save_latents(state: RunState, path: Path) -> None:
-    data = {"coords_lr": state.coords_lr, "lr_latent": state.lr_latent.feats, "coords_hr": state.coords_hr,
-            "hr_resolution": state.hr_resolution, "shape_latent": state.shape_latent.feats,
-            "tex_latent": state.tex_latent.feats, "ss_latent": state.ss_latent}
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in data.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def stage_table(records: Sequence[StageRecord], peaks: dict[str, dict[str, int | None]]) -> str:
+def stage_table(records: Sequence[StageRecord]) -> str:
     """stage | seconds | peak process memory | peak device memory (text table)."""
     rows = [("stage", "seconds", "peak memory", "peak device")]
     for r in records:
-        peak = peaks.get(r.stage, {})
-        rows.append((r.stage, f"{r.seconds:.2f}", format_bytes(peak.get("process")), format_bytes(peak.get("device"))))
+        rows.append((r.stage, f"{r.seconds:.2f}", format_bytes(r.peak_process_bytes), format_bytes(r.peak_device_bytes)))
     rows.append(("total", f"{sum(r.seconds for r in records):.2f}", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()

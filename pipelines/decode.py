@@ -6,16 +6,31 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from .stage import Stage
+from pixal3d.config import CascadeConfig
+
+from .stage import CascadeStage
 from .state import RunState
+from .working_set import decode_bytes
 
 
-class DecodeStage(Stage):
-    """Latents → ``DualGridFields`` and ``PbrVoxels`` at the cascade's resolution."""
+class DecodeStage(CascadeStage):
+    """Latents → ``DualGridFields`` and ``PbrVoxels`` at the run's decode resolution."""
 
     name = "decode"
+    section = "upsample"  # upsample.hr_resolution: the size of the decode
     needs = ("shape_slat_decoder", "tex_slat_decoder")
+    inputs = ("shape_latent", "tex_latent", "hr_resolution")
     outputs = ("fields", "pbr")
+
+    def __init__(self, hr_resolution: int):
+        self.hr_resolution = hr_resolution
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> DecodeStage:
+        return cls(config.upsample.hr_resolution)
+
+    def working_set(self) -> int:
+        return decode_bytes(self.hr_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         shape_decoder = models["shape_slat_decoder"]

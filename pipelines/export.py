@@ -1,44 +1,37 @@
-"""Export stage: fields + PBR voxels → textured GLB (mesh extraction, cleanup, simplify, UV, bake).
-
-The GLB is written under a temporary name beside the output and renamed when complete, so a failed
-or interrupted run never leaves a half-written file at the output path.
-"""
+"""Export stage: fields + PBR voxels → a textured mesh and its GLB bytes, in memory (mesh extraction,
+cleanup, simplification, UV atlas, bake). Writing the file is the caller's: ``Result.save``."""
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from torch import nn
 
-from pixal3d.config import ExportConfig
-from pixal3d.mesh.export import export_glb
+from pixal3d.config import CascadeConfig
+from pixal3d.mesh.export import ExportSettings, export_mesh
 
-from .stage import Stage
+from .stage import CascadeStage
 from .state import RunState
+from .working_set import export_bytes
 
 
-class ExportStage(Stage):
-    """``state.glb_path``: the GLB at ``state.output_path`` (no model needed)."""
+class ExportStage(CascadeStage):
+    """``state.mesh``: the ``ExportedMesh`` (no model needed)."""
 
     name = "export"
+    section = "export"
+    inputs = ("fields", "pbr", "progress")
+    outputs = ("mesh",)
 
-    def __init__(self, config: ExportConfig):
-        self.config = config
+    def __init__(self, settings: ExportSettings, hr_resolution: int):
+        self.settings = settings
+        self.hr_resolution = hr_resolution
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> ExportStage:
+        return cls(config.export, config.upsample.hr_resolution)
+
+    def working_set(self) -> int:
+        return export_bytes(self.hr_resolution, self.settings.decimation_target, self.settings.texture_size)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        out = Path(state.output_path)
-        tmp = temporary_path(out)
-        try:
-            report = export_glb(state.fields, state.pbr, tmp, settings=self.config.settings(),
-                                progress=state.progress)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-        state.glb_path = out
-        state.export_stats = report.to_dict()
-
-
-def temporary_path(out: Path) -> Path:
-    """``<out>.tmp<pid>.glb`` beside ``out`` (same file system, so the rename is atomic)."""
-    return out.with_name(f"{out.name}.tmp{os.getpid()}{out.suffix}")
+        state.mesh = export_mesh(state.fields, state.pbr, settings=self.settings, progress=state.progress)

@@ -1,9 +1,9 @@
-"""What the four flow stages share: drawing noise on the CPU generator, conditioning, sampling.
+"""What the four flow stages share: drawing noise from the run's generator, conditioning, sampling.
 
-Noise is drawn with ``torch.randn`` on the CPU default generator, then moved to the run's device,
-at exactly the reference's four points (structure, shape 512, shape 1024, texture; reference
-§7.1), so the same seed gives the same noise on every device. Nothing else in a run draws from
-that generator: models are loaded inside ``preserved_rng()`` by the registry.
+Noise is drawn with ``torch.randn`` from the run's CPU generator (``RunState.generator``, seeded once), then
+moved to the run's device, at exactly the reference's four points (structure, shape 512, shape 1024,
+texture; reference §7.1): the reference seeds the global CPU generator and draws from it, and a CPU
+``torch.Generator`` seeded the same gives the same bits, on every device. Nothing else draws from it.
 """
 from __future__ import annotations
 
@@ -14,16 +14,24 @@ from typing import Any
 import torch
 
 from pixal3d.config import ConditionConfig, SamplerConfig
-from pixal3d.hub import Normalization
-from pixal3d.models.conditioning import ExtractorConfig, FeatureCache, condition, negative_condition
+from pixal3d.models.conditioning import (
+    ExtractorConfig,
+    FeatureCache,
+    condition,
+    negative_condition,
+)
+from pixal3d.pipeline_json import Normalization
 from pixal3d.samplers import sample_flow_euler
 
 from .state import RunState
 
+CONDITION_INPUTS = ("image", "camera", "device", "generator", "progress", "callback")
+"""The ``RunState`` fields every flow stage reads besides its own."""
 
-def draw_noise(*shape: int) -> torch.Tensor:
-    """``torch.randn(*shape)`` from the CPU default generator (the run's only random draws)."""
-    return torch.randn(*shape)
+
+def draw_noise(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    """``torch.randn(*shape)`` from the run's CPU generator (float32, on the CPU)."""
+    return torch.randn(*shape, generator=generator)
 
 
 def extractor(name: str, cfg: ConditionConfig, grid_resolution: int) -> ExtractorConfig:
@@ -34,23 +42,28 @@ def extractor(name: str, cfg: ConditionConfig, grid_resolution: int) -> Extracto
 
 def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
                     coords: torch.Tensor | None) -> dict[str, Any]:
-    """``{'global', 'proj'}`` for one extractor (recorded in ``state.conditions`` for fingerprints)."""
+    """``{'global', 'proj'}`` for one extractor, kept in ``state.cond`` (transient: fingerprinted, cleared)."""
     naf = models["naf"] if ext.naf_size is not None else None
     if state.features is None:
         state.features = FeatureCache()  # lives for this run: one backbone forward per (image, size)
     cond = condition(ext, state.image, state.camera, coords, backbone=models["dinov3"], naf=naf,
                      cache=state.features)
-    state.conditions.update(cond)
+    state.cond = dict(cond)
     return cond
 
 
 def sample(model: Callable[..., Any], noise: Any, cond: dict[str, Any], sampler: SamplerConfig, *,
-           progress: bool) -> Any:
-    """Run the flow-Euler sampler with the stage's parameters; the negative condition is zeros."""
+           state: RunState, stage: str) -> Any:
+    """Run the flow-Euler sampler with the stage's parameters; the negative condition is zeros. Each
+    step is reported to ``state.callback`` as ``{"kind": "step", "stage", "step", "steps"}`` (from 1)."""
     params = asdict(sampler)
     params["guidance_interval"] = tuple(params["guidance_interval"])
-    return sample_flow_euler(model, noise, cond=cond, neg_cond=negative_condition(cond), progress=progress,
-                             **params)
+    report = None
+    if state.callback is not None:
+        def report(info: dict[str, Any]) -> None:
+            state.callback({"kind": "step", "stage": stage, "step": info["step"] + 1, "steps": sampler.steps})
+    return sample_flow_euler(model, noise, cond=cond, neg_cond=negative_condition(cond), progress=state.progress,
+                             callback=report, **params)
 
 
 def norm_tensors(norm: Normalization, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

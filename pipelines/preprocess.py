@@ -1,32 +1,42 @@
-"""Preprocess stage: load the input, remove the background when it has no alpha, crop, composite on
-black (reference §1.1). An RGBA input with a real alpha channel needs no model."""
+"""Preprocess stage: remove the background when the input has no alpha, crop, composite on black
+(reference §1.1). An RGBA input with a real alpha channel needs no model."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from pixal3d.config import CascadeConfig
 from pixal3d.hub import MissingWeightsError
-from pixal3d.models.preprocess import load_background_remover, load_image, preprocess_image
+from pixal3d.models.preprocess import load_background_remover, preprocess_image
 from pixal3d.staging import preserved_rng
 
-from .stage import Stage
+from .stage import CascadeStage
 from .state import RunState
 
 
-class PreprocessStage(Stage):
+class PreprocessStage(CascadeStage):
     """``state.image``: the object, cropped and composited on black (RGB)."""
 
     name = "preprocess"
+    section = "weights"  # weights.rembg: the background remover, if any
+    inputs = ("input_image",)
     outputs = ("image",)
 
-    def __init__(self, *, use_remover: bool):
-        self.needs = ("rembg",) if use_remover else ()
+    def __init__(self, *, remover: str | None):
+        self.remover = remover
+        self.needs = ("rembg",) if remover is not None else ()
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> PreprocessStage:
+        return cls(remover=config.weights.rembg)
+
+    def working_set(self) -> int:
+        return 0  # a few copies of one image, next to nothing beside the models
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        image = load_image(state.input_path)
         remover = _LazyRemover(models) if self.needs else None
-        state.image = preprocess_image(image, remover)
+        state.image = preprocess_image(state.input_image, remover)
 
 
 class _LazyRemover:

@@ -9,34 +9,52 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from pixal3d.config import ShapeConfig
-from pixal3d.hub import Normalization
+from pixal3d.config import CascadeConfig, ShapeConfig
 from pixal3d.nn.sparse_tensor import SparseTensor
 
-from .flow_stage import draw_noise, extractor, norm_tensors, sample, stage_condition
-from .stage import Stage
+from .flow_stage import (
+    CONDITION_INPUTS,
+    draw_noise,
+    extractor,
+    norm_tensors,
+    sample,
+    stage_condition,
+)
+from .stage import CascadeStage
 from .state import RunState
+from .working_set import HR_TOKENS_AT_1024, flow_stage_bytes, hr_scale
 
 
-class Shape1024Stage(Stage):
+class Shape1024Stage(CascadeStage):
     """HR shape latent on the cascade's coords."""
 
     name = "shape_1024"
+    section = "shape_1024"
     needs = ("dinov3", "naf", "shape_slat_flow_model_1024")
+    inputs = (*CONDITION_INPUTS, "coords_hr", "hr_resolution", "shape_normalization")
     outputs = ("hr_noise", "shape_latent")
+    transient = ("cond",)
 
-    def __init__(self, config: ShapeConfig, normalization: Normalization, upsample_times: int):
+    def __init__(self, config: ShapeConfig, upsample_times: int, hr_resolution: int):
         self.config = config
-        self.normalization = normalization
         self.upsample_times = upsample_times
+        self.hr_resolution = hr_resolution  # the configured one; a run may step down (token budget)
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> Shape1024Stage:
+        return cls(config.shape_1024, config.upsample.times, config.upsample.hr_resolution)
+
+    def working_set(self) -> int:
+        tokens = HR_TOKENS_AT_1024 * hr_scale(self.hr_resolution)
+        return flow_stage_bytes(tokens, self.config.condition.image_size, 2048, naf=True)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         coords = state.coords_hr.to(state.device)
         grid = state.hr_resolution // 2 ** self.upsample_times
         cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords)
-        state.hr_noise = draw_noise(coords.shape[0], cfg.latent_channels)  # [N_hr, C] f32, CPU
+        state.hr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_hr, C] f32, CPU
         latent = sample(models["shape_slat_flow_model_1024"], SparseTensor(state.hr_noise.to(state.device), coords),
-                        cond, cfg.sampler, progress=state.progress)
-        mean, std = norm_tensors(self.normalization, state.device)
+                        cond, cfg.sampler, state=state, stage=self.name)
+        mean, std = norm_tensors(state.shape_normalization, state.device)
         state.shape_latent = latent.replace(latent.feats * std + mean)

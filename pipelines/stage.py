@@ -1,30 +1,27 @@
-"""The Stage contract: a name, the model names it needs, the RunState fields it produces, and run().
+"""CascadeStage: a ``pixal3d.staging.Stage`` of the Pixal3D cascade, built from its config section.
 
-Vocabulary: a *stage* is one step of a cascade; its *needs* are the registry model names it may
-ask for while it runs; its *outputs* are the ``RunState`` fields it writes, which the cascade
-fingerprints after it returns. A stage reads and writes ``RunState`` fields only, gets models
-only from the ``models`` mapping it is handed, and never moves weights between devices: loading,
-releasing and parking are the registry's job.
+Each stage declares, on its class: ``name``; ``section``, the ``CascadeConfig`` field it is built from;
+``needs``, the registry model names it may ask for; ``inputs`` and ``outputs``, the ``RunState`` fields
+it reads and writes (``transient``: written, fingerprinted, then cleared); and ``working_set()``, its
+estimated memory beyond its models' weights (``working_set.py``). It reads and writes ``RunState`` fields
+only, gets models only from the ``models`` mapping it is handed, and never moves weights between
+devices: loading, releasing and parking are the registry's job.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Self
 
-from torch import nn
+from pixal3d.config import CascadeConfig
+from pixal3d.staging import Stage
 
-from .state import RunState
 
+class CascadeStage(Stage):
+    """Base class of the cascade's stages: set the declarations, implement ``from_config``, ``run`` and
+    ``working_set``."""
 
-class Stage:
-    """Base class of the cascade's stages (subclass and set ``name``, ``needs``, ``outputs``)."""
+    section: str | None = None
 
-    name: str = ""
-    needs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-
-    def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        """Read earlier fields of ``state``, write this stage's ``outputs``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement run(state, models)")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, needs={list(self.needs)})"
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> Self:
+        """The stage as ``config`` describes it (its ``section``, and any sizes it shares with others)."""
+        raise NotImplementedError(f"{cls.__name__} must implement from_config(config)")

@@ -1,32 +1,42 @@
 """RunState: everything one image's run has produced so far, handed from stage to stage.
 
-Each stage reads the fields earlier stages wrote and writes its own; nothing else is shared. Tensors
-live on the run's device except the noise, which is drawn on the CPU generator (reference §7.1)
-and kept on the CPU as drawn. ``conditions`` holds the current stage's image conditioning only:
-the cascade fingerprints it and clears it when the stage ends, so the large projected features do
-not outlive their stage.
+``Pixal3D.run`` provides the first group (``PROVIDED``); each stage reads the fields earlier stages
+wrote and writes its own, as its ``inputs`` and ``outputs`` declare. Tensors live on the run's device
+except the noise, which is drawn from the run's CPU generator (reference §7.1) and kept on the CPU as
+drawn. ``cond`` holds the current stage's image conditioning only: stages declare it transient, so the
+runner fingerprints it and clears it when the stage ends and the large projected features do not
+outlive their stage.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.nn.sparse_tensor import SparseTensor
+from pixal3d.pipeline_json import Normalization
+
+PROVIDED = ("input_image", "generator", "device", "fov_deg", "shape_normalization", "tex_normalization",
+            "progress", "callback")
+"""The fields ``Pixal3D.run`` sets before the first stage."""
 
 
 @dataclass
 class RunState:
     """One image's run. Field groups follow the stage that writes them."""
 
-    input_path: Path
-    output_path: Path
-    seed: int
+    # provided by the run
+    input_image: Any                          # PIL.Image, upright RGB or RGBA (pixal3d.models.preprocess.as_image)
+    generator: torch.Generator                # CPU, seeded once: the four noises are its only draws
     device: torch.device
-    progress: bool = True                     # tqdm bars for sampler steps
+    shape_normalization: Normalization        # from pipeline.json
+    tex_normalization: Normalization
+    fov_deg: float | None = None              # this run's field of view; None: the camera stage decides
+    progress: bool = False                    # tqdm bars for sampler steps and export steps
+    callback: Callable[[dict[str, Any]], None] | None = None  # progress reports (Pixal3D.run)
     # preprocess
     image: Any = None                         # PIL.Image, RGB, object cropped and composited on black
     # camera
@@ -52,8 +62,6 @@ class RunState:
     fields: DualGridFields | None = None
     pbr: PbrVoxels | None = None
     # export
-    glb_path: Path | None = None
-    export_stats: dict[str, Any] = field(default_factory=dict)
+    mesh: Any = None                          # pixal3d.mesh.export.ExportedMesh (GLB bytes + report)
     # per stage, transient
-    conditions: dict[str, Any] = field(default_factory=dict)
-
+    cond: dict[str, Any] | None = None        # the stage's image conditioning {'global', 'proj'}

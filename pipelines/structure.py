@@ -12,34 +12,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pixal3d.config import StructureConfig
+from pixal3d.config import CascadeConfig, StructureConfig
 
-from .flow_stage import draw_noise, extractor, sample, stage_condition
-from .stage import Stage
+from .flow_stage import CONDITION_INPUTS, draw_noise, extractor, sample, stage_condition
+from .stage import CascadeStage
 from .state import RunState
+from .working_set import flow_stage_bytes
 
 
 class EmptyStructureError(RuntimeError):
     """The sparse-structure decoder found no occupied voxel: there is nothing to build a mesh on."""
 
 
-class StructureStage(Stage):
+class StructureStage(CascadeStage):
     """Dense flow + decoder → the sparse coords every later stage works on."""
 
     name = "structure"
+    section = "structure"
     needs = ("dinov3", "sparse_structure_flow_model", "sparse_structure_decoder")
+    inputs = CONDITION_INPUTS
     outputs = ("ss_noise", "ss_latent", "coords_lr")
+    transient = ("cond",)
 
     def __init__(self, config: StructureConfig):
         self.config = config
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> StructureStage:
+        return cls(config.structure)
+
+    def working_set(self) -> int:
+        cfg = self.config
+        return flow_stage_bytes(cfg.noise_resolution ** 3, cfg.condition.image_size, 1024, naf=False)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         cond = stage_condition(state, models, extractor("ss", cfg.condition, cfg.noise_resolution), None)
         r = cfg.noise_resolution
-        state.ss_noise = draw_noise(1, cfg.latent_channels, r, r, r)  # [1, C, R, R, R] f32, CPU
+        state.ss_noise = draw_noise(state.generator, 1, cfg.latent_channels, r, r, r)  # [1, C, R, R, R] f32, CPU
         latent = sample(models["sparse_structure_flow_model"], state.ss_noise.to(state.device), cond, cfg.sampler,
-                        progress=state.progress)
+                        state=state, stage=self.name)
         state.ss_latent = latent
         state.coords_lr = occupied_coords(models["sparse_structure_decoder"](latent), cfg.coords_resolution)
 

@@ -11,39 +11,55 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from pixal3d.config import ShapeConfig
-from pixal3d.hub import Normalization
+from pixal3d.config import CascadeConfig, ShapeConfig
 from pixal3d.nn.sparse_tensor import SparseTensor
 
-from .flow_stage import draw_noise, extractor, norm_tensors, sample, stage_condition
-from .stage import Stage
+from .flow_stage import (
+    CONDITION_INPUTS,
+    draw_noise,
+    extractor,
+    norm_tensors,
+    sample,
+    stage_condition,
+)
+from .stage import CascadeStage
 from .state import RunState
+from .working_set import HR_TOKENS_AT_1024, flow_stage_bytes, hr_scale
 
 
-class TextureStage(Stage):
+class TextureStage(CascadeStage):
     """PBR texture latent on the HR coords."""
 
     name = "texture"
+    section = "texture"
     needs = ("dinov3", "naf", "tex_slat_flow_model_1024")
+    inputs = (*CONDITION_INPUTS, "shape_latent", "hr_resolution", "shape_normalization", "tex_normalization")
     outputs = ("tex_noise", "tex_latent")
+    transient = ("cond",)
 
-    def __init__(self, config: ShapeConfig, shape_normalization: Normalization, tex_normalization: Normalization,
-                 upsample_times: int):
+    def __init__(self, config: ShapeConfig, upsample_times: int, hr_resolution: int):
         self.config = config
-        self.shape_normalization = shape_normalization
-        self.tex_normalization = tex_normalization
         self.upsample_times = upsample_times
+        self.hr_resolution = hr_resolution
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> TextureStage:
+        return cls(config.texture, config.upsample.times, config.upsample.hr_resolution)
+
+    def working_set(self) -> int:
+        tokens = HR_TOKENS_AT_1024 * hr_scale(self.hr_resolution)
+        return flow_stage_bytes(tokens, self.config.condition.image_size, 2048, naf=True)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         shape = state.shape_latent
         grid = state.hr_resolution // 2 ** self.upsample_times
         cond = stage_condition(state, models, extractor("tex_1024", cfg.condition, grid), shape.coords)
-        shape_mean, shape_std = norm_tensors(self.shape_normalization, state.device)
+        shape_mean, shape_std = norm_tensors(state.shape_normalization, state.device)
         shape_norm = shape.replace((shape.feats - shape_mean) / shape_std)
-        state.tex_noise = draw_noise(shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C] f32, CPU
+        state.tex_noise = draw_noise(state.generator, shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C], CPU
         flow = functools.partial(models["tex_slat_flow_model_1024"], concat_cond=shape_norm)
         latent = sample(flow, SparseTensor(state.tex_noise.to(state.device), shape.coords), cond, cfg.sampler,
-                        progress=state.progress)
-        mean, std = norm_tensors(self.tex_normalization, state.device)
+                        state=state, stage=self.name)
+        mean, std = norm_tensors(state.tex_normalization, state.device)
         state.tex_latent = latent.replace(latent.feats * std + mean)

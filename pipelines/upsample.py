@@ -13,23 +13,33 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pixal3d.config import UpsampleConfig
+from pixal3d.config import CascadeConfig, UpsampleConfig
 
-from .stage import Stage
+from .stage import CascadeStage
 from .state import RunState
 from .structure import EmptyStructureError
+from .working_set import upsample_bytes
 
 
-class UpsampleStage(Stage):
+class UpsampleStage(CascadeStage):
     """LR latent → HR token coords and the decode resolution."""
 
     name = "upsample"
+    section = "upsample"
     needs = ("shape_slat_decoder",)
+    inputs = ("lr_latent",)
     outputs = ("coords_hr", "hr_resolution")
 
     def __init__(self, config: UpsampleConfig, coords_resolution: int):
         self.config = config
         self.coords_resolution = coords_resolution
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> UpsampleStage:
+        return cls(config.upsample, config.structure.coords_resolution)
+
+    def working_set(self) -> int:
+        return upsample_bytes(self.coords_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config

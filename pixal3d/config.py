@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from pixal3d.mesh.export import ExportSettings
+
 
 class ConfigError(ValueError):
     """A configuration file is invalid (unknown key, wrong type, missing value, bad combination)."""
@@ -149,29 +151,6 @@ class UpsampleConfig:
 
 
 @dataclass(frozen=True)
-class ExportConfig:
-    """GLB export (reference §6.2; ``pixal3d.mesh.export.ExportSettings`` checks the values).
-
-    projection: how texels reach the reference surface (``tangent``, ``exact``, or ``null``).
-    """
-
-    texture_size: int = 4096
-    decimation_target: int = 1_000_000
-    texture_format: str = "png"
-    alpha_mode: str = "auto"
-    max_hole_perimeter: float = 3e-2
-    projection: str | None = "tangent"
-
-    def settings(self) -> Any:
-        """The exporter's ``ExportSettings`` for these values."""
-        from pixal3d.mesh.export import ExportSettings
-
-        return ExportSettings(texture_size=self.texture_size, decimation_target=self.decimation_target,
-                              texture_format=self.texture_format, alpha_mode=self.alpha_mode,
-                              max_hole_perimeter=self.max_hole_perimeter, projection=self.projection)
-
-
-@dataclass(frozen=True)
 class CascadeConfig:
     """A whole cascade: weights, seed, per-stage parameters, export."""
 
@@ -184,7 +163,7 @@ class CascadeConfig:
     texture: ShapeConfig
     seed: int = 42
     camera: CameraConfig = field(default_factory=CameraConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
+    export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.export, checked there
     source: str = ""  # the file it was read from (set by load_config, not a YAML key)
 
     def with_overrides(self, **changes: Any) -> CascadeConfig:
@@ -271,7 +250,10 @@ def from_dict(cls: type, data: Any, *, where: str, key: str = "", exclude: tuple
             kwargs[name] = _convert(hints[name], data[name], where=where, key=sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing required key '{sub}'")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a dataclass that checks its own values (e.g. ExportSettings)
+        raise ConfigError(f"{where}: key '{label}' is invalid: {err}") from None
 
 
 def _convert(hint: Any, value: Any, *, where: str, key: str) -> Any:
@@ -351,10 +333,6 @@ def _check_config(config: CascadeConfig, where: str) -> None:
     if up.min_resolution > up.hr_resolution:
         raise ConfigError(f"{where}: key 'upsample.min_resolution' ({up.min_resolution}) exceeds "
                           f"'upsample.hr_resolution' ({up.hr_resolution})")
-    try:
-        config.export.settings()
-    except ValueError as err:
-        raise ConfigError(f"{where}: key 'export' is invalid: {err}") from None
     if config.camera.fov_deg is not None and not 0.0 < config.camera.fov_deg < 180.0:
         raise ConfigError(f"{where}: key 'camera.fov_deg' must be in (0, 180) degrees, got {config.camera.fov_deg}")
 

@@ -1,43 +1,33 @@
-"""Find, download and verify the files a cascade config names.
-
-``resolve_weights(config.weights, models=...)`` turns every weight source into local paths:
+"""Weight sources: turn a config's ``WeightSource`` into local files, downloading when allowed.
 
 - ``repo``: ``huggingface_hub.snapshot_download`` at the pinned revision with ``allow_patterns``
-  limited to the files the run needs (``pipeline.json`` first, then the checkpoints it names). With
-  ``HF_HUB_OFFLINE=1`` (or ``offline=True``) only the local Hugging Face cache is used.
+  limited to the files asked for. With ``HF_HUB_OFFLINE=1`` (or ``offline=True``) only the local
+  Hugging Face cache is used.
 - ``local``: a folder on disk, used as is.
 - ``url``: one file, downloaded once into the pixal3d cache (``$PIXAL3D_CACHE`` or
   ``~/.cache/pixal3d``), checked against its sha256 when the config pins one.
 - ``generate: tiny``: the deterministic demo weights, generated into the cache on first use.
 
-``planned_sizes`` gives each model's bytes for the memory plan without downloading any checkpoint
-(headers on disk, or the header the Hub serves). Files that are not there become one
-``MissingWeightsError`` naming the files, where they should come from and the command that fetches
-them. Every safetensors file the run will read is checked
-(header parses, file is as long as the header says, not a git-lfs pointer) before anything loads.
+Files that are not there become one ``MissingWeightsError`` naming the files, where they should come
+from and the command that fetches them; a safetensors file that is truncated, corrupt or a git-lfs
+pointer is a ``CorruptWeightsError``. What Pixal3D's ``pipeline.json`` names, and which files one
+cascade needs, is ``pixal3d.pipeline_json``'s business.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shlex
-import struct
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pixal3d.config import WeightsConfig, WeightSource
+from pixal3d.config import WeightSource
+from pixal3d.staging.safetensors_header import SafetensorsHeaderError
+from pixal3d.staging.safetensors_header import read_safetensors_header as _read_header
 
 logger = logging.getLogger(__name__)
-
-# Registry names of the checkpoints listed in pipeline.json's args.models.
-PIPELINE_MODELS = (
-    "sparse_structure_flow_model", "sparse_structure_decoder", "shape_slat_flow_model_512",
-    "shape_slat_flow_model_1024", "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder",
-)
 
 
 class WeightsError(RuntimeError):
@@ -50,40 +40,6 @@ class MissingWeightsError(WeightsError):
 
 class CorruptWeightsError(WeightsError):
     """A weights file exists but is truncated, corrupt or a git-lfs pointer."""
-
-
-@dataclass(frozen=True)
-class Normalization:
-    """Per-channel latent normalization read from ``pipeline.json`` (``latent * std + mean``)."""
-
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class ResolvedWeights:
-    """Local paths for every model of a run, plus what ``pipeline.json`` says.
-
-    checkpoints: registry name → checkpoint stem (``<stem>.json`` + ``<stem>.safetensors``)
-    """
-
-    pipeline_dir: Path
-    checkpoints: dict[str, Path]
-    shape_normalization: Normalization
-    tex_normalization: Normalization
-    dinov3: Path
-    naf: Path
-    rembg: str
-    moge: Path | None = None
-    pipeline: Mapping[str, Any] = field(default_factory=dict, repr=False)
-
-    def safetensors(self) -> dict[str, Path]:
-        """Registry name → the safetensors file it loads from (for memory planning)."""
-        files = {name: stem.with_suffix(".safetensors") for name, stem in self.checkpoints.items()}
-        files["dinov3"] = self.dinov3 / "model.safetensors"
-        if self.naf.suffix == ".safetensors":
-            files["naf"] = self.naf
-        return files
 
 
 def cache_root() -> Path:
@@ -99,89 +55,7 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_MODELS,
-                    need_moge: bool = False, offline: bool | None = None,
-                    generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
-    """Resolve, download (unless offline) and verify the files for ``models``.
-
-    ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
-    default ``pipelines.tiny_weights.ensure_tiny_weights``).
-    """
-    offline = hub_offline() if offline is None else offline
-    wanted = [m for m in models if m in PIPELINE_MODELS]
-    fetch = _Fetcher(offline=offline, generate=generate)
-
-    # 1. pipeline.json, then the checkpoints it names for the models this run uses
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    pipeline = _read_pipeline_json(pipe_dir / "pipeline.json")
-    stems = _checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
-    files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
-    checkpoints = {name: pipe_dir / stem for name, stem in stems.items()}
-
-    # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
-    dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
-                          label="weights.dinov3")
-    naf = fetch.file(weights.naf, label="weights.naf")
-    moge = None
-    if need_moge:
-        if weights.moge is None:
-            raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
-                                      "given; pass --fov DEG or add weights.moge to the config")
-        moge = fetch.folder(weights.moge, list(weights.moge.files), label="weights.moge")
-
-    # 3. every safetensors file the run will read must be whole
-    resolved = ResolvedWeights(
-        pipeline_dir=pipe_dir, checkpoints=checkpoints, dinov3=dinov3, naf=naf, rembg=weights.rembg, moge=moge,
-        shape_normalization=_normalization(pipeline, "shape_slat_normalization", pipe_dir / "pipeline.json"),
-        tex_normalization=_normalization(pipeline, "tex_slat_normalization", pipe_dir / "pipeline.json"),
-        pipeline=pipeline)
-    for path in resolved.safetensors().values():
-        verify_safetensors(path)
-    return resolved
-
-
-def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
-                  generate: Callable[[Path], Path] | None = None) -> tuple[dict[str, int], list[str]]:
-    """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
-
-    Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
-    checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
-    Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
-    notes naming models whose size is unknown (counted as 0).
-    """
-    offline = hub_offline() if offline is None else offline
-    wanted = list(models)
-    fetch = _Fetcher(offline=offline, generate=generate)
-    sizes: dict[str, int] = {}
-    notes: list[str] = []
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    stems = _checkpoint_stems(_read_pipeline_json(pipe_dir / "pipeline.json"),
-                              [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
-    for name, stem in stems.items():
-        sizes[name] = _planned_file_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", offline=offline,
-                                          label="weights.pixal3d")
-    if "dinov3" in wanted:
-        folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
-        sizes["dinov3"] = _planned_file_bytes(weights.dinov3, folder, "model.safetensors", offline=offline,
-                                              label="weights.dinov3")
-    if "naf" in wanted:
-        if weights.naf.url is not None:
-            target = cache_root() / "downloads" / str(weights.naf.filename)
-            sizes["naf"] = target.stat().st_size if target.is_file() else 0
-            if not target.is_file():
-                notes.append("naf: not downloaded yet, size unknown (about 3 MB)")
-        else:
-            sizes["naf"] = fetch.file(weights.naf, label="weights.naf").stat().st_size
-    if "moge" in wanted and weights.moge is not None:
-        sizes["moge"] = _planned_repo_file_size(weights.moge, "model.pt", offline=offline, notes=notes)
-    if "rembg" in wanted:
-        sizes["rembg"] = 0
-        notes.append("rembg: its ONNX model size is not counted")
-    return sizes, notes
-
-
-def _planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, offline: bool, label: str) -> int:
+def planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, offline: bool, label: str) -> int:
     path = folder / filename
     if path.is_file():
         return verify_safetensors(path)
@@ -197,7 +71,7 @@ def _planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, of
     return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
 
 
-def _planned_repo_file_size(source: WeightSource, filename: str, *, offline: bool, notes: list[str]) -> int:
+def planned_repo_file_size(source: WeightSource, filename: str, *, offline: bool, notes: list[str]) -> int:
     if source.local is not None:
         path = Path(source.local) / filename
         return path.stat().st_size if path.is_file() else 0
@@ -216,7 +90,7 @@ def _planned_repo_file_size(source: WeightSource, filename: str, *, offline: boo
 
 # -- sources -------------------------------------------------------------------------------------
 
-class _Fetcher:
+class Fetcher:
     """Turns one ``WeightSource`` plus the files wanted from it into a local folder or file."""
 
     def __init__(self, *, offline: bool, generate: Callable[[Path], Path] | None):
@@ -276,7 +150,7 @@ class _Fetcher:
 
     def _generated(self) -> Path:
         if self.generate is None:
-            from pipelines.tiny_weights import ensure_tiny_weights
+            from pixal3d.tiny_weights import ensure_tiny_weights
             return ensure_tiny_weights(cache_root() / "tiny")
         return self.generate(cache_root() / "tiny")
 
@@ -341,94 +215,21 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:200]
 
 
-# -- pipeline.json -------------------------------------------------------------------------------
-
-def _read_pipeline_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise CorruptWeightsError(f"{path} is not valid JSON ({err}); delete it and download it again") from None
-    if not isinstance(data, dict) or not isinstance(data.get("args"), dict):
-        raise CorruptWeightsError(f"{path} has no 'args' object; is this a Pixal3D pipeline.json?")
-    return data
-
-
-def _checkpoint_stems(pipeline: Mapping[str, Any], wanted: list[str], path: Path) -> dict[str, str]:
-    models = pipeline["args"].get("models", {})
-    absent = [m for m in wanted if m not in models]
-    if absent:
-        raise CorruptWeightsError(f"{path}: args.models lacks {absent}; the 1024 cascade needs them")
-    stems = {}
-    for name in wanted:
-        stem = str(models[name])
-        if stem.count("/") >= 2 and not stem.startswith(("ckpts/", "./")):
-            # "owner/repo/ckpts/x" names another repository (TRELLIS convention); the Pixal3D repo ships
-            # the same checkpoint as ckpts/x, which is what we fetch (pinned with this repo).
-            local = "ckpts/" + stem.rsplit("/", 1)[-1]
-            logger.info("%s: args.models.%s = %r points into another repository; using %s from this one",
-                        path, name, stem, local)
-            stem = local
-        stems[name] = stem
-    return stems
-
-
-def _normalization(pipeline: Mapping[str, Any], key: str, path: Path) -> Normalization:
-    value = pipeline["args"].get(key)
-    if not isinstance(value, Mapping) or "mean" not in value or "std" not in value:
-        raise CorruptWeightsError(f"{path}: args.{key} must have 'mean' and 'std' lists")
-    mean, std = tuple(float(v) for v in value["mean"]), tuple(float(v) for v in value["std"])
-    if len(mean) != len(std) or not mean:
-        raise CorruptWeightsError(f"{path}: args.{key} mean ({len(mean)}) and std ({len(std)}) differ in length")
-    return Normalization(mean=mean, std=std)
-
-
 # -- safetensors ---------------------------------------------------------------------------------
 
 def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The parsed JSON header of a safetensors file, after checking the file is complete.
-
-    Raises ``CorruptWeightsError`` for a git-lfs pointer, an unreadable header, or a file shorter
-    (or longer) than its header says.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise MissingWeightsError(f"weights file {path} does not exist")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if head.startswith(b"version "):
-            raise CorruptWeightsError(f"{path} is a git-lfs pointer, not the weights; download the real file "
-                                      f"(hf download, or git lfs pull)")
-        if len(head) < 8:
-            raise CorruptWeightsError(f"{path} is truncated ({size} bytes); delete it and download it again")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8 or length > 100_000_000:
-            raise CorruptWeightsError(f"{path} is truncated or not a safetensors file (header of {length} bytes "
-                                      f"in a {size}-byte file); delete it and download it again")
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CorruptWeightsError(f"{path} has a corrupt header; delete it and download it again") from None
-    if not isinstance(header, dict):
-        raise CorruptWeightsError(f"{path} has a corrupt header; delete it and download it again")
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise CorruptWeightsError(f"{path}: tensor {key!r} has no valid data_offsets; the file is corrupt; "
-                                      f"delete it and download it again") from None
-    expected = 8 + length + end
-    if size != expected:
-        state = "truncated" if size < expected else "longer than its header says"
-        raise CorruptWeightsError(f"{path} is {state} ({size} bytes, header says {expected}); "
-                                  f"delete it and download it again")
-    return header
+    """The tensors of a safetensors file's header (name → dtype, shape, offsets), after checking the file
+    is complete; ``MissingWeightsError`` / ``CorruptWeightsError`` say what is wrong and what to do."""
+    try:
+        return _read_header(path).tensors
+    except SafetensorsHeaderError as err:
+        if err.problem == "missing":
+            raise MissingWeightsError(str(err)) from None
+        if err.problem == "lfs-pointer":
+            raise CorruptWeightsError(f"{err}; download the real file (hf download, or git lfs pull)") from None
+        raise CorruptWeightsError(f"{err}; delete it and download it again") from None
 
 
 def verify_safetensors(path: str | Path) -> int:
     """Check ``path`` is a complete safetensors file; return its tensor bytes."""
-    header = read_safetensors_header(path)
-    return max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    return max((int(v["data_offsets"][1]) for v in read_safetensors_header(path).values()), default=0)

@@ -7,7 +7,7 @@ What it does, in order:
    configs and stored dtypes, a DINOv3 ViT-L/16 and NAF, plus a ``pipeline.json``.
 2. Reads the same files sequentially, page cache cold (evicted with ``posix_fadvise``) then warm:
    the raw-read throughput the loads are compared with.
-3. Runs the real cascade (``pipelines.build.build_cascade`` on ``configs/1024_cascade.yaml``, weights
+3. Runs the real cascade (``pipelines.Pixal3D`` on ``configs/1024_cascade.yaml``, weights
    pointed at the cache) once per policy, each in a fresh subprocess with the memory meter attached
    and the checkpoint files evicted first. The work is reduced so a 2-core CPU gets through it (see
    ``CPU_WORK``); the loads, releases and resident weights are exactly the cascade's own.
@@ -116,9 +116,11 @@ def _first(latent: Any, count: int | None) -> Any:
     return latent if count is None else SparseTensor(latent.feats[:count], latent.coords[:count])
 
 
-def reduced_stages(stages: list, work: Work, info: dict, *, sync: Callable[[], None] | None = None) -> list:
-    """The cascade's stage list with structure, upsample and decode cut to ``work`` and export dropped;
-    ``sync`` (e.g. ``torch.cuda.synchronize``) runs at the end of every stage so its time is its own."""
+def reduced_stages(config: Any, work: Work, info: dict, *, sync: Callable[[], None] | None = None) -> dict:
+    """Stage name → replacement for ``Pixal3D(replace=...)``: structure, upsample and decode cut to ``work``
+    (the run stops after decode); ``sync`` (e.g. ``torch.cuda.synchronize``) runs at the end of every stage
+    so its time is its own."""
+    from pipelines.build import build_stages
     from pipelines.decode import DecodeStage
     from pipelines.flow_stage import draw_noise, extractor, sample, stage_condition
     from pipelines.structure import StructureStage
@@ -130,9 +132,10 @@ def reduced_stages(stages: list, work: Work, info: dict, *, sync: Callable[[], N
             cond = stage_condition(state, models, extractor("ss", cfg.condition, cfg.noise_resolution), None)
             flow = models["sparse_structure_flow_model"]  # loaded (and resident) as in the real stage
             r = cfg.noise_resolution
-            state.ss_noise = draw_noise(1, cfg.latent_channels, r, r, r)
+            state.ss_noise = draw_noise(state.generator, 1, cfg.latent_channels, r, r, r)
             noise = state.ss_noise.to(state.device)
-            state.ss_latent = sample(flow, noise, cond, cfg.sampler, progress=False) if work.run_ss_flow else noise
+            state.ss_latent = (sample(flow, noise, cond, cfg.sampler, state=state, stage=self.name)
+                               if work.run_ss_flow else noise)
             crop = work.ss_decoder_crop or r
             logits = models["sparse_structure_decoder"](state.ss_latent[..., :crop, :crop, :crop])
             info["ss_decoder_logits"] = list(logits.shape)
@@ -160,18 +163,13 @@ def reduced_stages(stages: list, work: Work, info: dict, *, sync: Callable[[], N
             info["decoded_voxels"] = int(pbr.coords.shape[0])
 
     replaced = {"structure": BenchStructure, "upsample": BenchUpsample, "decode": BenchDecode}
-    out = []
-    for stage in stages:
-        if stage.name == "export":
-            continue
-        cls = replaced.get(stage.name)
-        if cls is not None:
-            clone = cls.__new__(cls)
-            clone.__dict__.update(stage.__dict__)
-            stage = clone
+    out = {}
+    for stage in build_stages(config, until="decode"):
+        if stage.name in replaced:
+            stage = replaced[stage.name].from_config(config)
         if sync is not None:
             stage.run = _synced(stage.run, sync)
-        out.append(stage)
+        out[stage.name] = stage
     return out
 
 
@@ -268,55 +266,37 @@ class LoadRecorder:
 def run_child(policy: str, cache: Path, trace: Path, result: Path, work: Work, *,
               device: str = "cpu") -> dict[str, Any]:
     """Run the reduced cascade under ``policy`` with the meter attached; write the result JSON."""
-    from pipelines.build import build_cascade
-    from pipelines.state import RunState
-    from pixal3d.hub import resolve_weights
-    from pixal3d.telemetry import MemoryMeter
+    from pipelines import Pixal3D
+    from pixal3d.telemetry import read_trace, summarize
 
     torch.set_grad_enabled(False)
     dev = torch.device(device)
     config = bench_config(cache, work)
-    weights = resolve_weights(config.weights, offline=True)
     info: dict[str, Any] = {}
-    sink = _Forward()
-    cascade = build_cascade(config, weights, device=dev, policy=policy, events=sink)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    cascade.stages = reduced_stages(cascade.stages, work, info, sync=sync)
     recorder = LoadRecorder(touch=dev.type == "cpu")
-    cascade.loaders = {name: recorder.wrap(name, loader) for name, loader in cascade.loaders.items()}
-    state = RunState(input_path=REPO / "assets" / "example.png", output_path=result.with_suffix(".glb"),
-                     seed=config.seed, device=dev, progress=False)
+    pipe = Pixal3D.from_config(config, policy=policy, device=dev, replace=reduced_stages(config, work, info, sync=sync),
+                               until="decode", wrap_loader=recorder.wrap)
+    weights = pipe.weights
     baseline = _status()
     meta = {"policy": policy, "bench": "scripts/bench_memory.py", "device": str(dev),
             "reduced_work": work.describe(), "work": dataclasses.asdict(work), "torch": torch.__version__}
     start = time.perf_counter()
-    with MemoryMeter(trace, interval=0.25, device=dev if dev.type != "cpu" else None, meta=meta) as meter:
-        sink.target = meter.on_event
-        torch.manual_seed(config.seed)
-        records = cascade.run(state)
-        cascade.close()
-        sink.target = None
+    # The run's own meter (Pixal3D.run) is the only one: two would reset each other's peaks.
+    with pipe:
+        run = pipe.run(REPO / "assets" / "example.png", trace=trace, trace_meta=meta)
+    records = run.stages
+    summary = summarize(read_trace(trace))
     out = {
         "policy": policy, "device": str(dev), "seconds": round(time.perf_counter() - start, 2),
         "baseline": baseline, "work": dataclasses.asdict(work), "reduced_work": work.describe(),
         "stages": [{"stage": r.stage, "seconds": round(r.seconds, 3), "used": r.used} for r in records],
-        "loads": recorder.records, "info": info, "summary": meter.summary().to_dict(),
+        "loads": recorder.records, "info": info, "summary": summary.to_dict(),
         "weights": {k: str(v) for k, v in weights.safetensors().items()},
     }
     result.parent.mkdir(parents=True, exist_ok=True)
     result.write_text(json.dumps(out, indent=1) + "\n")
     return out
-
-
-class _Forward:
-    """Registry event sink forwarded to the meter once it runs (eager loads happen inside ``run``)."""
-
-    def __init__(self) -> None:
-        self.target: Callable[[Any], None] | None = None
-
-    def __call__(self, event: Any) -> None:
-        if self.target is not None:
-            self.target(event)
 
 
 # -- the whole benchmark ----------------------------------------------------------------------------

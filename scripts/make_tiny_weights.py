@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pipelines.tiny_weights import TINY_VERSION, ensure_tiny_weights
+from pixal3d.tiny_weights import TINY_VERSION, ensure_tiny_weights
 from pixal3d.hub import cache_root
 
 

@@ -39,6 +39,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pixal3d.files import atomic_path  # noqa: E402
+
 logger = logging.getLogger("write_random_checkpoints")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,8 +158,7 @@ def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec],
             if f.read(len(header)) == header:
                 return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(header)
         for spec in specs:
             if spec.name in fixed:
@@ -165,7 +166,6 @@ def write_safetensors(path: Path, file_key: str, specs: Sequence[TensorSpec],
                 f.write(value.view(torch.uint8).numpy().tobytes())
                 continue
             f.writelines(tensor_bytes(file_key, spec, start, min(CHUNK, spec.numel - start)) for start in range(0, spec.numel, CHUNK))
-    tmp.replace(path)
     return True
 
 

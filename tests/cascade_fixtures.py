@@ -9,13 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.build import build_cascade
-from pipelines.cascade import StageRecord
-from pipelines.state import RunState
-from pipelines.tiny_weights import ensure_tiny_weights
+from pipelines import Pixal3D, Result
 from pixal3d.config import CascadeConfig, load_config
-from pixal3d.hub import ResolvedWeights, resolve_weights
 from pixal3d.models.dinov3 import load_dinov3
+from pixal3d.tiny_weights import ensure_tiny_weights
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
@@ -42,32 +39,15 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny(tiny_cache: Path) -> tuple[CascadeConfig, ResolvedWeights]:
-    """The tiny config and its resolved weights."""
-    config = load_config(TINY_CONFIG)
-    return config, resolve_weights(config.weights, offline=True)
+def tiny(tiny_cache: Path) -> CascadeConfig:
+    """The tiny config (its weights in the session's tiny cache)."""
+    return load_config(TINY_CONFIG)
 
 
-def run_tiny(config: CascadeConfig, weights: ResolvedWeights, policy: str, *, tmp: Path, export: bool = False,
-             until: str | None = None, **cascade_kwargs) -> tuple[list[StageRecord], RunState]:
-    """Seed, then run the tiny cascade over assets/example.png (without the export stage unless asked;
-    only up to stage ``until`` when given)."""
-    cascade = build_cascade(config, weights, policy=policy, **cascade_kwargs)
-    if not export:
-        cascade.stages = [s for s in cascade.stages if s.name != "export"]
-    if until is not None:
-        names = [s.name for s in cascade.stages]
-        cascade.stages = cascade.stages[:names.index(until) + 1]
-    state = RunState(input_path=EXAMPLE, output_path=tmp / "out.glb", seed=config.seed,
-                     device=torch.device("cpu"), progress=False)
-    torch.manual_seed(config.seed)
-    try:
-        records = cascade.run(state)
-    finally:
-        cascade.close()
-    return records, state
-
-
-def stage_fingerprints(records: list[StageRecord]) -> dict[str, dict[str, str]]:
-    """Stage → {output name → sha256} (stages without outputs left out)."""
-    return {r.stage: r.fingerprints for r in records if r.fingerprints}
+def run_tiny(config: CascadeConfig, policy: str, *, export: bool = False, until: str | None = None,
+             seed: int | None = None, image=EXAMPLE, events=None, **kwargs) -> Result:
+    """Run the tiny cascade over ``image`` (default assets/example.png) on the CPU through ``Pixal3D``, without
+    the export stage unless asked (only up to stage ``until`` when given); ``kwargs`` go to ``from_config``."""
+    until = until or (None if export else "decode")
+    with Pixal3D.from_config(config, policy=policy, device="cpu", until=until, **kwargs) as pipe:
+        return pipe.run(image, seed=seed, events=events)

@@ -5,6 +5,7 @@ from torch import nn
 from scripts import bench_memory as bm
 from scripts import bench_memory_cuda as bmc
 from scripts import bench_report as br
+from tests.cascade_fixtures import tiny_cache  # noqa: F401
 
 MIB = 2**20
 
@@ -109,3 +110,28 @@ def test_cuda_report_gives_working_set_per_token(tmp_path):
     assert "| shape_512 | 3.00 | 2.00 | 1.0 | 3.0 |" in md  # 3 GiB peak - 1 GiB weights = 2 GiB working set
     assert f"= {2 * gib // 1024} B/token" in md
     assert (tmp_path / "cuda_memory.json").is_file()
+
+
+def test_reduced_stages_replace_the_cascades_own_by_name_and_run(tiny_cache):
+    """The benchmark's reduced stages go through the same Pixal3D entry point (tiny config, tiny work)."""
+    from pipelines import Pixal3D
+    from pixal3d.config import load_config
+    from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG
+
+    config = load_config(TINY_CONFIG)
+    work = bm.Work(lr_tokens=20, hr_tokens=30, run_ss_flow=False, ss_decoder_crop=2, upsample_tokens=2,
+                   decode_tokens=3, steps=1, guidance=False, reference_condition=False)
+    info, loads = {}, []
+    replace = bm.reduced_stages(config, work, info)
+    assert list(replace) == ["preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture",
+                             "decode"]
+
+    def counting(name, load):
+        return lambda: loads.append(name) or load()
+    with Pixal3D.from_config(config, policy="staged", device="cpu", replace=replace, until="decode",
+                             wrap_loader=counting) as pipe:
+        result = pipe.run(EXAMPLE)
+    assert info["lr_tokens"] == 20 and info["hr_tokens"] == 30 and len(result.state.coords_hr) == 30
+    assert result.state.pbr.coords.shape[0] == info["decoded_voxels"] > 0
+    assert set(loads) == {m for stage in pipe.stages for m in stage.needs}  # every load went through the wrapper
+    assert loads.count("dinov3") == 2  # staged: released at upsample, loaded again for shape_1024

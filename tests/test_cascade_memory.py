@@ -23,9 +23,7 @@ RUN = textwrap.dedent("""
     import psutil, torch
     from torch import nn
     from pixal3d.models.loading import load_model, register_model
-    from pipelines.cascade import Cascade
-    from pipelines.stage import Stage
-    from pipelines.state import RunState
+    from pixal3d.staging import Stage, StageRunner
 
     @register_model("Blob")
     class Blob(nn.Module):
@@ -36,18 +34,20 @@ RUN = textwrap.dedent("""
     class Use(Stage):
         def __init__(self, i):
             self.name, self.needs = f"s{i}", (f"m{i}",)
+        def working_set(self):
+            return 0
         def run(self, state, models):
-            state.export_stats[self.name] = float(models[self.needs[0]].weight.sum())
+            state[self.name] = float(models[self.needs[0]].weight.sum())
 
     folder, policy, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     loaders = {f"m{i}": functools.partial(load_model, folder / f"m{i}", device="cpu") for i in range(count)}
-    cascade = Cascade([Use(i) for i in range(count)], loaders, policy=policy)
-    state = RunState(input_path=folder, output_path=folder / "x.glb", seed=0, device=torch.device("cpu"))
+    runner = StageRunner([Use(i) for i in range(count)], loaders, policy=policy)
+    sums = {}
     before = psutil.Process().memory_info().rss
-    cascade.run(state)
+    runner.run(sums)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    cascade.close()
-    print(json.dumps({"before": before, "peak": peak, "sums": state.export_stats}))
+    runner.close()
+    print(json.dumps({"before": before, "peak": peak, "sums": sums}))
 """)
 
 

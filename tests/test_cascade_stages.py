@@ -1,5 +1,5 @@
 """Stage-level rules of the cascade, without networks: coords pooling, the cascade quantizer and token
-budget, camera/preprocess needs, fingerprints, and the Cascade's handling of its stage list."""
+budget, camera/preprocess needs, fingerprints, noise normalization directions."""
 from __future__ import annotations
 
 import math
@@ -7,25 +7,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 from pipelines.camera import CameraStage
-from pipelines.cascade import Cascade
-from pipelines.fingerprint import fingerprint_tensor, fingerprints
 from pipelines.preprocess import PreprocessStage
-from pipelines.stage import Stage
 from pipelines.state import RunState
 from pipelines.structure import EmptyStructureError, occupied_coords
 from pipelines.upsample import UpsampleStage, quantize_coords
 from pixal3d.config import UpsampleConfig
+from pixal3d.models.preprocess import load_image
 from pixal3d.nn.sparse_tensor import SparseTensor
+from pixal3d.pipeline_json import Normalization
+from pixal3d.staging.fingerprint import fingerprint_tensor, fingerprints
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "assets" / "example.png"
 
 
-def _state(**fields) -> RunState:
-    state = RunState(input_path=EXAMPLE, output_path=Path("o.glb"), seed=0, device=torch.device("cpu"),
-                     progress=False)
+def _state(image: Path = EXAMPLE, **fields) -> RunState:
+    unit = Normalization(mean=(0.0,), std=(1.0,))
+    state = RunState(input_image=load_image(image), generator=torch.Generator().manual_seed(0),
+                     device=torch.device("cpu"), shape_normalization=unit, tex_normalization=unit)
     for key, value in fields.items():
         setattr(state, key, value)
     return state
@@ -106,7 +108,7 @@ class _Forbidden(dict):
 
 
 def test_an_rgba_input_never_loads_the_background_remover():
-    stage = PreprocessStage(use_remover=True)
+    stage = PreprocessStage(remover="birefnet-general")
     assert stage.needs == ("rembg",)
     state = _state()
     stage.run(state, _Forbidden())
@@ -134,16 +136,15 @@ class _RandomEstimator(nn.Module):
         return rgba
 
 
-def test_camera_and_background_models_do_not_move_the_noise_draws(tmp_path):
-    from PIL import Image
-
+def test_camera_and_background_models_do_not_move_the_global_generator(tmp_path):
+    """The reference runs them before seeding; here the run draws from its own generator, and the global one
+    (which a user's code may rely on) is left where it was."""
     rgb = tmp_path / "rgb.png"
     Image.new("RGB", (64, 64), (200, 120, 40)).save(rgb)
-    state = RunState(input_path=rgb, output_path=tmp_path / "out.glb", seed=0, device=torch.device("cpu"),
-                     progress=False)
+    state = _state(rgb)
     models = {"rembg": _RandomEstimator(), "moge": _RandomEstimator()}
     torch.manual_seed(0)
-    PreprocessStage(use_remover=True).run(state, models)
+    PreprocessStage(remover="birefnet-general").run(state, models)
     CameraStage(None, use_moge=True).run(state, models)
     after = torch.randn(4)
     torch.manual_seed(0)
@@ -166,58 +167,6 @@ def test_fingerprints_cover_dtype_shape_and_bytes():
     assert sorted(keys) == ["out.m", "out.n", "out.x.coords", "out.x.feats"]
 
 
-class _Use(Stage):
-    outputs = ("export_stats",)
-
-    def __init__(self, name, needs):
-        self.name, self.needs = name, needs
-
-    def run(self, state, models):
-        state.export_stats[self.name] = [float(models[n].weight.sum()) for n in self.needs]
-
-
-def _loaders(count, built):
-    def make(i):
-        def load():
-            built.append(i)
-            layer = nn.Linear(2, 2)
-            nn.init.constant_(layer.weight, float(i))
-            return layer
-        return load
-    return {f"m{i}": make(i) for i in range(count)}
-
-
-def test_a_stage_replaced_before_the_first_run_changes_what_is_loaded():
-    built = []
-    cascade = Cascade([_Use("a", ("m0",)), _Use("b", ("m1",))], _loaders(3, built), policy="staged")
-    cascade.stages[1] = _Use("b", ("m2",))  # e.g. a benchmark's synthetic stage
-    state = _state()
-    records = cascade.run(state)
-    assert built == [0, 2] and [r.used for r in records] == [["m0"], ["m2"]]
-    assert state.export_stats == {"a": [0.0], "b": [8.0]}
-    assert cascade.registry.loaded() == ["m2"]  # m0 was released on entering b
-    cascade.close()
-
-
-def test_eager_loads_everything_before_the_first_stage_and_resident_keeps_what_it_loaded():
-    built = []
-    eager = Cascade([_Use("a", ("m0",)), _Use("b", ("m1",))], _loaders(2, built), policy="eager")
-    eager.run(_state())
-    assert built == [0, 1] and sorted(eager.registry.loaded()) == ["m0", "m1"]
-    resident = Cascade([_Use("a", ("m0",)), _Use("b", ())], _loaders(2, []), policy="resident")
-    resident.run(_state())
-    assert resident.registry.loaded() == ["m0"]
-
-
-def test_cascade_rejects_bad_plans():
-    with pytest.raises(ValueError, match="policy 'auto' is not one of"):
-        Cascade([], {}, policy="auto")
-    with pytest.raises(ValueError, match="stage names must be unique"):
-        Cascade([_Use("a", ()), _Use("a", ())], {}).run(_state())
-    with pytest.raises(KeyError, match=r"without a loader: \['m9'\]"):
-        Cascade([_Use("a", ("m9",))], {}).run(_state())
-
-
 class _ZeroFlow(nn.Module):
     """A flow predicting zero velocity (the sampler returns its noise); records the concat_cond it is given."""
 
@@ -235,7 +184,6 @@ def test_shape_and_texture_latents_are_normalized_in_the_reference_directions(mo
     output becomes ``latent·std_t + mean_t`` (reference §1.5, §1.8)."""
     from pipelines import shape_1024, texture
     from pixal3d.config import ConditionConfig, SamplerConfig, ShapeConfig
-    from pixal3d.hub import Normalization
 
     for module in (shape_1024, texture):
         monkeypatch.setattr(module, "stage_condition", lambda *a, **k: {})
@@ -245,11 +193,10 @@ def test_shape_and_texture_latents_are_normalized_in_the_reference_directions(mo
     shape_norm, tex_norm = Normalization(mean=(1.0, -2.0), std=(3.0, 0.5)), Normalization(mean=(5.0, 6.0),
                                                                                          std=(2.0, 4.0))
     coords = torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3]], dtype=torch.int32)
-    state = _state(coords_hr=coords, hr_resolution=48)
+    state = _state(coords_hr=coords, hr_resolution=48, shape_normalization=shape_norm, tex_normalization=tex_norm)
     shape_flow, tex_flow = _ZeroFlow(), _ZeroFlow()
-    torch.manual_seed(0)
-    shape_1024.Shape1024Stage(cfg, shape_norm, 2).run(state, {"shape_slat_flow_model_1024": shape_flow})
-    texture.TextureStage(cfg, shape_norm, tex_norm, 2).run(state, {"tex_slat_flow_model_1024": tex_flow})
+    shape_1024.Shape1024Stage(cfg, 2, 48).run(state, {"shape_slat_flow_model_1024": shape_flow})
+    texture.TextureStage(cfg, 2, 48).run(state, {"tex_slat_flow_model_1024": tex_flow})
     s_mean, s_std = torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, 0.5]])
     assert torch.allclose(state.shape_latent.feats, state.hr_noise * s_std + s_mean)
     assert torch.allclose(tex_flow.concat[0].feats, state.hr_noise, atol=1e-6)  # the round trip of the shape

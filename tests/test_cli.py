@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 import trimesh
 import yaml
+from PIL import Image
 
-from pipelines import cli
+from pipelines import Pixal3D, cli, pipeline
+from pixal3d.staging.fingerprint import fingerprint_tensor
 from pixal3d.staging.policy import Machine
 from tests.cascade_fixtures import EXAMPLE, GOLDEN, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 
@@ -46,7 +49,10 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
     record = json.loads((tmp_path / "demo" / "demo.run.json").read_text())
     assert record["seed"] == 42 and record["policy"] == "staged" and record["config"]["name"] == "tiny"
     golden = json.loads(GOLDEN.read_text())["stages"]
-    assert {s["stage"]: s["fingerprints"] for s in record["stages"] if s["fingerprints"]} == golden
+    prints = {s["stage"]: s["fingerprints"] for s in record["stages"] if s["fingerprints"]}
+    glb = prints.pop("export")
+    assert prints == golden
+    assert glb == {"mesh.glb": fingerprint_tensor(torch.from_numpy(np.frombuffer(out.read_bytes(), np.uint8).copy()))}
     assert [s["stage"] for s in record["stages"]][-1] == "export"
     assert all(s["seconds"] >= 0 and s["peak_process_bytes"] > 0 for s in record["stages"])
     assert record["versions"]["torch"] and record["policy_reasons"]
@@ -54,6 +60,18 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
     assert _files(out.parent) == ["demo.glb", "demo.run.json"]  # no temporary files left
     table = stdout[stdout.index("stage       seconds"):]
     assert "texture" in table and "MiB" in table and "total" in table
+
+
+def test_run_on_an_in_memory_image_gives_the_commands_fingerprints_and_glb(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "cli.glb"
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--memory-policy", "staged")
+    assert code == 0, err
+    command = json.loads(out.with_suffix(".run.json").read_text())
+    with Pixal3D.from_config(TINY_CONFIG, policy="resident", device="cpu") as pipe:
+        result = pipe.run(Image.open(EXAMPLE))
+    assert result.fingerprints() == {s["stage"]: s["fingerprints"] for s in command["stages"] if s["fingerprints"]}
+    assert result.mesh.glb == out.read_bytes()
+    assert result.input == "<image>" and result.save(tmp_path / "lib.glb").read_bytes() == out.read_bytes()
 
 
 def test_plan_prints_the_plan_and_policy_and_reads_no_weights(tiny_cache, tmp_path, capsys, monkeypatch):
@@ -141,7 +159,7 @@ def test_missing_weights(tmp_path, capsys):
 
 def test_not_enough_memory_for_any_policy(tiny_cache, tmp_path, capsys, monkeypatch):
     small = Machine("cpu", "CPU", True, 2**30, 1024, 2**30, 1024)
-    monkeypatch.setattr(cli, "detect_machine", lambda device: small)
+    monkeypatch.setattr(pipeline, "detect_machine", lambda device: small)
     code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
     assert code == 2 and "not enough memory for any policy" in _one_error_line(err)
     assert _files(tmp_path / "out") == []
@@ -166,21 +184,13 @@ def test_a_failure_during_the_run_exits_1_with_one_line_and_no_output(tiny_cache
     assert _files(out.parent) == []
 
 
-def test_a_failed_export_leaves_no_partial_glb(tmp_path, monkeypatch):
-    from pipelines import export
-    from pipelines.export import ExportStage
-    from pipelines.state import RunState
-    from pixal3d.config import ExportConfig
+def test_a_failed_write_leaves_no_partial_glb_and_no_run_json(tiny_cache, tmp_path, capsys, monkeypatch):
+    import pixal3d.files
 
-    written = []
-
-    def failing_export(fields, pbr, path, **kwargs):
-        Path(path).write_bytes(b"glTF half a file")
-        written.append(Path(path))
-        raise OSError("No space left on device")
-    monkeypatch.setattr(export, "export_glb", failing_export)
-    state = RunState(input_path=EXAMPLE, output_path=tmp_path / "o.glb", seed=42, device=torch.device("cpu"))
-    with pytest.raises(OSError):
-        ExportStage(ExportConfig()).run(state, {})
-    assert written and written[0].parent == tmp_path and written[0] != state.output_path
-    assert _files(tmp_path) == []
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pixal3d.files.os, "replace", full_disk)
+    out = tmp_path / "out" / "o.glb"
+    code, _, err = _run(capsys, EXAMPLE, "--config", _fast_config(tmp_path), "-o", out, "--quiet")
+    assert code == 1 and "No space left on device" in _one_error_line(err)
+    assert _files(out.parent) == []  # neither the GLB, nor its temporary file, nor a run.json

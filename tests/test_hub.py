@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.tiny_weights import TINY_VERSION, write_tiny_weights
+from pixal3d.tiny_weights import TINY_VERSION, write_tiny_weights
 from pixal3d.config import WeightsConfig, WeightSource
-from pixal3d.hub import (
-    PIPELINE_MODELS,
-    CorruptWeightsError,
-    MissingWeightsError,
-    planned_sizes,
-    read_safetensors_header,
-    resolve_weights,
-    verify_safetensors,
-)
+from pixal3d.hub import CorruptWeightsError, MissingWeightsError, read_safetensors_header, verify_safetensors
+from pixal3d.pipeline_json import PIPELINE_MODELS, planned_sizes, resolve_weights
 from tests.cascade_fixtures import tiny_cache  # noqa: F401
 
 REV = "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"

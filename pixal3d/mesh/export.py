@@ -1,8 +1,10 @@
-"""One entry point from decoder outputs to a textured GLB, on CPU, in bounded memory.
+"""From decoder outputs to a textured GLB, on CPU, in bounded memory.
 
-Steps (each timed, with its peak RSS): 1. dual grid → raw mesh; 2. reference surface (degenerate and
-duplicate faces out, small holes filled) — the surface every texel is projected onto; 3. simplify to
-the face budget; 4. cleanup + outward orientation; 5. normals + UV atlas; 6. bake; 7. GLB.
+``export_mesh`` keeps everything in memory (``ExportedMesh``: the textured mesh, its GLB bytes, the
+report); ``export_glb`` also writes the file. Steps (each timed, with its peak RSS): 1. dual grid → raw
+mesh; 2. reference surface (degenerate and duplicate faces out, small holes filled) — the surface every
+texel is projected onto; 3. simplify to the face budget; 4. cleanup + outward orientation; 5. normals +
+UV atlas; 6. bake; 7. GLB encoding.
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import trimesh
 from tqdm.auto import tqdm
+
+from pixal3d.files import write_bytes_atomic
 
 from .bake import PROJECTIONS, BakedTextures, SurfaceProjector, bake_textures
 from .cleanup import (
@@ -26,7 +31,7 @@ from .cleanup import (
 )
 from .dual_grid import dual_grid_to_mesh
 from .fields import DualGridFields, PbrVoxels
-from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, vertex_normals, write_glb
+from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, encode_glb, vertex_normals
 from .rss import PeakRss
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
@@ -89,10 +94,11 @@ class StepReport:
 
 @dataclass
 class ExportReport:
-    """What ``export_glb`` did: per-step rows, the output mesh size, texture coverage, file size."""
+    """What the export did: per-step rows, the output mesh size, texture coverage, GLB size (``path``:
+    where ``export_glb`` wrote it; empty for an in-memory export)."""
 
-    path: str
     steps: list[StepReport]
+    path: str = ""
     vertices: int = 0
     faces: int = 0
     texture_size: int = 0
@@ -203,25 +209,51 @@ def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: 
     return tex, {"coverage": round(tex.coverage, 3)}
 
 
-def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, path: str | Path,
-         settings: ExportSettings):
+def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, settings: ExportSettings):
     mesh = build_mesh(v[uv.vertex_map], uv.faces, normals[uv.vertex_map], uv.uvs,
                       tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode)
-    n = write_glb(mesh, path, texture_format=settings.texture_format)
-    return n, {"bytes": n, "format": settings.texture_format}
+    data = encode_glb(mesh, texture_format=settings.texture_format)
+    return (mesh, data), {"bytes": len(data), "format": settings.texture_format}
 
 
-def export_glb(
+@dataclass
+class ExportedMesh:
+    """The textured mesh (trimesh, GLB frame), its GLB file's bytes, and the export report."""
+
+    mesh: trimesh.Trimesh
+    glb: bytes
+    report: ExportReport
+
+    def fingerprint_parts(self) -> dict[str, bytes]:
+        """The GLB bytes identify the export bit for bit (``pixal3d.staging.fingerprint``)."""
+        return {"glb": self.glb}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the GLB to ``path`` atomically (folders created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, self.glb)
+        return path
+
+
+def export_glb(fields: DualGridFields, pbr: PbrVoxels, path: str | Path, **kwargs) -> ExportReport:
+    """``export_mesh`` (same keyword arguments), then write the GLB to ``path`` atomically."""
+    exported = export_mesh(fields, pbr, **kwargs)
+    exported.save(path)
+    exported.report.path = str(path)
+    return exported.report
+
+
+def export_mesh(
     fields: DualGridFields,
     pbr: PbrVoxels,
-    path: str | Path,
     *,
     settings: ExportSettings = ExportSettings(),
     progress: bool = True,
     on_step: Callable[[str], None] | None = None,
     exact_peak_rss: bool = False,
-) -> ExportReport:
-    """Mesh, simplify, unwrap, bake and write ``path`` (GLB); returns the per-step report.
+) -> ExportedMesh:
+    """Mesh, simplify, unwrap, bake and encode as GLB, in memory; returns the mesh, bytes and report.
 
     ``on_step(name)`` is called as each step in ``STEPS`` starts (telemetry sub-windows).
     ``exact_peak_rss`` measures each step's peak with the kernel's high-water mark instead of
@@ -239,9 +271,8 @@ def export_glb(
     normals, uv = steps.run("uv", _unwrap, v, f, settings)
     tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, settings)
     del ref_v, ref_f
-    nbytes = steps.run("glb", _glb, v, normals, uv, tex, path, settings)
+    mesh, data = steps.run("glb", _glb, v, normals, uv, tex, settings)
     steps.bar.close()
-    return ExportReport(
-        path=str(path), steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
-        texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=nbytes,
-    )
+    report = ExportReport(steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
+                          texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=len(data))
+    return ExportedMesh(mesh, data, report)

@@ -8,7 +8,6 @@ winding is unchanged. UVs: the baked image has row 0 at v ≈ 0; trimesh writes 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,8 @@ from PIL import Image
 from trimesh.exchange.gltf import export_glb
 from trimesh.visual.material import PBRMaterial
 from trimesh.visual.texture import TextureVisuals
+
+from pixal3d.files import write_bytes_atomic
 
 INTERNAL_TO_GLB = np.array([[-1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, -1.0]])
 ALPHA_MODES = ("OPAQUE", "BLEND", "auto")
@@ -77,26 +78,15 @@ def build_mesh(
     )
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def encode_glb(mesh: trimesh.Trimesh, *, texture_format: str = "png") -> bytes:
+    """The GLB file's bytes for ``mesh`` (textures encoded as PNG or WebP)."""
+    if texture_format not in TEXTURE_FORMATS:
+        raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {texture_format!r}")
+    return export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
 
 
 def write_glb(mesh: trimesh.Trimesh, path: str | os.PathLike, *, texture_format: str = "png") -> int:
-    """Encode ``mesh`` as GLB and write it atomically (temporary file, then rename); returns bytes."""
-    if texture_format not in TEXTURE_FORMATS:
-        raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {texture_format!r}")
-    data = export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
+    """Encode ``mesh`` as GLB and write it atomically (``pixal3d.files``); returns bytes written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the GLB gets an ordinary file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return len(data)
+    return write_bytes_atomic(path, encode_glb(mesh, texture_format=texture_format))

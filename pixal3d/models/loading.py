@@ -27,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from pixal3d.files import atomic_path, write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {}
@@ -157,7 +159,6 @@ def save_model(model: nn.Module, spec: Mapping[str, Any], stem: str | Path, *,
     stem.parent.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
              for k, v in model.state_dict().items()}
-    tmp = stem.with_name(stem.name + ".safetensors.tmp")
-    save_file(state, str(tmp))
-    tmp.replace(stem.with_suffix(".safetensors"))
-    stem.with_suffix(".json").write_text(json.dumps(dict(spec), indent=2) + "\n")
+    with atomic_path(stem.with_suffix(".safetensors")) as tmp:
+        save_file(state, str(tmp))
+    write_json_atomic(stem.with_suffix(".json"), dict(spec))

@@ -76,12 +76,52 @@ def load_image(path: str | Path) -> Image.Image:
             image.load()
         except (OSError, SyntaxError, ValueError, EOFError) as err:
             raise ImageError(f"{path} is truncated or corrupt ({err}); re-export or re-download it") from None
+    return normalize_image(image, str(path))
+
+
+def normalize_image(image: Image.Image, name: str = "the image") -> Image.Image:
+    """A decoded image as every run sees it: large ones reduced, EXIF orientation applied, RGB or RGBA."""
+    _check_size(image.size, name)
     if max(image.size) > LARGE_SIDE:
         factor = max(image.size) // REDUCED_SIDE
         image = image.reduce(factor)
-        logger.info("%s reduced by %d to %s before any other work", path, factor, image.size)
+        logger.info("%s reduced by %d to %s before any other work", name, factor, image.size)
     image = ImageOps.exif_transpose(image)
     return to_rgb_or_rgba(image)
+
+
+def as_image(image: Any) -> Image.Image:
+    """The run's input as an upright RGB/RGBA PIL image: a path (``load_image``), a PIL image, or a uint8
+    array ``[H, W]``, ``[H, W, 3]`` or ``[H, W, 4]`` (RGBA: alpha marks the object)."""
+    if isinstance(image, (str, Path)):
+        return load_image(image)
+    if isinstance(image, Image.Image):
+        return normalize_image(image, "the input image")
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
+            raise ImageError(f"an image array must be uint8 [H, W], [H, W, 3] or [H, W, 4]; got {image.dtype} "
+                             f"{list(image.shape)}")
+        mode = "L" if image.ndim == 2 else ("RGB" if image.shape[2] == 3 else "RGBA")
+        return normalize_image(Image.fromarray(np.ascontiguousarray(image), mode=mode), "the input array")
+    raise ImageError(f"the input must be a path, a PIL image or a uint8 array, not {type(image).__name__}")
+
+
+def probe_image(path: str | Path) -> tuple[int, int]:
+    """Check that ``path`` is an image Pillow can open and large enough, reading only its header; returns
+    its size. Decoding (``load_image``) happens when the run needs the pixels."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImageError(f"input image {path} does not exist (or is not a file); check the path")
+    with _decompression_limit_lifted():
+        try:
+            with Image.open(path) as image:
+                size = image.size
+        except UnidentifiedImageError:
+            raise ImageError(f"{path} is not an image Pillow can read; pass a PNG, JPEG or WebP file") from None
+        except (OSError, SyntaxError, ValueError) as err:
+            raise ImageError(f"{path} cannot be opened as an image ({err}); re-export it as PNG") from None
+    _check_size(size, str(path))
+    return size
 
 
 @contextmanager

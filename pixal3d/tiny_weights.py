@@ -129,10 +129,8 @@ def deterministic_tensor(label: str, key: str, shape: tuple[int, ...]) -> torch.
 def _state_for(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every stored tensor of the model ``spec`` describes: deterministic values for parameters, the true
     (config-derived) values for persistent buffers such as NAF's RoPE periods."""
-    from pipelines.loaders import register_model_classes
-    from pixal3d.models.loading import build_model
+    from pixal3d.models import build_model  # the package registers every network class
 
-    register_model_classes()
     model = build_model(spec, device="meta", source=label)
     state = {key: deterministic_tensor(label, key, tuple(t.shape)) for key, t in model.state_dict().items()}
     buffers = [name for name, _ in model.named_buffers() if name in state]

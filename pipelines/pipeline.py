@@ -1,0 +1,260 @@
+"""Pixal3D: the library entry point — one image in, a textured mesh out, in memory.
+
+    pipe = Pixal3D.from_config("configs/1024_cascade.yaml")   # plan, policy, weights; no model loads yet
+    result = pipe.run("input.png", seed=42)                   # or a PIL image, or a uint8 array
+    result.save("out.glb")
+
+``Pixal3D.plan(config)`` decides before any weight is read what each stage needs (weights from the
+safetensors headers, working sets from the stages' own estimates) and which memory policy to run;
+``from_plan`` then fetches the weights and builds the pipeline on the same stage objects (the command
+prints the plan in between, and ``--plan`` stops there). Models load when their stage first asks for
+them; the policy decides where they live between stages and between runs. ``close()`` releases them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from pixal3d.config import CascadeConfig, load_config
+from pixal3d.models.preprocess import as_image
+from pixal3d.pipeline_json import ResolvedWeights, planned_sizes, resolve_weights
+from pixal3d.staging import (
+    Event,
+    Machine,
+    MemoryPlan,
+    Policy,
+    StageRunner,
+    check_stages,
+    detect_machine,
+    format_plan,
+    resolve_policy,
+)
+from pixal3d.staging.policy import gib
+from pixal3d.telemetry import MemoryMeter
+
+from .build import build_stages
+from .loaders import model_loaders
+from .preprocess import rembg_loader
+from .result import Result
+from .stage import CascadeStage
+from .state import PROVIDED, RunState
+
+logger = logging.getLogger(__name__)
+
+MAX_SEED = 2**64 - 1
+
+Loader = Callable[[], nn.Module]
+
+
+class NotEnoughMemoryError(RuntimeError):
+    """Even the smallest-footprint policy needs more memory than the machine has available."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will need and where its idle models will live, decided before any weight is read."""
+
+    config: CascadeConfig
+    stages: tuple[CascadeStage, ...]
+    device: torch.device
+    memory: MemoryPlan
+    machine: Machine
+    policy: Policy
+    reasons: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+    def table(self) -> str:
+        """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
+        return format_plan(self.memory, self.machine, self.policy, [*self.reasons, *self.notes])
+
+    def model_names(self) -> list[str]:
+        """Every model some stage needs, in first-use order."""
+        return list(dict.fromkeys(m for s in self.stages for m in s.needs))
+
+
+class Pixal3D:
+    """The cascade ready to run: stages, resolved weights, a policy and a model registry."""
+
+    def __init__(self, plan: RunPlan, weights: ResolvedWeights, *, strict: bool = False, preserve_rng: bool = True,
+                 wrap_loader: Callable[[str, Loader], Loader] | None = None):
+        self.run_plan = plan
+        self.config = plan.config
+        self.device = plan.device
+        self.weights = weights
+        self._relay = _Relay()
+        remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
+        loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
+        if wrap_loader is not None:
+            loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
+        self._runner = StageRunner(plan.stages, loaders, provides=PROVIDED, state_type=RunState,
+                                   policy=plan.policy, events=self._relay, strict=strict, preserve_rng=preserve_rng)
+
+    # -- construction --------------------------------------------------------------------------
+    @staticmethod
+    def plan(config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
+             device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
+             until: str | None = None) -> RunPlan:
+        """The memory plan and the resolved policy; reads only ``pipeline.json`` and safetensors headers.
+
+        ``replace`` swaps stages by name, ``until`` ends the cascade after the named stage. Raises
+        ``NotEnoughMemoryError`` when one stage's weights alone exceed the memory available.
+        """
+        config = load_config(config) if isinstance(config, (str, Path)) else config
+        device = torch.device(device) if device is not None else default_device()
+        stages = tuple(build_stages(config, replace=replace, until=until))
+        check_stages(stages, provides=PROVIDED, state_type=RunState)  # before anything is read
+        needs = {s.name: tuple(s.needs) for s in stages}
+        sizes, notes = planned_sizes(config.weights, models=sorted({m for ms in needs.values() for m in ms}))
+        memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
+        machine = detect_machine(device)
+        check_memory(memory, machine.device_available, str(device))
+        chosen, reasons = resolve_policy(policy, memory, machine)
+        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), tuple(notes))
+
+    @classmethod
+    def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
+                  wrap_loader: Callable[[str, Loader], Loader] | None = None) -> Pixal3D:
+        """Fetch (unless offline) and verify the weights ``plan`` needs, and build the pipeline on it.
+
+        strict:       a model asked for outside its stage's needs raises
+        preserve_rng: False only for the control test that shows why loads must not move the generators
+        wrap_loader:  ``(name, loader) -> loader``, e.g. a benchmark measuring memory around each load
+        """
+        names = plan.model_names()
+        weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names)
+        return cls(plan, weights, strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader)
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
+                    device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
+                    until: str | None = None, **options: Any) -> Pixal3D:
+        """``from_plan(plan(config, ...), **options)``: a config file or object, the policy (``auto``
+        chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage."""
+        plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until)
+        return cls.from_plan(plan, **options)
+
+    # -- what it is --------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        """The resolved memory policy."""
+        return self.run_plan.policy
+
+    @property
+    def stages(self) -> tuple[CascadeStage, ...]:
+        """The stages in run order."""
+        return self._runner.stages
+
+    @property
+    def runner(self) -> StageRunner:
+        """The staging runner (its ``registry`` shows what is loaded)."""
+        return self._runner
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, image: Any, *, seed: int | None = None, fov: float | None = None,
+            events: Callable[[Event], None] | None = None, progress: bool = False,
+            callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
+            trace_meta: Mapping[str, Any] | None = None, name: str | None = None) -> Result:
+        """Take one image through every stage and return the ``Result`` (nothing is written to disk).
+
+        image:    a path, a PIL image or a uint8 array (RGBA: the alpha marks the object)
+        seed:     the run's seed (default: the config's); the run owns a CPU generator seeded with it
+        fov:      horizontal field of view in degrees (default: the config's, else MoGe-2, else 49.1)
+        events:   also receives this run's registry events (loads, releases, stage changes)
+        progress: tqdm bars for stages, sampler steps and export steps
+        callback: ``{"kind": "stage", "stage", "index", "stages"}`` as each stage starts and
+                  ``{"kind": "step", "stage", "step", "steps"}`` after each sampler step
+        trace:    also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
+        name:     what run.json calls the input (default: the path, or "<image>")
+        """
+        seed = self.config.seed if seed is None else check_seed(seed)
+        if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
+            raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
+        label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
+        state = RunState(
+            input_image=as_image(image), generator=torch.Generator().manual_seed(seed), device=self.device,
+            fov_deg=fov, shape_normalization=self.weights.shape_normalization,
+            tex_normalization=self.weights.tex_normalization, progress=progress, callback=callback)
+        stages = self._runner.stages
+        bar = tqdm(total=len(stages), desc=Path(label).name, unit="stage", disable=not progress)
+        meta = {"input": label, "policy": self.policy.value, "seed": seed, **(trace_meta or {})}
+        with MemoryMeter(Path(trace) if trace is not None else None, device=self.device, meta=meta) as meter:
+            self._relay.targets = [meter.on_event, *([events] if events is not None else [])]
+            try:
+                records = []
+                for index, stage in enumerate(stages):
+                    bar.set_postfix_str(stage.name)
+                    if callback is not None:
+                        callback({"kind": "stage", "stage": stage.name, "index": index, "stages": len(stages)})
+                    records.append(self._runner.run_stage(stage, state))
+                    bar.update(1)
+            finally:
+                self._relay.targets = []
+                bar.close()
+        rows = meter.report()
+        peaks = {row.stage: row for row in rows}
+        for record in records:
+            if record.stage in peaks:
+                record.peak_process_bytes = peaks[record.stage].peak_process
+                record.peak_device_bytes = peaks[record.stage].peak_device
+        return Result(input=label, seed=seed, config=self.config, device=self.device, policy=self.policy,
+                      policy_reasons=self.run_plan.reasons, state=state, stages=records,
+                      memory=[row.to_dict() for row in rows])
+
+    def close(self) -> None:
+        """Release every loaded model (a later ``run`` loads them again)."""
+        self._runner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Relay:
+    """The registry's one event sink, forwarding to whoever listens to the current run."""
+
+    def __init__(self) -> None:
+        self.targets: list[Callable[[Event], None]] = []
+
+    def __call__(self, event: Event) -> None:
+        for target in self.targets:
+            target(event)
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int a ``torch.Generator`` accepts, or a ``ValueError`` saying the range."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed!r} is not an integer in [0, 2**64 - 1]; pass e.g. seed=42")
+    return seed
+
+
+def default_device() -> torch.device:
+    """cuda if available, else mps, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
+    """Refuse a run when even one stage's weights, loaded alone, exceed the available memory.
+
+    Only weights are compared (they are exact, from file headers); the working-set estimates are
+    too rough to refuse a run on, so the policy's reasons carry them as a warning instead.
+    """
+    largest = max(plan.stages, key=lambda s: s.weight_bytes, default=None)
+    if largest is not None and largest.weight_bytes > available:
+        raise NotEnoughMemoryError(
+            f"not enough memory for any policy: stage {largest.name} alone needs {gib(largest.weight_bytes)} of "
+            f"weights even when models are loaded one stage at a time, but {device} has {gib(available)} "
+            f"available; close other programs or run on a machine with more memory")

@@ -1,0 +1,141 @@
+"""Result: what one ``Pixal3D.run`` produced — the mesh, the decoded fields, coords and latents — and how it
+went: per-stage seconds, models, peak memory and fingerprints. ``save`` writes the GLB, ``record`` is the
+run.json content, ``save_latents`` the coords and latents."""
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pixal3d.config import CascadeConfig, to_dict
+from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.mesh.export import ExportedMesh
+from pixal3d.mesh.fields import DualGridFields, PbrVoxels
+from pixal3d.staging import Policy, StageRecord
+
+from .state import RunState
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and the libraries that decide the numbers."""
+    import numpy
+    import transformers
+
+    import pixal3d
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "transformers": transformers.__version__, "pixal3d": pixal3d.__version__,
+            "platform": platform.platform()}
+
+
+def run_json_path(output: Path) -> Path:
+    """``out.glb`` → ``out.run.json`` (same folder)."""
+    return output.with_name(output.stem + ".run.json")
+
+
+@dataclass
+class Result:
+    """One image's run. ``state`` holds every field the stages wrote (see ``RunState``); ``stages`` one
+    record per stage; ``memory`` the memory meter's per-window rows (a ``setup`` window first, where an
+    eager policy loads its models)."""
+
+    input: str
+    seed: int
+    config: CascadeConfig
+    device: torch.device
+    policy: Policy
+    policy_reasons: tuple[str, ...]
+    state: RunState
+    stages: list[StageRecord]
+    memory: list[dict[str, Any]]
+
+    # -- outputs -----------------------------------------------------------------------------
+    @property
+    def mesh(self) -> ExportedMesh | None:
+        """The textured mesh, its GLB bytes and the export report (None if the run had no export stage)."""
+        return self.state.mesh
+
+    @property
+    def fields(self) -> DualGridFields | None:
+        """The shape decoder's flexible-dual-grid fields."""
+        return self.state.fields
+
+    @property
+    def pbr(self) -> PbrVoxels | None:
+        """The texture decoder's PBR voxels."""
+        return self.state.pbr
+
+    def latents(self) -> dict[str, Any]:
+        """Coords (int32) and latents (on the CPU): ``coords_lr``, ``coords_hr``, ``hr_resolution``,
+        ``ss_latent``, ``lr_latent``, ``shape_latent``, ``tex_latent`` (whichever the run reached)."""
+        s = self.state
+        data = {"coords_lr": s.coords_lr, "coords_hr": s.coords_hr, "hr_resolution": s.hr_resolution,
+                "ss_latent": s.ss_latent, "lr_latent": _feats(s.lr_latent), "shape_latent": _feats(s.shape_latent),
+                "tex_latent": _feats(s.tex_latent)}
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in data.items() if v is not None}
+
+    def fingerprints(self) -> dict[str, dict[str, str]]:
+        """Stage → {output name → sha256} (stages without outputs left out)."""
+        return {r.stage: r.fingerprints for r in self.stages if r.fingerprints}
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds of all stages."""
+        return sum(r.seconds for r in self.stages)
+
+    # -- files -------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the GLB to ``path`` atomically (no partial file, ever); returns the path."""
+        if self.mesh is None:
+            raise ValueError("this run has no mesh to save (it stopped before the export stage)")
+        return self.mesh.save(path)
+
+    def save_latents(self, path: str | Path) -> Path:
+        """Write ``latents()`` with ``torch.save`` to ``path`` atomically; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            torch.save(self.latents(), tmp)
+        return path
+
+    def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
+        """The run.json content: config, seed, versions, policy and reasons, tokens, per-stage rows."""
+        stages = [{"stage": r.stage, "seconds": round(r.seconds, 4), "models": r.used,
+                   "peak_process_bytes": r.peak_process_bytes, "peak_device_bytes": r.peak_device_bytes,
+                   "fingerprints": r.fingerprints} for r in self.stages]
+        s = self.state
+        return {
+            "input": self.input,
+            "output": None if output is None else str(output),
+            "command": list(command),
+            "config_file": self.config.source,
+            "config": to_dict(self.config),
+            "seed": self.seed,
+            "device": str(self.device),
+            "policy": self.policy.value,
+            "policy_reasons": list(self.policy_reasons),
+            "versions": versions(),
+            "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
+            "total_seconds": round(self.seconds, 4),
+            "stages": stages,
+            "memory": list(self.memory),
+            "export": self.mesh.report.to_dict() if self.mesh is not None else {},
+        }
+
+    def save_record(self, path: str | Path, *, output: str | Path | None = None, command: Sequence[str] = ()) -> Path:
+        """Write ``record(...)`` as JSON to ``path`` atomically; returns the path."""
+        path = Path(path)
+        write_json_atomic(path, self.record(output=output, command=command))
+        return path
+
+
+def _feats(latent: Any) -> Any:
+    return None if latent is None else latent.feats
+
+
+def _rows(tensor: Any) -> int | None:
+    return None if tensor is None else int(tensor.shape[0])

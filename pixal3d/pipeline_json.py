@@ -1,0 +1,193 @@
+"""Pixal3D's ``pipeline.json`` and the files of one cascade: which checkpoints it names, the latent
+normalizations, and every weight a config names resolved to local paths (``pixal3d.hub`` fetches them).
+
+``resolve_weights(config.weights, models=...)`` downloads (unless offline) and verifies what a run reads:
+``pipeline.json`` first, then the checkpoints it names, DINOv3, NAF and optionally MoGe-2.
+``planned_sizes`` gives each model's bytes for the memory plan without downloading any checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pixal3d.config import WeightsConfig
+
+from .hub import (
+    CorruptWeightsError,
+    Fetcher,
+    MissingWeightsError,
+    cache_root,
+    hub_offline,
+    planned_file_bytes,
+    planned_repo_file_size,
+    verify_safetensors,
+)
+
+logger = logging.getLogger(__name__)
+
+# Registry names of the checkpoints listed in pipeline.json's args.models.
+PIPELINE_MODELS = (
+    "sparse_structure_flow_model", "sparse_structure_decoder", "shape_slat_flow_model_512",
+    "shape_slat_flow_model_1024", "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder",
+)
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Per-channel latent normalization read from ``pipeline.json`` (``latent * std + mean``)."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ResolvedWeights:
+    """Local paths for every model of a run, plus what ``pipeline.json`` says.
+
+    checkpoints: registry name → checkpoint stem (``<stem>.json`` + ``<stem>.safetensors``)
+    """
+
+    pipeline_dir: Path
+    checkpoints: dict[str, Path]
+    shape_normalization: Normalization
+    tex_normalization: Normalization
+    dinov3: Path
+    naf: Path
+    rembg: str
+    moge: Path | None = None
+    pipeline: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def safetensors(self) -> dict[str, Path]:
+        """Registry name → the safetensors file it loads from (for memory planning)."""
+        files = {name: stem.with_suffix(".safetensors") for name, stem in self.checkpoints.items()}
+        files["dinov3"] = self.dinov3 / "model.safetensors"
+        if self.naf.suffix == ".safetensors":
+            files["naf"] = self.naf
+        return files
+
+
+def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_MODELS,
+                    need_moge: bool = False, offline: bool | None = None,
+                    generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
+    """Resolve, download (unless offline) and verify the files for ``models``.
+
+    ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
+    default ``pipelines.tiny_weights.ensure_tiny_weights``).
+    """
+    offline = hub_offline() if offline is None else offline
+    wanted = [m for m in models if m in PIPELINE_MODELS]
+    fetch = Fetcher(offline=offline, generate=generate)
+
+    # 1. pipeline.json, then the checkpoints it names for the models this run uses
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
+    stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
+    files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
+    checkpoints = {name: pipe_dir / stem for name, stem in stems.items()}
+
+    # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
+    dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
+                          label="weights.dinov3")
+    naf = fetch.file(weights.naf, label="weights.naf")
+    moge = None
+    if need_moge:
+        if weights.moge is None:
+            raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
+                                      "given; pass --fov DEG or add weights.moge to the config")
+        moge = fetch.folder(weights.moge, list(weights.moge.files), label="weights.moge")
+
+    # 3. every safetensors file the run will read must be whole
+    resolved = ResolvedWeights(
+        pipeline_dir=pipe_dir, checkpoints=checkpoints, dinov3=dinov3, naf=naf, rembg=weights.rembg, moge=moge,
+        shape_normalization=read_normalization(pipeline, "shape_slat_normalization", pipe_dir / "pipeline.json"),
+        tex_normalization=read_normalization(pipeline, "tex_slat_normalization", pipe_dir / "pipeline.json"),
+        pipeline=pipeline)
+    for path in resolved.safetensors().values():
+        verify_safetensors(path)
+    return resolved
+
+
+def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
+                  generate: Callable[[Path], Path] | None = None) -> tuple[dict[str, int], list[str]]:
+    """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
+
+    Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
+    checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
+    Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
+    notes naming models whose size is unknown (counted as 0).
+    """
+    offline = hub_offline() if offline is None else offline
+    wanted = list(models)
+    fetch = Fetcher(offline=offline, generate=generate)
+    sizes: dict[str, int] = {}
+    notes: list[str] = []
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"),
+                              [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
+    for name, stem in stems.items():
+        sizes[name] = planned_file_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", offline=offline,
+                                          label="weights.pixal3d")
+    if "dinov3" in wanted:
+        folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
+        sizes["dinov3"] = planned_file_bytes(weights.dinov3, folder, "model.safetensors", offline=offline,
+                                              label="weights.dinov3")
+    if "naf" in wanted:
+        if weights.naf.url is not None:
+            target = cache_root() / "downloads" / str(weights.naf.filename)
+            sizes["naf"] = target.stat().st_size if target.is_file() else 0
+            if not target.is_file():
+                notes.append("naf: not downloaded yet, size unknown (about 3 MB)")
+        else:
+            sizes["naf"] = fetch.file(weights.naf, label="weights.naf").stat().st_size
+    if "moge" in wanted and weights.moge is not None:
+        sizes["moge"] = planned_repo_file_size(weights.moge, "model.pt", offline=offline, notes=notes)
+    if "rembg" in wanted:
+        sizes["rembg"] = 0
+        notes.append("rembg: its ONNX model size is not counted")
+    return sizes, notes
+
+
+# -- pipeline.json -------------------------------------------------------------------------------
+
+def read_pipeline_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CorruptWeightsError(f"{path} is not valid JSON ({err}); delete it and download it again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("args"), dict):
+        raise CorruptWeightsError(f"{path} has no 'args' object; is this a Pixal3D pipeline.json?")
+    return data
+
+
+def checkpoint_stems(pipeline: Mapping[str, Any], wanted: list[str], path: Path) -> dict[str, str]:
+    models = pipeline["args"].get("models", {})
+    absent = [m for m in wanted if m not in models]
+    if absent:
+        raise CorruptWeightsError(f"{path}: args.models lacks {absent}; the 1024 cascade needs them")
+    stems = {}
+    for name in wanted:
+        stem = str(models[name])
+        if stem.count("/") >= 2 and not stem.startswith(("ckpts/", "./")):
+            # "owner/repo/ckpts/x" names another repository (TRELLIS convention); the Pixal3D repo ships
+            # the same checkpoint as ckpts/x, which is what we fetch (pinned with this repo).
+            local = "ckpts/" + stem.rsplit("/", 1)[-1]
+            logger.info("%s: args.models.%s = %r points into another repository; using %s from this one",
+                        path, name, stem, local)
+            stem = local
+        stems[name] = stem
+    return stems
+
+
+def read_normalization(pipeline: Mapping[str, Any], key: str, path: Path) -> Normalization:
+    value = pipeline["args"].get(key)
+    if not isinstance(value, Mapping) or "mean" not in value or "std" not in value:
+        raise CorruptWeightsError(f"{path}: args.{key} must have 'mean' and 'std' lists")
+    mean, std = tuple(float(v) for v in value["mean"]), tuple(float(v) for v in value["std"])
+    if len(mean) != len(std) or not mean:
+        raise CorruptWeightsError(f"{path}: args.{key} mean ({len(mean)}) and std ({len(std)}) differ in length")
+    return Normalization(mean=mean, std=std)
