@@ -76,7 +76,7 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
     """Resolve, download (unless offline) and verify the files for ``models``.
 
     ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
-    default ``pipelines.tiny_weights.ensure_tiny_weights``).
+    default ``pixal3d.tiny_weights.ensure_tiny_weights``).
     """
     offline = hub_offline() if offline is None else offline
     wanted = [m for m in models if m in PIPELINE_MODELS]

@@ -60,7 +60,7 @@ def stage_rows(result: Mapping[str, Any], trace: list[dict[str, Any]] | None = N
 
 
 def per_token(rows: Mapping[str, Mapping[str, Any]], info: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Working-set bytes per token of each flow/decoder stage: the number ``pipelines/plan.py``'s
+    """Working-set bytes per token of each flow/decoder stage: the number ``pipelines/working_set.py``'s
     estimate multiplies by the token count (structure: 16^3 dense tokens; decode: decoded voxels)."""
     tokens = {"structure": 16**3, "shape_512": info.get("lr_tokens"), "upsample": info.get("lr_tokens"),
               "shape_1024": info.get("hr_tokens"), "texture": info.get("hr_tokens"),
@@ -119,7 +119,7 @@ def write_cuda_report(out: Path, results: Mapping[str, Mapping[str, Any]], trace
         f"({100 * raw['cold']['cached_before']:.0f}% cached before), warm {raw['warm']['gb_per_s']:.2f} GB/s.",
         *[f"- {p}: {r['summary']['loads']['count']} loads, {r['summary']['loads']['bytes'] / 1e9:.2f} GB in "
           f"{r['summary']['loads']['seconds']:.1f} s; tokens {r['info']}" for p, r in results.items()],
-        "", f"Working set per token ({first} run; calibrates pipelines/plan.py's estimates):",
+        "", f"Working set per token ({first} run; calibrates pipelines/working_set.py's estimates):",
         *[f"- {stage}: {v['working_set'] / GIB:.2f} GiB over {v['tokens']} tokens = {v['bytes_per_token']} B/token"
           for stage, v in tokens.items()],
     ])

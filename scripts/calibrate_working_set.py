@@ -1,5 +1,5 @@
 """Measure each stage's working set at real model widths on this machine (CPU), to calibrate
-``pipelines/plan.py``'s ``working_set_estimate``.
+the stages' working-set estimates (``pipelines/working_set.py``).
 
 Working set = peak resident memory during the stage's heavy computation minus what the process held
 just before it (weights and inputs already resident). Every measurement runs in a fresh subprocess:
