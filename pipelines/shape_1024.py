@@ -22,7 +22,7 @@ from .flow_stage import (
 )
 from .stage import CascadeStage
 from .state import RunState
-from .working_set import HR_TOKENS_AT_1024, flow_stage_bytes, hr_scale
+from .working_set import hr_flow_stage_bytes
 
 
 class Shape1024Stage(CascadeStage):
@@ -45,8 +45,7 @@ class Shape1024Stage(CascadeStage):
         return cls(config.shape_1024, config.upsample.times, config.upsample.hr_resolution)
 
     def working_set(self) -> int:
-        tokens = HR_TOKENS_AT_1024 * hr_scale(self.hr_resolution)
-        return flow_stage_bytes(tokens, self.config.condition.image_size, 2048, naf=True)
+        return hr_flow_stage_bytes(self.hr_resolution, self.config.condition.image_size)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config

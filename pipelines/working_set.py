@@ -44,6 +44,11 @@ def flow_stage_bytes(tokens: float, image_size: int, proj_channels: int, *, naf:
     return int(max(sampling, backbone, upsampler))
 
 
+def hr_flow_stage_bytes(hr_resolution: int, image_size: int) -> int:
+    """A flow stage on the HR tokens (shape 1024, texture): NAF conditioning at 2 × 1024 channels."""
+    return flow_stage_bytes(HR_TOKENS_AT_1024 * hr_scale(hr_resolution), image_size, 2048, naf=True)
+
+
 def upsample_bytes(coords_resolution: int) -> int:
     """The shape decoder's subdivision levels over the LR tokens."""
     return int(lr_tokens(coords_resolution) * UPSAMPLE_BYTES_PER_LR_TOKEN)
