@@ -48,10 +48,25 @@ def dense_std(x: torch.Tensor) -> torch.Tensor:
 
 def packed_std(feats: torch.Tensor, layout: list[slice]) -> torch.Tensor:
     """Per-sample population std ``sqrt(E[x²] − E[x]²)`` of packed features ``[N, C]``, shape ``[B, 1]``."""
-    lengths = torch.tensor([s.stop - s.start for s in layout], device=feats.device)
-    mean = torch.segment_reduce(feats.mean(dim=1, keepdim=True), "mean", lengths=lengths)
-    mean_sq = torch.segment_reduce((feats ** 2).mean(dim=1, keepdim=True), "mean", lengths=lengths)
-    return (mean_sq - mean ** 2).sqrt()
+    lengths = [s.stop - s.start for s in layout]
+    counts = torch.tensor(lengths, device=feats.device)
+    sample = torch.arange(len(lengths), device=feats.device).repeat_interleave(counts, output_size=feats.shape[0])
+    count = counts.to(feats.dtype)
+    mean = segment_mean(feats.mean(dim=1), sample, count)  # [B]
+    mean_sq = segment_mean((feats ** 2).mean(dim=1), sample, count)
+    return (mean_sq - mean ** 2).sqrt()[:, None]
+
+
+def segment_mean(values: torch.Tensor, sample: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values [N]`` per sample (``sample [N]``: row → sample index, rows of a sample in order).
+
+    Bitwise ``torch.segment_reduce(values, "mean", lengths=...)`` on the CPU: both add a sample's rows
+    one by one in row order from zero in the values' dtype (``index_add_`` on a 1-D accumulator is
+    that sequential loop), then divide by the row count. ``segment_reduce`` has no MPS kernel;
+    ``index_add_`` has (on a GPU the adds are atomic, so the order, and the last bits, vary).
+    """
+    sums = values.new_zeros(count.shape[0]).index_add_(0, sample, values)  # [B]
+    return sums / count
 
 
 class _LatentOps:
