@@ -275,7 +275,8 @@ class BandedEncoder:
             grouped = x.reshape(norm.num_groups, -1)
             var_b, mean_b = torch.var_mean(grouped, dim=1, unbiased=False)
             n_b = grouped.shape[1]
-            mean_b, m2_b = mean_b.double().cpu(), var_b.double().cpu() * n_b  # merged in float64 on the CPU
+            # merged in float64 on the CPU (mps has no float64: copy to the host first, then widen)
+            mean_b, m2_b = mean_b.cpu().double(), var_b.cpu().double() * n_b
             if mean is None:
                 count, mean, m2 = n_b, mean_b, m2_b
                 continue
