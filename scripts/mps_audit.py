@@ -1,0 +1,161 @@
+"""MPS op audit of the tiny cascade: every ATen op each stage sends to the device, checked against
+the dispatch table of the installed torch (``pixal3d.audit``). Runs on a CPU-only machine.
+
+What it runs, each on the stand-in device (``pixal3d.audit.standin``: the run's device is ``meta:1``,
+whose tensors compute on the CPU, so every op shows which side of a Mac run it would be on):
+
+1. the tiny cascade, every stage including the export, with the ``staged`` policy;
+2. the same with the ``resident`` policy;
+3. ``staged`` again with the published dtype placement (flow models bfloat16, decoders float16 —
+   the tiny weights are float32), so the half-precision ops of a real run are audited too.
+
+Then it prints the table (op, dtypes, stages, calls, MPS status) and a summary, and exits 1 if any
+device op would fail on mps.
+
+    python scripts/mps_audit.py                              # print the table
+    python scripts/mps_audit.py -o benchmarks/mps_audit.md   # also write it (README's source)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipelines.build import build_cascade
+from pipelines.cascade import StageRecord
+from pipelines.state import RunState
+from pixal3d.audit import STANDIN, MpsAudit, mps_audit, to_standin
+from pixal3d.config import CascadeConfig, load_config
+from pixal3d.hub import ResolvedWeights, resolve_weights
+
+logger = logging.getLogger("mps_audit")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+EXAMPLE = REPO / "assets" / "example.png"
+
+# (policy, dtype placement) of each audited run
+RUNS: tuple[tuple[str, str], ...] = (("staged", "tiny"), ("resident", "tiny"), ("staged", "published"))
+
+# The published checkpoints' precision switches (shared/reference/checkpoints.json): flows run in
+# bfloat16, the three decoders in float16.
+PUBLISHED_ARGS: dict[str, dict[str, object]] = {
+    "sparse_structure_flow_model": {"dtype": "bfloat16"},
+    "shape_slat_flow_model_512": {"dtype": "bfloat16"},
+    "shape_slat_flow_model_1024": {"dtype": "bfloat16"},
+    "tex_slat_flow_model_1024": {"dtype": "bfloat16"},
+    "sparse_structure_decoder": {"use_fp16": True},
+    "shape_slat_decoder": {"use_fp16": True},
+    "tex_slat_decoder": {"use_fp16": True},
+}
+
+
+def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights, policy: str, *,
+                out_dir: Path) -> list[StageRecord]:
+    """Run the tiny cascade over assets/example.png on the stand-in device, naming each stage to ``audit``.
+
+    The one place that drives the cascade (switch it to the library entry point when that lands):
+    models load on the CPU (safetensors cannot open ``meta:1``) and move to the stand-in device, so a
+    loader's own dtype casts show as host ops; everything else follows ``state.device``."""
+    cascade = build_cascade(config, weights, policy=policy)
+    cascade.loaders = {name: _on_standin(loader) for name, loader in cascade.loaders.items()}
+    state = RunState(input_path=EXAMPLE, output_path=out_dir / f"{policy}.glb", seed=config.seed, device=STANDIN,
+                     progress=False)
+    torch.manual_seed(config.seed)
+    try:
+        return cascade.run(state, on_stage=lambda stage: setattr(audit, "stage", stage.name))
+    finally:
+        cascade.close()
+        audit.stage = "-"
+
+
+def _on_standin(loader: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    return lambda: to_standin(loader())
+
+
+def published_dtypes(weights: ResolvedWeights, folder: Path) -> ResolvedWeights:
+    """The tiny checkpoints with the published precision switches (copies of the json specs in ``folder``,
+    the safetensors linked): the loader casts each tensor to the dtype the model declares."""
+    checkpoints = {}
+    for name, stem in weights.checkpoints.items():
+        spec = json.loads(stem.with_suffix(".json").read_text())
+        spec["args"].update(PUBLISHED_ARGS.get(name, {}))
+        target = folder / stem.name
+        target.with_suffix(".json").write_text(json.dumps(spec, indent=2) + "\n")
+        target.with_suffix(".safetensors").symlink_to(stem.with_suffix(".safetensors").resolve())
+        checkpoints[name] = target
+    return dataclasses.replace(weights, checkpoints=checkpoints)
+
+
+def audit_tiny_cascade(runs: Sequence[tuple[str, str]] = RUNS, *, config: CascadeConfig | None = None,
+                       weights: ResolvedWeights | None = None) -> MpsAudit:
+    """Audit ``runs`` ((policy, "tiny" | "published") pairs) of the tiny cascade into one ``MpsAudit``."""
+    config = config if config is not None else load_config(TINY_CONFIG)
+    weights = weights if weights is not None else resolve_weights(config.weights, offline=True)
+    with tempfile.TemporaryDirectory(prefix="mps-audit-") as tmp, mps_audit() as audit:
+        for i, (policy, placement) in enumerate(runs):
+            run_weights = weights
+            if placement == "published":
+                folder = Path(tmp) / f"published-{i}"
+                folder.mkdir()
+                run_weights = published_dtypes(weights, folder)
+            elif placement != "tiny":
+                raise ValueError(f"dtype placement {placement!r} is not 'tiny' or 'published'")
+            run_cascade(audit, config, run_weights, policy, out_dir=Path(tmp))
+    return audit
+
+
+def report(audit: MpsAudit, runs: Sequence[tuple[str, str]], seconds: float) -> str:
+    """The markdown page: how it was made, the summary, the table."""
+    s = audit.summary()
+    problems = "\n".join(f"- {p}" for p in s["problems"]) or "- none"
+    return (
+        "# MPS op audit of the tiny cascade\n\n"
+        f"`python scripts/mps_audit.py -o benchmarks/mps_audit.md` — torch {torch.__version__}, "
+        f"{platform.system()} {platform.machine()}, {seconds:.0f} s. Runs: "
+        + ", ".join(f"{p} ({d} dtypes)" for p, d in runs) + ". Every stage ran on the stand-in device "
+        "(`pixal3d/audit/standin.py`); each op that took or made a device tensor is classified against "
+        "torch's `native_functions.yaml` (`pixal3d/audit/dispatch_table.py`). Composite-explicit ops are "
+        "listed with the ops their kernels call.\n\n"
+        f"- {s['device_ops']} distinct device ops ({s['rows']} op/dtype rows, {s['device_calls']} calls); "
+        f"{s['host_ops']} host-side ops ({s['host_calls']} calls) not judged\n"
+        f"- bfloat16 on the device (macOS 14+): {', '.join(f'`{o}`' for o in s['bfloat16_ops']) or 'none'}\n"
+        f"- complex64 on the device (macOS 14+): {', '.join(f'`{o}`' for o in s['complex64_ops']) or 'none'}\n"
+        f"- ops that would fail on mps:\n{problems}\n\n"
+        + audit.to_markdown())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-o", "--output", type=Path, help="also write the markdown page here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    gc.collect()
+    gc.freeze()  # as pipelines.cli.main does: keeps the collection in every release cheap
+    start = time.perf_counter()
+    audit = audit_tiny_cascade(RUNS)
+    page = report(audit, RUNS, time.perf_counter() - start)
+    print(page)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(page, encoding="utf-8")
+    return 1 if audit.problems() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
