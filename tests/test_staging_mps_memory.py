@@ -106,3 +106,16 @@ def test_a_stage_change_empties_the_mps_cache_after_collecting_the_released_mode
     models["denoiser"]
     models.enter("decode")
     assert calls == ["collect"]
+
+
+def test_script_prints_the_export_line_for_a_given_mac(capsys, monkeypatch):
+    from scripts import mps_memory_limit
+
+    monkeypatch.delenv(HIGH_VAR, raising=False)
+    monkeypatch.delenv(LOW_VAR, raising=False)
+    assert mps_memory_limit.main(["--recommended-gib", "37.44", "--ram-gib", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "would swap" in out and f"export {HIGH_VAR}=1.08 {LOW_VAR}=0.88" in out
+    monkeypatch.setenv(HIGH_VAR, "0.0")
+    assert mps_memory_limit.main(["--recommended-gib", "37.44", "--ram-gib", "48"]) == 2
+    assert "0 turns the limit off" in capsys.readouterr().err
