@@ -154,19 +154,21 @@ class StandInMode(TorchDispatchMode):
         devices = [x for x in leaves if isinstance(x, torch.device)]
         to_standin = any(d == STANDIN for d in devices)
         on_device = to_standin or any(isinstance(x, StandInTensor) for x in leaves)
-        inner_args, inner_kwargs = _map_args(_unwrap, args, kwargs) if on_device else (None, None)
         if not on_device:
             out = func(*args, **kwargs)
-            results = _results(out)
-            tensors = [x for x in (*leaves, *results) if isinstance(x, torch.Tensor)]
+            tensors = [x for x in (*leaves, *_results(out)) if isinstance(x, torch.Tensor)]
             self.on_op(OpCall(name, _side(tensors), tuple(x.dtype for x in tensors)))
             return out
+        inner_args, inner_kwargs = _map_args(_unwrap, args, kwargs)
         key = self._expand_key(name)
         if key is None:
             out = func(*inner_args, **inner_kwargs)
         else:
             self._host_ids = {id(x) for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, StandInTensor)}
-            out = self._run_composite(func, name, key, inner_args, inner_kwargs)
+            try:
+                out = self._run_composite(func, name, key, inner_args, inner_kwargs)
+            finally:
+                self._host_ids = set()
         if func._schema.is_mutable:
             _check_metadata(name, leaves)
         wrap = to_standin if devices else True  # an explicit device decides; else the stand-in inputs do
