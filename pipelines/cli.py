@@ -28,6 +28,7 @@ from pixal3d.hub import WeightsError
 from pixal3d.models.loading import CheckpointError
 from pixal3d.models.preprocess import ImageError, probe_image
 from pixal3d.staging import Policy, PolicyError, StageGraphError, StageRecord
+from pixal3d.staging.mps_memory import MpsMemoryLimitError
 from pixal3d.telemetry import format_bytes
 
 from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan, check_seed, default_device
@@ -46,7 +47,7 @@ class UsageError(ValueError):
 
 # Errors a user can cause: one line, no traceback.
 BEFORE_RUN_ERRORS = (UsageError, ConfigError, WeightsError, CheckpointError, PolicyError, NotEnoughMemoryError,
-                     ImageError, StageGraphError)
+                     ImageError, StageGraphError, MpsMemoryLimitError)
 RUN_ERRORS = (ImageError, WeightsError, CheckpointError, EmptyStructureError, OSError, torch.OutOfMemoryError)
 
 

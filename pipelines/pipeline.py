@@ -37,6 +37,11 @@ from pixal3d.staging import (
     format_plan,
     resolve_policy,
 )
+from pixal3d.staging.mps_memory import (
+    MpsMemoryLimit,
+    apply_mps_memory_limit,
+    check_mps_memory_limit,
+)
 from pixal3d.staging.policy import gib
 from pixal3d.telemetry import MemoryMeter
 
@@ -70,6 +75,7 @@ class RunPlan:
     policy: Policy
     reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
 
     def table(self) -> str:
         """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
@@ -90,6 +96,8 @@ class Pixal3D:
         self.device = plan.device
         self.weights = weights
         self._relay = _Relay()
+        if plan.mps_limit is not None:
+            apply_mps_memory_limit(plan.mps_limit)
         remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
         if wrap_loader is not None:
@@ -117,7 +125,14 @@ class Pixal3D:
         machine = detect_machine(device)
         check_memory(memory, machine.device_available, str(device))
         chosen, reasons = resolve_policy(policy, memory, machine)
-        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), tuple(notes))
+        mps_limit = None
+        if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load
+            mps_limit = check_mps_memory_limit()
+            reasons.append(mps_limit.describe())
+            if mps_limit.lets_swap:  # PyTorch's default: the run lowers it (from_plan), as said here
+                reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
+                               f"recommended working set, so that outgrowing memory fails instead of swapping")
+        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), tuple(notes), mps_limit)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,

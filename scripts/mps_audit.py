@@ -35,12 +35,14 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.build import build_cascade
-from pipelines.cascade import StageRecord
-from pipelines.state import RunState
+from pipelines.build import build_stages
+from pipelines.loaders import model_loaders
+from pipelines.state import PROVIDED, RunState
 from pixal3d.audit import STANDIN, MpsAudit, mps_audit, to_standin
 from pixal3d.config import CascadeConfig, load_config
-from pixal3d.hub import ResolvedWeights, resolve_weights
+from pixal3d.models.preprocess import load_image
+from pixal3d.pipeline_json import ResolvedWeights, resolve_weights
+from pixal3d.staging import StageRecord, StageRunner
 
 logger = logging.getLogger("mps_audit")
 
@@ -64,22 +66,26 @@ PUBLISHED_ARGS: dict[str, dict[str, object]] = {
 }
 
 
-def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights, policy: str, *,
-                out_dir: Path) -> list[StageRecord]:
+def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights, policy: str) -> list[StageRecord]:
     """Run the tiny cascade over assets/example.png on the stand-in device, naming each stage to ``audit``.
 
-    The one place that drives the cascade (switch it to the library entry point when that lands):
+    The cascade's own stages on the generic ``StageRunner`` (what ``Pixal3D.run`` does, with one difference):
     models load on the CPU (safetensors cannot open ``meta:1``) and move to the stand-in device, so a
     loader's own dtype casts show as host ops; everything else follows ``state.device``."""
-    cascade = build_cascade(config, weights, policy=policy)
-    cascade.loaders = {name: _on_standin(loader) for name, loader in cascade.loaders.items()}
-    state = RunState(input_path=EXAMPLE, output_path=out_dir / f"{policy}.glb", seed=config.seed, device=STANDIN,
-                     progress=False)
-    torch.manual_seed(config.seed)
+    stages = build_stages(config)
+    loaders = {name: _on_standin(loader) for name, loader in model_loaders(weights, torch.device("cpu")).items()}
+    runner = StageRunner(stages, loaders, provides=PROVIDED, state_type=RunState, policy=policy)
+    state = RunState(input_image=load_image(EXAMPLE), generator=torch.Generator().manual_seed(config.seed),
+                     device=STANDIN, shape_normalization=weights.shape_normalization,
+                     tex_normalization=weights.tex_normalization)
+    records = []
     try:
-        return cascade.run(state, on_stage=lambda stage: setattr(audit, "stage", stage.name))
+        for stage in stages:
+            audit.stage = stage.name
+            records.append(runner.run_stage(stage, state))
+        return records
     finally:
-        cascade.close()
+        runner.close()
         audit.stage = "-"
 
 
@@ -115,7 +121,7 @@ def audit_tiny_cascade(runs: Sequence[tuple[str, str]] = RUNS, *, config: Cascad
                 run_weights = published_dtypes(weights, folder)
             elif placement != "tiny":
                 raise ValueError(f"dtype placement {placement!r} is not 'tiny' or 'published'")
-            run_cascade(audit, config, run_weights, policy, out_dir=Path(tmp))
+            run_cascade(audit, config, run_weights, policy)
     return audit
 
 

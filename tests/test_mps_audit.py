@@ -22,6 +22,7 @@ from pixal3d.audit.dispatch_table import (
 )
 from pixal3d.audit.mps import FLOAT64, HOST_INPUT, MPS_SELECTED, NO_KERNEL
 from pixal3d.audit.standin import standin_mode
+from pixal3d.pipeline_json import resolve_weights
 from scripts.mps_audit import audit_tiny_cascade
 from tests.cascade_fixtures import tiny, tiny_cache  # noqa: F401
 
@@ -152,8 +153,8 @@ def test_host_ops_are_counted_not_judged():
 
 def test_tiny_cascade_sends_only_mps_ops_to_the_device(tiny):
     """Published dtype placement (bf16 flows, fp16 decoders), staged policy, export included."""
-    config, weights = tiny
-    audit = audit_tiny_cascade([("staged", "published")], config=config, weights=weights)
+    audit = audit_tiny_cascade([("staged", "published")], config=tiny,
+                               weights=resolve_weights(tiny.weights, offline=True))
     assert audit.problems() == [], "\n".join(audit.summary()["problems"])
     stages = {s for r in audit.rows.values() for s in r.stages}
     assert {"structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"} <= stages
@@ -169,8 +170,7 @@ def test_standin_model_matches_its_cpu_run_to_rounding(tiny):
 
     from pixal3d.models.dinov3 import load_dinov3
 
-    _, weights = tiny
-    model = load_dinov3(weights.dinov3, torch.device("cpu"))
+    model = load_dinov3(resolve_weights(tiny.weights, offline=True).dinov3, torch.device("cpu"))
     pixels = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(pixels).last_hidden_state

@@ -11,6 +11,7 @@ from pixal3d.staging.mps_memory import (
     apply_mps_memory_limit,
     check_mps_memory_limit,
 )
+from tests.cascade_fixtures import tiny, tiny_cache  # noqa: F401
 
 MAC_48 = {"recommended_bytes": int(37.44 * GIB), "physical_bytes": 48 * GIB}  # a 48 GB M-series Mac
 
@@ -119,3 +120,28 @@ def test_script_prints_the_export_line_for_a_given_mac(capsys, monkeypatch):
     monkeypatch.setenv(HIGH_VAR, "0.0")
     assert mps_memory_limit.main(["--recommended-gib", "37.44", "--ram-gib", "48"]) == 2
     assert "0 turns the limit off" in capsys.readouterr().err
+
+
+def _fake_mps(monkeypatch, env):
+    """A 48 GB Mac as the plan sees it: detect_machine and the allocator's numbers injected."""
+    from pipelines import pipeline
+    from pixal3d.staging import Machine
+
+    mac = Machine("mps", "Apple GPU", True, 48 * GIB, 40 * GIB, 48 * GIB, 40 * GIB)
+    monkeypatch.setattr(pipeline, "detect_machine", lambda device: mac)
+    monkeypatch.setattr(pipeline, "check_mps_memory_limit", lambda: check_mps_memory_limit(
+        env=env, recommended_bytes=int(37.44 * GIB), physical_bytes=48 * GIB))
+
+
+def test_the_plan_on_mps_refuses_a_swapping_limit_and_says_what_the_run_applies(monkeypatch, tiny):
+    from pipelines import Pixal3D
+
+    _fake_mps(monkeypatch, {HIGH_VAR: "0"})
+    with pytest.raises(MpsMemoryLimitError, match="0 turns the limit off"):
+        Pixal3D.plan(tiny, device="mps")
+    _fake_mps(monkeypatch, {})  # PyTorch's default: the run lowers it itself
+    plan = Pixal3D.plan(tiny, device="mps", policy="staged")
+    assert plan.mps_limit is not None and plan.mps_limit.lets_swap
+    assert any("the run lowers the MPS limit to 1.08" in r for r in plan.reasons)
+    assert "Metal allocations limited to" in plan.table()
+    assert Pixal3D.plan(tiny, device="cpu").mps_limit is None  # control: no MPS, no check
