@@ -18,7 +18,7 @@ Latents are dense ``Tensor [B, ...]`` or ``SparseTensor`` (features ``[N, C]``, 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,11 @@ def rescaled_timesteps(steps: int, rescale_t: float) -> np.ndarray:
         raise ValueError(f"rescale_t must be > 0; got {rescale_t}")
     t = np.linspace(1, 0, steps + 1)
     return rescale_t * t / (1 + (rescale_t - 1) * t)
+
+
+def time_pairs(steps: int, rescale_t: float) -> list[tuple[float, float]]:
+    """``(t, t_prev)`` of each step as Python floats (the reference's scalar maths)."""
+    return list(itertools.pairwise(rescaled_timesteps(steps, rescale_t).tolist()))
 
 
 def dense_std(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,7 @@ def segment_mean(values: torch.Tensor, sample: torch.Tensor, count: torch.Tensor
     return sums / count
 
 
-class _LatentOps:
+class LatentOps:
     """How the sampler sees one latent kind: features as a plain tensor, the model call, the std."""
 
     def __init__(self, template: Latent):
@@ -95,31 +100,70 @@ class _LatentOps:
         return std.repeat_interleave(counts, dim=0)  # [N, 1]
 
 
-def _velocity(model: FlowModel, ops: _LatentOps, x: torch.Tensor, t: float, cond: Any) -> torch.Tensor:
+def step_strength(t: float, guidance_strength: float, guidance_interval: tuple[float, float]) -> float:
+    """The CFG strength at time ``t``: ``guidance_strength`` inside the inclusive interval, else 1 (no CFG)."""
+    lo, hi = guidance_interval
+    return guidance_strength if lo <= t <= hi else 1
+
+
+def guidance_branches(strength: float) -> tuple[str, ...]:
+    """The model passes a step needs, in call order: ``("pos",)`` at s == 1, ``("neg",)`` at s == 0,
+    else ``("pos", "neg")``."""
+    if strength == 1:
+        return ("pos",)
+    if strength == 0:
+        return ("neg",)
+    return ("pos", "neg")
+
+
+def combine_predictions(x: torch.Tensor, t: float, preds: Mapping[str, torch.Tensor], strength: float,
+                        rescale: float, sigma_min: float, std: Callable[[torch.Tensor], torch.Tensor] | None
+                        ) -> torch.Tensor:
+    """The guided velocity from the branch predictions of ``guidance_branches(strength)`` (reference
+    semantics and op order). ``std`` (per-sample, broadcastable) is only called for CFG rescale, i.e. when
+    both branches ran and ``rescale > 0``; everything else is element-wise, so it may run on any
+    slice of the tokens."""
+    if strength == 1:
+        return preds["pos"]
+    if strength == 0:
+        return preds["neg"]
+    pred_pos = preds["pos"]
+    pred = strength * pred_pos + (1 - strength) * preds["neg"]
+    if rescale > 0:
+        if std is None:
+            raise ValueError("CFG rescale needs the per-sample std of the whole latent; pass std")
+        x0_pos = _to_x0(x, t, pred_pos, sigma_min)
+        x0_cfg = _to_x0(x, t, pred, sigma_min)
+        x0_rescaled = x0_cfg * (std(x0_pos) / std(x0_cfg))
+        x0 = rescale * x0_rescaled + (1 - rescale) * x0_cfg
+        pred = ((1 - sigma_min) * x - x0) / (sigma_min + (1 - sigma_min) * t)
+    return pred
+
+
+def needs_whole_latent(strength: float, rescale: float) -> bool:
+    """Whether ``combine_predictions`` at this strength reads a statistic of the whole latent (CFG rescale)."""
+    return len(guidance_branches(strength)) == 2 and rescale > 0
+
+
+def euler_step(x: torch.Tensor, t: float, t_prev: float, v: torch.Tensor) -> torch.Tensor:
+    """``x_prev = x_t − (t − t_prev)·v`` (element-wise)."""
+    return x - (t - t_prev) * v
+
+
+def _velocity(model: FlowModel, ops: LatentOps, x: torch.Tensor, t: float, cond: Any) -> torch.Tensor:
     """One forward: the model's velocity features at ``x`` and time ``t`` (passed as 1000·t)."""
     t_in = torch.tensor([1000 * t] * ops.batch, device=x.device, dtype=torch.float32)
     return ops.features(model(ops.wrap(x), t_in, cond))
 
 
-def _guided_velocity(model: FlowModel, ops: _LatentOps, x: torch.Tensor, t: float, cond: Any, neg_cond: Any,
+def _guided_velocity(model: FlowModel, ops: LatentOps, x: torch.Tensor, t: float, cond: Any, neg_cond: Any,
                      strength: float, rescale: float, sigma_min: float) -> torch.Tensor:
     """Classifier-free guided velocity with optional CFG rescale (reference semantics and op order)."""
-    if strength == 1:
-        return _velocity(model, ops, x, t, cond)
-    if neg_cond is None:
+    branches = guidance_branches(strength)
+    if "neg" in branches and neg_cond is None:
         raise ValueError(f"guidance_strength {strength} needs neg_cond; pass the unconditional inputs")
-    if strength == 0:
-        return _velocity(model, ops, x, t, neg_cond)
-    pred_pos = _velocity(model, ops, x, t, cond)
-    pred_neg = _velocity(model, ops, x, t, neg_cond)
-    pred = strength * pred_pos + (1 - strength) * pred_neg
-    if rescale > 0:
-        x0_pos = _to_x0(x, t, pred_pos, sigma_min)
-        x0_cfg = _to_x0(x, t, pred, sigma_min)
-        x0_rescaled = x0_cfg * (ops.std(x0_pos) / ops.std(x0_cfg))
-        x0 = rescale * x0_rescaled + (1 - rescale) * x0_cfg
-        pred = ((1 - sigma_min) * x - x0) / (sigma_min + (1 - sigma_min) * t)
-    return pred
+    preds = {b: _velocity(model, ops, x, t, cond if b == "pos" else neg_cond) for b in branches}
+    return combine_predictions(x, t, preds, strength, rescale, sigma_min, ops.std)
 
 
 def _to_x0(x: torch.Tensor, t: float, v: torch.Tensor, sigma_min: float) -> torch.Tensor:
@@ -142,14 +186,13 @@ def sample_flow_euler(model: FlowModel, noise: Latent, *, cond: Any, neg_cond: A
     lo, hi = guidance_interval
     if not lo <= hi:
         raise ValueError(f"guidance_interval {guidance_interval} must be (lo, hi) with lo <= hi")
-    ops = _LatentOps(noise)
-    times = rescaled_timesteps(steps, rescale_t).tolist()  # Python floats, as the reference's scalar maths
+    ops = LatentOps(noise)
     x = ops.features(noise)
-    pairs = list(itertools.pairwise(times))
+    pairs = time_pairs(steps, rescale_t)
     for i, (t, t_prev) in enumerate(tqdm(pairs, desc="flow sampling", disable=not progress)):
-        strength = guidance_strength if lo <= t <= hi else 1
+        strength = step_strength(t, guidance_strength, guidance_interval)
         v = _guided_velocity(model, ops, x, t, cond, neg_cond, strength, guidance_rescale, sigma_min)
-        x_prev = x - (t - t_prev) * v
+        x_prev = euler_step(x, t, t_prev, v)
         if callback is not None:
             callback({"step": i, "t": t, "t_prev": t_prev, "x_t": ops.wrap(x),
                       "velocity": ops.wrap(v), "x_prev": ops.wrap(x_prev)})

@@ -76,13 +76,28 @@ class FlowTransformer(nn.Module):
             for _ in range(num_blocks))
         self.out_layer = nn.Linear(model_channels, out_channels, dtype=fp32)
 
+    def modulation(self, t: torch.Tensor) -> torch.Tensor:
+        """The shared adaLN vector of every block: ``t [B]`` (1000·t) → ``[B, 6C]`` in the block dtype."""
+        return self.adaLN_modulation(self.t_embedder(t)).to(self.dtype)
+
+    def embed(self, h: torch.Tensor) -> torch.Tensor:
+        """Input tokens fp32 ``[.., Cin]`` → hidden ``[.., C]`` in the block dtype (fp32 input layer)."""
+        return self.input_layer(h).to(self.dtype)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden ``[.., C]`` → output tokens fp32 ``[.., Cout]`` (non-affine LayerNorm, fp32 output layer)."""
+        h = F.layer_norm(h.float(), h.shape[-1:])
+        return self.out_layer(h)
+
     def _trunk(self, h: torch.Tensor, t: torch.Tensor, context: torch.Tensor, proj: torch.Tensor,
                phases: torch.Tensor, layout: list[slice] | None) -> torch.Tensor:
-        """Tokens ``h`` fp32 (``[B, L, Cin]`` or packed ``[N, Cin]`` with ``layout``) → fp32 ``[.., Cout]``."""
-        mod = self.adaLN_modulation(self.t_embedder(t)).to(self.dtype)  # [B, 6C]
-        h = self.input_layer(h).to(self.dtype)
+        """Tokens ``h`` fp32 (``[B, L, Cin]`` or packed ``[N, Cin]`` with ``layout``) → fp32 ``[.., Cout]``.
+
+        Split into ``modulation``/``embed``/``head`` so that a pipeline (pixal3d.parallel) can run the same
+        pieces on different ranks without a second copy of the maths."""
+        mod = self.modulation(t)  # [B, 6C]
+        h = self.embed(h)
         context, proj = context.to(self.dtype), proj.to(self.dtype)
         for block in self.blocks:
             h = block(h, mod, context, proj, phases, layout)
-        h = F.layer_norm(h.float(), h.shape[-1:])
-        return self.out_layer(h)
+        return self.head(h)

@@ -62,7 +62,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[slice] | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[slice] | None) -> torch.Tensor:
     """Dense (``layout`` None, q ``[B, L, H, D]``) or packed (q ``[N, H, D]``) attention."""
     return attention(q, k, v) if layout is None else packed_attention(q, k, v, layout)
 
@@ -83,16 +83,22 @@ class MultiHeadSelfAttention(nn.Module):
         self.qk_rms_norm = qk_rms_norm
         self.to_out = nn.Linear(channels, channels, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, phases: torch.Tensor | None = None,
-                layout: list[slice] | None = None) -> torch.Tensor:
-        """``x [B, L, C]`` (layout None) or packed ``[N, C]``; ``phases [L or N, D/2]`` complex."""
+    def project_qkv(self, x: torch.Tensor, phases: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [..., L, H, D]`` of tokens ``x``: q/k RMS-normed (if enabled) and rotated (if ``phases``)."""
         qkv = self.to_qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # [..., L, 3, H, D]
         q, k, v = qkv.unbind(dim=-3)
         if self.qk_rms_norm:
             q, k = self.q_rms_norm(q), self.k_rms_norm(k)
         if phases is not None:
             q, k = apply_rope(q, phases), apply_rope(k, phases)
-        h = _attend(q, k, v, layout)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, phases: torch.Tensor | None = None,
+                layout: list[slice] | None = None) -> torch.Tensor:
+        """``x [B, L, C]`` (layout None) or packed ``[N, C]``; ``phases [L or N, D/2]`` complex."""
+        q, k, v = self.project_qkv(x, phases)
+        h = attend(q, k, v, layout)
         return self.to_out(h.flatten(-2))
 
 
@@ -120,5 +126,5 @@ class MultiHeadCrossAttention(nn.Module):
         k, v = self.to_kv(context).unflatten(-1, (2, self.num_heads, self.head_dim)).unbind(dim=-3)  # [B, S, H, D]
         if self.qk_rms_norm:
             q, k = self.q_rms_norm(q), self.k_rms_norm(k)
-        h = _attend(q, k, v, layout)
+        h = attend(q, k, v, layout)
         return self.to_out(h.flatten(-2))
