@@ -100,10 +100,16 @@ def read_spec(json_path: str | Path) -> dict[str, Any]:
     return spec
 
 
-def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch.device | str) -> nn.Module:
-    """Strictly fill a meta-built ``model`` from a safetensors file, tensors created on ``device``."""
+def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch.device | str,
+                    reference: nn.Module | None = None) -> nn.Module:
+    """Strictly fill a meta-built ``model`` from a safetensors file, tensors created on ``device``.
+
+    ``reference``: when ``model`` holds only part of a network (a pipeline shard, pixal3d.parallel),
+    the whole network (on meta): the file must match it key for key and shape for shape, and only the
+    tensors ``model`` holds are read."""
     path = Path(weights_path)
-    expected = dict(model.state_dict(keep_vars=True).items())
+    expected = dict((model if reference is None else reference).state_dict(keep_vars=True).items())
+    wanted = dict(model.state_dict(keep_vars=True).items())
     state: dict[str, torch.Tensor] = {}
     try:
         handle = safe_open(str(path), framework="pt", device=str(torch.device(device)))
@@ -128,13 +134,13 @@ def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch
                     shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
                     lines.append(f"  {label}: {shown}")
             raise CheckpointError("\n".join(lines))
-        for key in sorted(keys):
+        for key in sorted(wanted):
             try:
                 tensor = f.get_tensor(key)
             except Exception as err:
                 raise CheckpointError(f"weights file {path} is truncated or corrupt at tensor {key!r} ({err}); "
                                       f"delete it and download it again") from None
-            state[key] = tensor.to(expected[key].dtype)
+            state[key] = tensor.to(wanted[key].dtype)
     model.load_state_dict(state, strict=True, assign=True)
     leftover = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if leftover:

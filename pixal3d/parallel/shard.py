@@ -1,0 +1,124 @@
+"""Layer sharding: pipeline rank k of N holds a contiguous range of a flow transformer's blocks.
+
+A shard is the model's own class (``SparseStructureFlowModel`` / ``SLatFlowModel``) built on ``meta``
+with every block outside the range replaced by a parameterless ``RemoteBlock``, the input layer kept
+only on the first rank and the output layer only on the last; the timestep embedder and the shared
+adaLN layer (every block reads their output) stay on every rank. Parameter names are unchanged
+(``blocks.17.mlp...`` stays ``blocks.17...``), so loading reads exactly the shard's tensors from the
+safetensors file (``safe_open``, one tensor at a time, after checking the whole file's header against
+the whole network), and a shard is an ``nn.Module`` the staging registry loads and releases like any
+other model.
+
+Ranges are near-equal: ``divmod(num_blocks, N)``, the first ``num_blocks % N`` ranks one block longer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..models.flow_transformer import FlowTransformer
+from ..models.loading import build_model, load_state_into, read_spec
+from .settings import ParallelConfigError
+
+
+def block_ranges(num_blocks: int, stages: int) -> list[range]:
+    """The contiguous block range of each of ``stages`` pipeline ranks."""
+    if not 1 <= stages <= num_blocks:
+        raise ParallelConfigError(f"cannot split {num_blocks} blocks over {stages} pipeline ranks; "
+                                  f"use 1 <= pp <= {num_blocks}")
+    base, extra = divmod(num_blocks, stages)
+    out, start = [], 0
+    for k in range(stages):
+        stop = start + base + (k < extra)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+class RemoteBlock(nn.Module):
+    """Stands in for a block another pipeline rank holds (no parameters)."""
+
+    def __init__(self, index: int, owner: int):
+        super().__init__()
+        self.index, self.owner = index, owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(f"block {self.index} lives on pipeline rank {self.owner}; a shard runs only its own "
+                           f"blocks (pixal3d.parallel)")
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, owner={self.owner}"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which part of the network a shard holds."""
+
+    stage: int
+    stages: int
+    blocks: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def shard_model(model: FlowTransformer, stage: int, stages: int) -> FlowTransformer:
+    """Cut ``model`` (in place, best on ``meta``) down to pipeline rank ``stage`` of ``stages``."""
+    ranges = block_ranges(len(model.blocks), stages)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
+    for owner, blocks in enumerate(ranges):
+        if owner != stage:
+            for i in blocks:
+                model.blocks[i] = RemoteBlock(i, owner)
+    if stage > 0:
+        model.input_layer = None
+    if stage < stages - 1:
+        model.out_layer = None
+    model.shard_info = ShardInfo(stage, stages, ranges[stage])
+    return model
+
+
+def shard_info(model: FlowTransformer) -> ShardInfo:
+    """The model's ``ShardInfo`` (a whole model is the one shard of a one-rank pipeline)."""
+    info = getattr(model, "shard_info", None)
+    return info if info is not None else ShardInfo(0, 1, range(len(model.blocks)))
+
+
+def owned_blocks(model: FlowTransformer) -> list[nn.Module]:
+    """The blocks this shard runs, in order."""
+    return [model.blocks[i] for i in shard_info(model).blocks]
+
+
+def build_flow_shard(spec: Mapping[str, Any], stage: int, stages: int, *, source: str = "config") -> FlowTransformer:
+    """The shard of the network ``spec`` describes, on ``meta``."""
+    model = build_model(spec, device="meta", source=source)
+    if not isinstance(model, FlowTransformer):
+        raise TypeError(f"{source}: {type(model).__name__} is not a flow transformer; only flows are pipelined")
+    return shard_model(model, stage, stages)
+
+
+def load_flow_shard(stem: str | Path, stage: int, stages: int, *, device: torch.device | str = "cpu"
+                    ) -> FlowTransformer:
+    """Load pipeline rank ``stage``'s shard of ``<stem>.json`` + ``<stem>.safetensors`` onto ``device``:
+    the file is checked against the whole network, only the shard's tensors are read."""
+    stem = Path(stem)
+    spec = read_spec(stem.with_suffix(".json"))
+    source = str(stem.with_suffix(".json"))
+    whole = build_model(spec, device="meta", source=source)
+    shard = build_flow_shard(spec, stage, stages, source=source)
+    return load_state_into(shard, stem.with_suffix(".safetensors"), device=device, reference=whole)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer (works on ``meta``)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))

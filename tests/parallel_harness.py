@@ -1,0 +1,152 @@
+"""Helpers of the multi-process tests: small flow checkpoints of the real classes, their inputs, and a
+launcher that starts ranks the way torchrun does (env:// variables on loopback, a free port).
+
+Workers live here (module level) so that spawned children can import them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from pixal3d.config import SamplerConfig
+from pixal3d.models import build_model, save_model
+from pixal3d.nn.sparse_tensor import SparseTensor
+
+SMALL = dict(model_channels=32, cond_channels=16, num_heads=2, mlp_ratio=2.0, pe_mode="rope", share_mod=True,
+             qk_rms_norm=True, qk_rms_norm_cross=True, image_attn_mode="proj", dtype="float32")
+SPECS = {
+    "dense": {"name": "SparseStructureFlowModel", "args": dict(resolution=4, in_channels=8, out_channels=8, **SMALL)},
+    "sparse": {"name": "SLatFlowModel", "args": dict(resolution=8, in_channels=16, out_channels=8,
+                                                      proj_in_channels=12, **SMALL)},
+}
+# The structure stage's sampler settings (CFG, interval, rescale) with fewer steps.
+SAMPLER = SamplerConfig(steps=4, guidance_strength=7.5, guidance_rescale=0.7, guidance_interval=(0.6, 1.0),
+                        rescale_t=5.0)
+
+
+def write_flow(folder: Path, kind: str, blocks: int = 6) -> Path:
+    """A small ``kind`` ("dense" / "sparse") flow of the real class with deterministic random weights."""
+    spec = {"name": SPECS[kind]["name"], "args": dict(SPECS[kind]["args"], num_blocks=blocks)}
+    model = build_model(spec, device="meta").to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1234 + blocks)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.uniform_(-1, 1, generator=gen).mul_((3 / p.shape[-1]) ** 0.5)
+            elif name.endswith(("gamma", "norm2.weight")):
+                p.fill_(1.0)
+            else:
+                p.uniform_(-0.05, 0.05, generator=gen)
+    stem = folder / f"{kind}_{blocks}"
+    save_model(model, spec, stem)
+    return stem
+
+
+def zeros_like_cond(cond: dict[str, Any]) -> dict[str, Any]:
+    """The cascade's CFG negative (``conditioning.negative_condition``, without importing DINOv3's stack)."""
+    return {k: v.replace(torch.zeros_like(v.feats)) if isinstance(v, SparseTensor) else torch.zeros_like(v)
+            for k, v in cond.items()}
+
+
+def flow_inputs(kind: str, seed: int) -> dict[str, Any]:
+    """Noise and conditions for the ``kind`` flow of ``write_flow`` (the negative is zeros, as in the cascade)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "dense":
+        noise = torch.randn(1, 8, 4, 4, 4, generator=gen)
+        cond = {"global": torch.randn(1, 5, 16, generator=gen), "proj": torch.randn(1, 64, 16, generator=gen)}
+        return {"noise": noise, "cond": cond, "neg_cond": zeros_like_cond(cond), "concat_cond": None}
+    grid = torch.randperm(8 ** 3, generator=gen)[:70].sort().values
+    coords = torch.stack([torch.zeros_like(grid), grid // 64, grid // 8 % 8, grid % 8], dim=1).int()
+    n = coords.shape[0]
+    noise = SparseTensor(torch.randn(n, 8, generator=gen), coords)
+    cond = {"global": torch.randn(1, 5, 16, generator=gen), "proj": SparseTensor(torch.randn(n, 12, generator=gen), coords)}
+    concat = SparseTensor(torch.randn(n, 8, generator=gen), coords)
+    return {"noise": noise, "cond": cond, "neg_cond": zeros_like_cond(cond), "concat_cond": concat}
+
+
+def features(latent: Any) -> torch.Tensor:
+    return latent.feats if isinstance(latent, SparseTensor) else latent
+
+
+# -- launching ranks --------------------------------------------------------------------------------
+@dataclass
+class RankRun:
+    results: list[Any]          # per rank: what the worker returned (None when it failed)
+    exitcodes: list[int | None]
+    errors: list[str]           # per rank: "" or the exception's text
+    seconds: float
+
+
+# Ranks fork from a server that imported torch and pixal3d.parallel once (a fresh interpreter per rank
+# costs seconds on a small machine); the server itself never ran a kernel, so forking it is safe.
+mp.set_forkserver_preload(["torch", "pixal3d.parallel", "tests.parallel_harness"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, *args)
+    except BaseException as err:
+        Path(folder, f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise SystemExit(1)
+    torch.save(result, Path(folder, f"rank{rank}.pt"))
+
+
+def spawn(world: int, fn: Callable, *args: Any, folder: Path, timeout_s: float = 60.0) -> RankRun:
+    """Run ``fn(rank, *args)`` in ``world`` fresh processes joined by env:// on a free loopback port."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    ctx = mp.start_processes(_entry, args=(world, free_port(), str(folder), fn, args), nprocs=world, join=False,
+                             start_method="forkserver")
+    for proc in ctx.processes:
+        proc.join(max(0.0, timeout_s - (time.monotonic() - start)))
+    seconds = time.monotonic() - start
+    for proc in ctx.processes:  # our own children only
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    results, errors = [], []
+    for rank in range(world):
+        out, err = Path(folder, f"rank{rank}.pt"), Path(folder, f"rank{rank}.err")
+        results.append(torch.load(out, weights_only=False) if out.exists() else None)
+        errors.append(err.read_text() if err.exists() else "")
+    return RankRun(results, [p.exitcode for p in ctx.processes], errors, seconds)
+
+
+# -- workers ----------------------------------------------------------------------------------------
+def sample_worker(rank: int, settings: Any, jobs: list[tuple[str, str, int, int, int]],
+                  sampler: SamplerConfig = SAMPLER) -> list[torch.Tensor]:
+    """Join the job and run ``jobs`` [(checkpoint stem, kind, seed, M, W)] in a row through the same
+    ranks (each rank loads its shard of each checkpoint once); the latents' features."""
+    from pixal3d.parallel import init_parallel, load_flow_shard, parallel_sample
+
+    runtime = init_parallel(settings)
+    shards: dict[str, Any] = {}
+    out = []
+    for stem, kind, seed, patches, warmup in jobs:
+        if stem not in shards:
+            shards[stem] = load_flow_shard(stem, runtime.topology.stage, runtime.topology.pp_degree)
+        runtime.settings = dataclasses.replace(settings, patches=patches, warmup=warmup)
+        inputs = flow_inputs(kind, seed) if rank == 0 else dict.fromkeys(("noise", "cond", "neg_cond", "concat_cond"))
+        latent = parallel_sample(shards[stem], inputs["noise"], cond=inputs["cond"], neg_cond=inputs["neg_cond"],
+                                 concat_cond=inputs["concat_cond"], sampler=sampler, runtime=runtime)
+        out.append(features(latent).clone())
+    runtime.close()
+    return out
