@@ -10,9 +10,10 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -28,9 +29,14 @@ SPECS = {
     "sparse": {"name": "SLatFlowModel", "args": dict(resolution=8, in_channels=16, out_channels=8,
                                                       proj_in_channels=12, **SMALL)},
 }
-# The structure stage's sampler settings (CFG, interval, rescale) with fewer steps.
-SAMPLER = SamplerConfig(steps=4, guidance_strength=7.5, guidance_rescale=0.7, guidance_interval=(0.6, 1.0),
+# The structure stage's sampler settings (CFG 7.5, rescale 0.7, rescale_t 5) in 4 steps, t = 1, 0.94, 0.83,
+# 0.62: with the interval [0.7, 1] the first three steps are guided (both branches, CFG rescale over
+# the whole latent) and in the last one the negative branch stops (positive only, per-patch update).
+SAMPLER = SamplerConfig(steps=4, guidance_strength=7.5, guidance_rescale=0.7, guidance_interval=(0.7, 1.0),
                         rescale_t=5.0)
+# An interval that starts below t = 1: the negative branch joins at the third step.
+SAMPLER_LATE = dataclasses.replace(SAMPLER, guidance_interval=(0.6, 0.9))
+SAMPLERS = {"default": SAMPLER, "late": SAMPLER_LATE}
 
 
 def write_flow(folder: Path, kind: str, blocks: int = 6) -> Path:
@@ -68,7 +74,8 @@ def flow_inputs(kind: str, seed: int) -> dict[str, Any]:
     coords = torch.stack([torch.zeros_like(grid), grid // 64, grid // 8 % 8, grid % 8], dim=1).int()
     n = coords.shape[0]
     noise = SparseTensor(torch.randn(n, 8, generator=gen), coords)
-    cond = {"global": torch.randn(1, 5, 16, generator=gen), "proj": SparseTensor(torch.randn(n, 12, generator=gen), coords)}
+    proj = SparseTensor(torch.randn(n, 12, generator=gen), coords)
+    cond = {"global": torch.randn(1, 5, 16, generator=gen), "proj": proj}
     concat = SparseTensor(torch.randn(n, 8, generator=gen), coords)
     return {"noise": noise, "cond": cond, "neg_cond": zeros_like_cond(cond), "concat_cond": concat}
 
@@ -105,7 +112,7 @@ def _entry(rank: int, world: int, port: int, folder: str, fn: Callable, args: tu
         result = fn(rank, *args)
     except BaseException as err:
         Path(folder, f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-        raise SystemExit(1)
+        raise SystemExit(1) from err
     torch.save(result, Path(folder, f"rank{rank}.pt"))
 
 
@@ -131,22 +138,21 @@ def spawn(world: int, fn: Callable, *args: Any, folder: Path, timeout_s: float =
 
 
 # -- workers ----------------------------------------------------------------------------------------
-def sample_worker(rank: int, settings: Any, jobs: list[tuple[str, str, int, int, int]],
-                  sampler: SamplerConfig = SAMPLER) -> list[torch.Tensor]:
-    """Join the job and run ``jobs`` [(checkpoint stem, kind, seed, M, W)] in a row through the same
-    ranks (each rank loads its shard of each checkpoint once); the latents' features."""
+def sample_worker(rank: int, settings: Any, jobs: list[tuple[str, str, int, int, int, str]]) -> list[torch.Tensor]:
+    """Join the job and run ``jobs`` [(checkpoint stem, kind, seed, M, W, sampler name)] in a row through
+    the same ranks (each rank loads its shard of each checkpoint once); the latents' features."""
     from pixal3d.parallel import init_parallel, load_flow_shard, parallel_sample
 
     runtime = init_parallel(settings)
     shards: dict[str, Any] = {}
     out = []
-    for stem, kind, seed, patches, warmup in jobs:
+    for stem, kind, seed, patches, warmup, sampler in jobs:
         if stem not in shards:
             shards[stem] = load_flow_shard(stem, runtime.topology.stage, runtime.topology.pp_degree)
         runtime.settings = dataclasses.replace(settings, patches=patches, warmup=warmup)
         inputs = flow_inputs(kind, seed) if rank == 0 else dict.fromkeys(("noise", "cond", "neg_cond", "concat_cond"))
         latent = parallel_sample(shards[stem], inputs["noise"], cond=inputs["cond"], neg_cond=inputs["neg_cond"],
-                                 concat_cond=inputs["concat_cond"], sampler=sampler, runtime=runtime)
+                                 concat_cond=inputs["concat_cond"], sampler=SAMPLERS[sampler], runtime=runtime)
         out.append(features(latent).clone())
     runtime.close()
     return out

@@ -1,6 +1,8 @@
 """pixal3d.parallel across processes: ranks joined by env:// on loopback (as torchrun starts them), gloo,
 small flows of the real classes (6 blocks, a dense 4³ grid and a 70-voxel sparse latent with
-concat_cond), the structure stage's sampler settings (CFG 7.5, interval, rescale 0.7) in 4 steps.
+concat_cond), the structure stage's sampler settings (CFG 7.5, rescale 0.7) in 4 steps whose last step
+runs without the negative branch (tests/parallel_harness.py SAMPLER); SAMPLER_LATE has the negative
+branch join in the third step.
 
 Every rank computes with one thread and so does the oracle here: the same kernels on the same shapes,
 so "equal" means bitwise (``torch.equal``). Each comparison has a control that differs.
@@ -15,7 +17,7 @@ import torch
 from pixal3d.models import load_model
 from pixal3d.parallel import ParallelSettings, emulate_pipefusion
 from pixal3d.samplers import sample_flow_euler
-from tests.parallel_harness import SAMPLER, features, flow_inputs, sample_worker, spawn, write_flow
+from tests.parallel_harness import SAMPLER, SAMPLERS, features, flow_inputs, sample_worker, spawn, write_flow
 
 S = SAMPLER.steps
 KINDS = ("dense", "sparse")
@@ -29,27 +31,27 @@ def flows(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(flows):
-    """``oracle(kind, seed, M, W)``: the emulator's latent (W = None: the single-process sampler's)."""
+    """``oracle(kind, seed, M, W, sampler)``: the emulator's latent (W = None: the single-process sampler's)."""
     models, cache = {kind: load_model(stem) for kind, stem in flows.items()}, {}
 
-    def run(kind, seed, patches, warmup):
-        key = (kind, seed, patches, warmup)
+    def run(kind, seed, patches, warmup, sampler="default"):
+        key = (kind, seed, patches, warmup, sampler)
         if key not in cache:
-            inputs, model = flow_inputs(kind, seed), models[kind]
+            inputs, model, sampler_config = flow_inputs(kind, seed), models[kind], SAMPLERS[sampler]
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 if warmup is None:
                     flow = model if kind == "dense" else functools.partial(model, concat_cond=inputs["concat_cond"])
                     out = sample_flow_euler(flow, inputs["noise"], cond=inputs["cond"], neg_cond=inputs["neg_cond"],
-                                            steps=S, guidance_strength=SAMPLER.guidance_strength,
-                                            guidance_rescale=SAMPLER.guidance_rescale,
-                                            guidance_interval=SAMPLER.guidance_interval,
-                                            rescale_t=SAMPLER.rescale_t, progress=False)
+                                            steps=S, guidance_strength=sampler_config.guidance_strength,
+                                            guidance_rescale=sampler_config.guidance_rescale,
+                                            guidance_interval=sampler_config.guidance_interval,
+                                            rescale_t=sampler_config.rescale_t, progress=False)
                 else:
                     out = emulate_pipefusion(model, inputs["noise"], cond=inputs["cond"], neg_cond=inputs["neg_cond"],
-                                             concat_cond=inputs["concat_cond"], sampler=SAMPLER, patches=patches,
-                                             warmup=warmup)
+                                             concat_cond=inputs["concat_cond"], sampler=sampler_config,
+                                             patches=patches, warmup=warmup)
             finally:
                 torch.set_num_threads(threads)
             cache[key] = features(out)
@@ -58,24 +60,29 @@ def oracle(flows):
 
 
 def run_job(tmp_path_factory, world, settings, jobs):
-    """Spawn ``world`` ranks running ``jobs`` [(kind, stem, seed, M, W)]; every rank's latents."""
+    """Spawn ``world`` ranks running ``jobs`` [(kind, stem, seed, M, W[, sampler])]; {job: latent}."""
+    jobs = [(*job, "default") if len(job) == 5 else job for job in jobs]
     folder = tmp_path_factory.mktemp(f"ranks{world}")
-    run = spawn(world, sample_worker, settings, [(stem, kind, seed, m, w) for kind, stem, seed, m, w in jobs],
+    run = spawn(world, sample_worker, settings, [(stem, kind, *rest) for kind, stem, *rest in jobs],
                 folder=folder, timeout_s=90)
     assert run.exitcodes == [0] * world, run.errors
     for rank in range(1, world):  # every rank returns the same latent
-        assert all(torch.equal(a, b) for a, b in zip(run.results[rank], run.results[0]))
-    return dict(zip([(kind, seed, m, w) for kind, _, seed, m, w in jobs], run.results[0]))
+        assert all(torch.equal(a, b) for a, b in zip(run.results[rank], run.results[0], strict=True))
+    keys = [(kind, seed, m, w) if sampler == "default" else (kind, seed, m, w, sampler)
+            for kind, _, seed, m, w, sampler in jobs]
+    return dict(zip(keys, run.results[0], strict=True))
 
 
 PP_JOBS = [(kind, seed, m, w) for kind in KINDS
            for seed, m, w in [(1, 1, S), (1, 2, 1), (1, 3, 1), (1, 4, 1), (2, 3, 0), (3, 3, 0)]]
+LATE = [(kind, 1, 3, 1, "late") for kind in KINDS]
 
 
 @pytest.fixture(scope="module")
 def pp2(flows, tmp_path_factory):
     settings = ParallelSettings(mode="pipefusion", pp=2, timeout_s=60)
-    return run_job(tmp_path_factory, 2, settings, [(k, flows[k], s, m, w) for k, s, m, w in PP_JOBS])
+    return run_job(tmp_path_factory, 2, settings, [(k, flows[k], s, m, w) for k, s, m, w in PP_JOBS]
+                   + [(k, flows[k], *rest) for k, *rest in LATE])
 
 
 @pytest.fixture(scope="module")
@@ -116,23 +123,38 @@ def test_requests_in_a_row_equal_fresh_runs(pp2, oracle):
 
 
 def test_cfg_parallel_equals_the_single_process(flows, oracle, tmp_path_factory):
-    """Test 4a: the positive and negative passes on two ranks: bitwise the single-process sampler."""
+    """Test 4a: the positive and negative passes on two ranks: bitwise the single-process sampler, also
+    with the late guidance interval (the negative rank idles for two steps). Control: the two intervals'
+    single-process results differ."""
     settings = ParallelSettings(mode="cfg", timeout_s=60)
-    got = run_job(tmp_path_factory, 2, settings, [(k, flows[k], s, 1, 1) for k in KINDS for s in (1, 2)])
+    got = run_job(tmp_path_factory, 2, settings, [(k, flows[k], s, 1, 1) for k in KINDS for s in (1, 2)]
+                  + [(k, flows[k], 1, 1, 1, "late") for k in KINDS])
     for kind in KINDS:
         for seed in (1, 2):
             assert torch.equal(got[(kind, seed, 1, 1)], oracle(kind, seed, 1, None))
-        assert not torch.equal(got[(kind, 1, 1, 1)], got[(kind, 2, 1, 1)])
+        assert torch.equal(got[(kind, 1, 1, 1, "late")], oracle(kind, 1, 1, None, "late"))
+        assert not torch.equal(got[(kind, 1, 1, 1)], oracle(kind, 1, 1, None, "late"))
 
 
 def test_cfg_times_pipefusion_on_four_ranks_equals_the_emulator(flows, oracle, tmp_path_factory):
     """Test 4b: --parallel both --pp 2 (4 ranks): bitwise the emulator; with W = S, the single process."""
     settings = ParallelSettings(mode="both", pp=2, timeout_s=60)
-    got = run_job(tmp_path_factory, 4, settings, [(k, flows[k], 1, m, w) for k in KINDS for m, w in ((3, 1), (1, S))])
+    got = run_job(tmp_path_factory, 4, settings, [(k, flows[k], 1, m, w) for k in KINDS for m, w in ((3, 1), (1, S))]
+                  + [(k, flows[k], *rest) for k, *rest in LATE])
     for kind in KINDS:
         assert torch.equal(got[(kind, 1, 3, 1)], oracle(kind, 1, 3, 1))
         assert torch.equal(got[(kind, 1, 1, S)], oracle(kind, 1, 1, None))
+        assert torch.equal(got[(kind, 1, 3, 1, "late")], oracle(kind, 1, 3, 1, "late"))
         assert not torch.equal(got[(kind, 1, 3, 1)], oracle(kind, 1, 4, 1))
+        assert not torch.equal(got[(kind, 1, 3, 1, "late")], oracle(kind, 1, 3, 1))
+
+
+def test_a_negative_branch_that_joins_late_matches_the_emulator(pp2, oracle):
+    """The guidance interval [0.6, 0.9]: positive only for two steps, then both (the negative branch's
+    first streamed step reads only the K/V it has written so far). Control: the default interval."""
+    for kind in KINDS:
+        assert torch.equal(pp2[(kind, 1, 3, 1, "late")], oracle(kind, 1, 3, 1, "late"))
+        assert not torch.equal(pp2[(kind, 1, 3, 1, "late")], oracle(kind, 1, 3, 1))
 
 
 # -- failures ---------------------------------------------------------------------------------------

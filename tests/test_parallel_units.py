@@ -23,7 +23,7 @@ from pixal3d.parallel import (
 )
 from pixal3d.parallel.schedule import plan_steps
 from pixal3d.parallel.sequence import FlowSequence, split_tokens
-from pixal3d.parallel.shard import RemoteBlock, owned_blocks
+from pixal3d.parallel.shard import RemoteBlock
 from pixal3d.parallel.stale_kv import PatchAttention, patch_attention
 from pixal3d.parallel.topology import Topology
 from pixal3d.samplers import sample_flow_euler

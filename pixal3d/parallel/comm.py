@@ -73,8 +73,8 @@ class Outbox:
 class Inbox:
     """Receives the ``expected`` messages ``[(shape, dtype), ...]`` from one peer, in order."""
 
-    def __init__(self, wire: Wire, peer: int, group: Any, name: str, expected: list[tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device):
+    def __init__(self, wire: Wire, peer: int, group: Any, name: str,
+                 expected: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device):
         self.wire, self.peer, self.group, self.name = wire, peer, group, name
         self.expected, self.device = expected, device
         self.taken = 0

@@ -64,9 +64,10 @@ def parallel_sample(model: FlowTransformer, noise: Latent | None, *, cond: dict[
     except PeerFailedError:
         raise
     except BaseException as err:
-        notice = wire.board.report(err)
+        notice = wire.board.report(err)  # tells the other ranks (or learns who failed first)
         rank = runtime.topology.rank
-        if notice.startswith(f"rank {rank} failed"):
+        # A settings error is the user's to fix and every rank that sees it says the same: raise it as is.
+        if isinstance(err, ParallelConfigError) or notice.startswith(f"rank {rank} failed"):
             logger.error("%s", notice)
             err.add_note(f"(raised on rank {rank} of the parallel job; every other rank stops too)")
             raise
@@ -95,7 +96,7 @@ def _sample(model: FlowTransformer, noise: Any, cond: Any, neg_cond: Any, concat
     state = PatchAttention(seq.length, keep_kv=not all(s.sync for s in plan))
     x = seq.latent(noise)
     with patch_attention(owned_blocks(model), state):
-        for step, next_step in zip(plan, [*plan[1:], None]):
+        for step, next_step in zip(plan, [*plan[1:], None], strict=True):
             x = _step(model, seq, sampler, step, next_step, x, state, runtime, inboxes, outboxes)
     for box in outboxes.values():
         box.drain()

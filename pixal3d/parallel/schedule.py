@@ -9,6 +9,10 @@ W, never on the number of ranks).
   is synchronous: one patch that covers everything always sees fresh K/V, so there is no stale
   buffer to keep.
 * Later steps stream the M patches in order ``0..M-1``.
+* Steps outside the guidance interval run the positive branch only. A branch that sits steps out
+  keeps its K/V buffers; if it comes back (an interval that starts below t = 1) its first streamed
+  step reads K/V as old as its last step. The shipped configs start the interval at t = 1, so the
+  negative branch only ever stops.
 * A step whose guided velocity needs a statistic of the whole latent (CFG rescale: the per-sample std
   of x0) updates after its last piece (``whole_latent``); every other step updates each piece as soon
   as its branches are in (Euler and the CFG mix are element-wise).

@@ -14,8 +14,9 @@ Ranges are near-equal: ``divmod(num_blocks, N)``, the first ``num_blocks % N`` r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,7 +100,8 @@ def owned_blocks(model: FlowTransformer) -> list[nn.Module]:
     return [model.blocks[i] for i in shard_info(model).blocks]
 
 
-def build_flow_shard(spec: Mapping[str, Any], stage: int, stages: int, *, source: str = "config") -> FlowTransformer:
+def build_flow_shard(spec: Mapping[str, Any], stage: int, stages: int, *, source: str = "config"
+                     ) -> FlowTransformer:
     """The shard of the network ``spec`` describes, on ``meta``."""
     model = build_model(spec, device="meta", source=source)
     if not isinstance(model, FlowTransformer):

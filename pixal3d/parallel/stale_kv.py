@@ -50,7 +50,8 @@ class PatchAttention:
     def buffer_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _, _ in self._kv.values())
 
-    def _store(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor, piece: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def _store(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor, piece: slice
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v`` (``[..., l, H, D]``) at ``piece``; return the written prefix of the buffers."""
         key = (id(layer), self.branch)
         entry = self._kv.get(key)

@@ -28,7 +28,7 @@ class Topology:
     pp_degree: int
 
     @classmethod
-    def from_env(cls, settings: ParallelSettings, env: Mapping[str, str] | None = None) -> "Topology":
+    def from_env(cls, settings: ParallelSettings, env: Mapping[str, str] | None = None) -> Topology:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (set by torchrun) and check them against ``settings``."""
         env = os.environ if env is None else env
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
