@@ -55,8 +55,3 @@ def plan_steps(sampler: SamplerConfig, tokens: int, patches: int, warmup: int) -
                              sync=sync, pieces=whole if sync else patched,
                              whole_latent=needs_whole_latent(strength, sampler.guidance_rescale)))
     return plan
-
-
-def branches_used(plan: list[StepPlan]) -> tuple[str, ...]:
-    """The CFG branches any step of ``plan`` runs, in ("pos", "neg") order."""
-    return tuple(b for b in ("pos", "neg") if any(b in s.branches for s in plan))

@@ -98,7 +98,6 @@ class FlowSequence:
             raise ValueError(f"noise (+ concat_cond) has {self.channels + extra} channels; the model takes "
                              f"{model.in_channels}" + ("" if concat_cond is not None else " (missing concat_cond?)"))
         self.phases = model.rope_phases(noise)  # [N, D/2] from the coordinates, cached on the coordinate set
-        self.template = noise
         if self.out_channels != self.channels:
             raise ValueError(f"the model predicts {self.out_channels} channels for a {self.channels}-channel latent")
 
