@@ -6,7 +6,7 @@ bitwise the emulator, tests/test_parallel_ranks.py), so the single-process emula
 exact result is the same emulator at W = S (bitwise the single-process sampler).
 
 Models: the tiny config's four flow checkpoints (deterministic random weights, 2 blocks, 32 channels;
-``pipelines/tiny_weights.py``) with each stage's real sampler settings from configs/1024_cascade.yaml
+``pixal3d/tiny_weights.py``) with each stage's real sampler settings from configs/1024_cascade.yaml
 (CFG strength, interval, rescale, rescale_t) at 12 steps (the cascade's count) and 24. Inputs: seeded
 random noise and conditions (global 20 tokens, per-token proj), the negative is zeros as in the
 cascade; sparse stages on random voxel sets (shape 512: 200 of 8³, shape 1024 / texture: 600 of 16³).
@@ -83,11 +83,10 @@ def _emulate(model: torch.nn.Module, inputs: tuple, sampler, patches: int, warmu
 
 def tiny_flow_stems() -> dict[str, Path]:
     """Registry name → stem of the tiny config's flow checkpoints (generated on first use)."""
-    from pipelines.loaders import register_model_classes
-    from pipelines.tiny_weights import CHECKPOINTS, ensure_tiny_weights
+    import pixal3d.models  # noqa: F401 -- registers every network class
     from pixal3d.hub import cache_root
+    from pixal3d.tiny_weights import CHECKPOINTS, ensure_tiny_weights
 
-    register_model_classes()
     root = ensure_tiny_weights(cache_root() / "tiny")
     return {name: root / "pixal3d" / CHECKPOINTS[name][0] for name, _ in STAGES.values()}
 
