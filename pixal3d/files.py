@@ -1,17 +1,21 @@
-"""Atomic writes: a reader never sees half a file. Write a temporary file beside the target (same file
-system), then rename it over the target; on any failure the temporary file is removed and the target is
-untouched.
+"""Atomic writes: a reader never sees half a file, and files that belong together appear together.
+
+Write temporary files beside the targets (same file system), then rename them over the targets; on any
+failure — the write, a full disk, a signal turned into an exception (``pixal3d.interrupts``) — every
+temporary file is removed and no target is touched. ``atomic_paths`` does this for a group (a GLB, its
+run.json and its latents): all are written before the first rename, so a full disk leaves none of them,
+and if a rename itself fails the targets already renamed are removed again (both or neither).
 
 The temporary name is hidden and ends in ``.tmp`` (``.out.glb.1a2b3c.tmp``), so a glob such as ``*.glb``
 never picks it up; the finished file gets an ordinary file's mode (``0666`` less the umask), not the
-``0600`` of ``mkstemp``.
+``0600`` of ``mkstemp``. An ``OSError`` from writing a temporary file names its target, not the hidden name.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,27 +28,87 @@ def _umask() -> int:
 
 
 @contextmanager
+def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Yield one temporary path beside each of ``paths``; they all become their targets when the block
+    succeeds, none does otherwise."""
+    targets = [Path(p) for p in paths]
+    temps: list[Path] = []
+    renamed: list[Path] = []
+    committed = False
+    try:
+        for target in targets:
+            try:
+                fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            except OSError as err:
+                raise name_target(err, target) from err
+            os.close(fd)
+            temps.append(Path(name))
+        try:
+            yield temps
+        except OSError as err:
+            named = {str(tmp): target for tmp, target in zip(temps, targets)}
+            if str(err.filename) in named:
+                raise name_target(err, named[str(err.filename)]) from err
+            raise
+        mode = 0o666 & ~_umask()
+        for tmp, target in zip(temps, targets):
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+            renamed.append(target)
+        committed = True
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        if not committed:
+            for target in renamed:
+                target.unlink(missing_ok=True)
+
+
+@contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write to; it becomes ``path`` when the block succeeds."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
+    with atomic_paths([path]) as (tmp,):
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+
+def write_bytes_to(tmp: Path, data: bytes, target: str | os.PathLike) -> int:
+    """Write ``data`` to the temporary file ``tmp``; a failure (a full disk, say) names ``target``."""
+    try:
+        tmp.write_bytes(data)
+    except OSError as err:
+        raise name_target(err, target) from err
+    return len(data)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> int:
     """Write ``data`` to ``path`` atomically; return the number of bytes."""
     with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-    return len(data)
+        return write_bytes_to(tmp, data, path)
+
+
+def json_bytes(data: Any) -> bytes:
+    """``data`` as indented JSON (UTF-8, trailing newline)."""
+    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """Write ``data`` as indented JSON (UTF-8, trailing newline) to ``path`` atomically."""
-    write_bytes_atomic(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+    write_bytes_atomic(path, json_bytes(data))
+
+
+def name_target(err: OSError, target: str | os.PathLike) -> OSError:
+    """The same error (errno, message, subclass) naming ``target`` as its file."""
+    return OSError(err.errno, err.strerror or str(err), str(target))
+
+
+def folds_case(folder: str | os.PathLike) -> bool:
+    """True when ``folder``'s file system treats names that differ only in case as one file (macOS's and
+    Windows' defaults): ``Cup.glb`` would overwrite ``cup.glb`` there. Probed with a temporary file."""
+    fd, name = tempfile.mkstemp(prefix=".pixal3d-case-probe-", dir=folder)
+    os.close(fd)
+    probe = Path(name)
+    try:
+        swapped = probe.with_name(probe.name.swapcase())
+        return swapped.exists() and os.path.samefile(probe, swapped)
+    finally:
+        probe.unlink(missing_ok=True)
