@@ -8,7 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["pixal3d", "pixal3d.*", "pipelines", "pipelines.*"]),
+    packages=[*find_packages(include=["pixal3d", "pixal3d.*", "pipelines", "pipelines.*"]), "pixal3d.configs"],
+    # The shipped configs: configs/ in the checkout, pixal3d/configs/ once installed (pixal3d.config.shipped_config).
+    package_dir={"pixal3d.configs": "configs"},
+    package_data={"pixal3d.configs": ["*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

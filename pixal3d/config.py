@@ -3,9 +3,15 @@
 A config file describes one cascade: where every model's weights come from (``weights``), the
 parameters of each stage, and the export settings. ``load_config(path)`` reads it; a key the
 dataclasses do not declare, a missing required key, or a value of the wrong type is a
-``ConfigError`` that names the key (dotted path) and the file. A file may start from another one
-with ``base: other.yaml`` (path relative to the file) and override only some keys; mappings are
-merged key by key (a weight source under ``weights`` is replaced whole), everything else is replaced.
+``ConfigError`` that names the key (dotted path) and the file. A number outside the
+``Range`` its field declares (``field(metadata=...)`` beside the field, below) is a ``ConfigError`` too,
+from a file or from ``with_overrides``. A file may start from another one with ``base: other.yaml``
+(path relative to the file) and override only some keys; mappings are merged key by key (a weight
+source under ``weights`` is replaced whole), everything else is replaced.
+
+The shipped configs live in the package (``pixal3d/configs`` when installed, ``configs/`` in a checkout):
+a bare name that is not a file here — ``load_config("tiny")``, ``base: 1024_cascade.yaml`` — means one of
+them, so an installed package finds its default config and a user's config can start from a shipped one.
 """
 from __future__ import annotations
 
@@ -24,7 +30,84 @@ from pixal3d.mesh.export import ExportSettings
 
 
 class ConfigError(ValueError):
-    """A configuration file is invalid (unknown key, wrong type, missing value, bad combination)."""
+    """A configuration file is invalid (unknown key, wrong type, value out of range, bad combination)."""
+
+
+# -- declared ranges -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number field accepts, declared on the field with ``ranged(...)``.
+
+    low/high: bounds (``None``: unbounded); ``*_open``: the bound itself is excluded; ``integer``: the
+    field is an int (for the wording); ``high_text``: how to write ``high`` in messages.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    high_text: str | None = None
+
+    def contains(self, value: float) -> bool:
+        """Whether ``value`` is inside the range."""
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """``an integer in [0, 2**64 - 1]``, ``an integer >= 1``, ``a number in (0, 180)``, ..."""
+        noun = "an integer" if self.integer else "a number"
+        low = _number(self.low)
+        high = self.high_text or _number(self.high)
+        if self.high is None:
+            return f"{noun} {'>' if self.low_open else '>='} {low}"
+        if self.low is None:
+            return f"{noun} {'<' if self.high_open else '<='} {high}"
+        return f"{noun} in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+SEED = Range(0, 2**64 - 1, integer=True, high_text="2**64 - 1")
+"""The seeds a ``torch.Generator`` accepts."""
+COUNT = Range(1, integer=True)
+"""Sizes, channels, steps, token budgets: at least 1."""
+
+
+def ranged(allowed: Range, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field whose values must lie in ``allowed`` (checked by ``from_dict`` and ``with_overrides``)."""
+    return field(default=default, metadata={"range": allowed})
+
+
+def check_ranges(value: Any, *, where: str, key: str, allowed: Range | None = None) -> None:
+    """``ConfigError`` when ``value`` is outside ``allowed`` or, for a dataclass, any field under it is outside
+    the range that field declares; the message names the dotted ``key`` and starts with ``where``."""
+    _check_range(value, allowed, where=where, key=key)
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            check_ranges(getattr(value, f.name), where=where, key=_join(key, f.name), allowed=f.metadata.get("range"))
+
+
+def _check_range(value: Any, allowed: Range | None, *, where: str, key: str) -> None:
+    if allowed is None or value is None:
+        return
+    number = not isinstance(value, bool) and isinstance(value, int if allowed.integer else (int, float))
+    if not number or not math.isfinite(value) or not allowed.contains(value):
+        raise ConfigError(f"{where}: key '{key}' must be {allowed.describe()}, got {value!r}")
+
+
+def declared_ranges(cls: type, prefix: str = "") -> dict[str, Range]:
+    """Every ``Range`` declared under dataclass ``cls``, by dotted key."""
+    ranges: dict[str, Range] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        if "range" in f.metadata:
+            ranges[key] = f.metadata["range"]
+        for option in (typing.get_args(hints[f.name]) or (hints[f.name],)):
+            if dataclasses.is_dataclass(option):
+                ranges.update(declared_ranges(option, key))
+    return ranges
 
 
 # -- weights -------------------------------------------------------------------------------------
@@ -90,37 +173,37 @@ class WeightsConfig:
 class SamplerConfig:
     """Flow-matching Euler sampler parameters (reference §4)."""
 
-    steps: int
-    guidance_strength: float
-    guidance_rescale: float
-    guidance_interval: tuple[float, float]
-    rescale_t: float
-    sigma_min: float = 1e-5
+    steps: int = ranged(COUNT)
+    guidance_strength: float = ranged(Range(0.0))
+    guidance_rescale: float = ranged(Range(0.0, 1.0))
+    guidance_interval: tuple[float, float]  # [lo, hi] with 0 <= lo <= hi <= 1 (_check_config)
+    rescale_t: float = ranged(Range(0.0, low_open=True))
+    sigma_min: float = ranged(Range(0.0, 1.0, high_open=True), 1e-5)
 
 
 @dataclass(frozen=True)
 class ConditionConfig:
     """One DINOv3 projection extractor: backbone input size, projection grid, NAF target size."""
 
-    image_size: int
-    grid_resolution: int | None = None   # None: the stage's token grid
-    naf_size: int | None = None          # None: no NAF branch (sparse structure)
+    image_size: int = ranged(Range(16, integer=True))  # at least one DINOv3 patch
+    grid_resolution: int | None = ranged(COUNT, None)  # None: the stage's token grid
+    naf_size: int | None = ranged(COUNT, None)         # None: no NAF branch (sparse structure)
 
 
 @dataclass(frozen=True)
 class CameraConfig:
     """Field of view in degrees (``None``: estimate with MoGe-2, or fall back to the reference default)."""
 
-    fov_deg: float | None = None
+    fov_deg: float | None = ranged(Range(0.0, 180.0, low_open=True, high_open=True), None)
 
 
 @dataclass(frozen=True)
 class StructureConfig:
     """Sparse structure: dense noise ``[1, latent_channels, R, R, R]`` → decoder → max-pool to coords."""
 
-    noise_resolution: int
-    latent_channels: int
-    coords_resolution: int
+    noise_resolution: int = ranged(COUNT)
+    latent_channels: int = ranged(COUNT)
+    coords_resolution: int = ranged(COUNT)
     sampler: SamplerConfig
     condition: ConditionConfig
 
@@ -129,7 +212,7 @@ class StructureConfig:
 class ShapeConfig:
     """A sparse shape or texture flow stage: noise ``[N, latent_channels]`` on the stage's coords."""
 
-    latent_channels: int
+    latent_channels: int = ranged(COUNT)
     sampler: SamplerConfig
     condition: ConditionConfig
 
@@ -143,11 +226,11 @@ class UpsampleConfig:
     ``resolution_step`` (reference §1.6, §1.12).
     """
 
-    times: int
-    hr_resolution: int
-    max_tokens: int = 49152
-    resolution_step: int = 128
-    min_resolution: int = 1024
+    times: int = ranged(Range(0, integer=True))
+    hr_resolution: int = ranged(COUNT)
+    max_tokens: int = ranged(COUNT, 49152)
+    resolution_step: int = ranged(COUNT, 128)
+    min_resolution: int = ranged(COUNT, 1024)
 
 
 @dataclass(frozen=True)
@@ -161,21 +244,52 @@ class CascadeConfig:
     upsample: UpsampleConfig
     shape_1024: ShapeConfig
     texture: ShapeConfig
-    seed: int = 42
+    seed: int = ranged(SEED, 42)
     camera: CameraConfig = field(default_factory=CameraConfig)
     export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.export, checked there
     source: str = ""  # the file it was read from (set by load_config, not a YAML key)
 
-    def with_overrides(self, **changes: Any) -> CascadeConfig:
-        """A copy with top-level fields replaced (``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
+    def with_overrides(self, *, where: str = "overrides", **changes: Any) -> CascadeConfig:
+        """A copy with top-level fields replaced (``dataclasses.replace``), checked like a file's values;
+        ``where`` starts the message of a ``ConfigError`` (e.g. the command-line option)."""
+        config = dataclasses.replace(self, **changes)
+        declared = {f.name: f.metadata.get("range") for f in dataclasses.fields(self)}
+        for name in changes:
+            check_ranges(getattr(config, name), where=where, key=name, allowed=declared[name])
+        _check_config(config, where)
+        return config
 
 
 # -- reading -------------------------------------------------------------------------------------
 
+SHIPPED = Path(__file__).resolve().parent / "configs"
+"""The configs installed with the package (package data; in a checkout they are in ``configs/``)."""
+CHECKOUT = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_config(name: str) -> Path:
+    """The shipped config called ``name`` (``tiny``, ``tiny.yaml``, ``1024_cascade.yaml``, ...)."""
+    folder = SHIPPED if SHIPPED.is_dir() else CHECKOUT
+    return folder / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+
+
+def shipped_config_names() -> list[str]:
+    """The names of the shipped configs."""
+    return sorted(p.name for p in shipped_config("x").parent.glob("*.yaml"))
+
+
+def _locate(path: Path) -> Path:
+    """``path``, or the shipped config it names when it is a bare name that is not a file here."""
+    if path.is_file() or len(path.parts) != 1:
+        return path
+    shipped = shipped_config(path.name)
+    return shipped if shipped.is_file() else path
+
+
 def load_config(path: str | Path) -> CascadeConfig:
-    """Read and validate a cascade YAML file (following ``base:`` chains)."""
-    path = Path(path)
+    """Read and validate a cascade YAML file (following ``base:`` chains); a bare name that is not a file
+    here (``tiny``, ``1024_cascade.yaml``) is a shipped config."""
+    path = _locate(Path(path))
     raw = _read_merged(path, seen=())
     raw = _absolutize_local_paths(raw, path)
     config = from_dict(CascadeConfig, raw, where=str(path), exclude=("source",))
@@ -185,13 +299,15 @@ def load_config(path: str | Path) -> CascadeConfig:
 
 def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (try configs/1024_cascade.yaml or configs/tiny.yaml)")
+        what = "is a folder, not a config file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what} (the shipped configs, which can be named alone: "
+                          f"{', '.join(shipped_config_names())})")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' chain loops back to {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(_read_text(path))
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -201,9 +317,35 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: key 'base' must be a file name (str), got {type(base).__name__}")
-    parent = _read_merged(path.parent / base, seen + (path.resolve(),))
-    parent = _absolutize_local_paths(parent, path.parent / base)
+    base_path = _locate_base(path.parent, base)
+    parent = _read_merged(base_path, seen + (path.resolve(),))
+    parent = _absolutize_local_paths(parent, base_path)
     return _deep_merge(parent, data)
+
+
+def _locate_base(folder: Path, base: str) -> Path:
+    """``base`` beside the file that names it, else (a bare name) the shipped config of that name."""
+    beside = folder / base
+    if beside.is_file() or len(Path(base).parts) != 1:
+        return beside
+    shipped = shipped_config(base)
+    return shipped if shipped.is_file() else beside
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text, or a ``ConfigError`` saying what else it is."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror or err})") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or _ascii_as_utf16(data[:2]):
+        raise ConfigError(f"{path} is UTF-16 text; config files are UTF-8 (re-save it as UTF-8, e.g. "
+                          f"iconv -f UTF-16 -t UTF-8)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); a config "
+                          f"is a YAML file saved as UTF-8") from None
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -248,6 +390,7 @@ def from_dict(cls: type, data: Any, *, where: str, key: str = "", exclude: tuple
         sub = _join(key, name)
         if name in data:
             kwargs[name] = _convert(hints[name], data[name], where=where, key=sub)
+            _check_range(kwargs[name], f.metadata.get("range"), where=where, key=sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing required key '{sub}'")
     try:
@@ -319,8 +462,6 @@ def _check_config(config: CascadeConfig, where: str) -> None:
     for stage in ("structure", "shape_512", "shape_1024", "texture"):
         sampler = getattr(config, stage).sampler
         lo, hi = sampler.guidance_interval
-        if sampler.steps < 1:
-            raise ConfigError(f"{where}: key '{stage}.sampler.steps' must be at least 1, got {sampler.steps}")
         if not 0.0 <= lo <= hi <= 1.0:
             raise ConfigError(f"{where}: key '{stage}.sampler.guidance_interval' must be [lo, hi] with "
                               f"0 <= lo <= hi <= 1, got {list(sampler.guidance_interval)}")
@@ -333,8 +474,6 @@ def _check_config(config: CascadeConfig, where: str) -> None:
     if up.min_resolution > up.hr_resolution:
         raise ConfigError(f"{where}: key 'upsample.min_resolution' ({up.min_resolution}) exceeds "
                           f"'upsample.hr_resolution' ({up.hr_resolution})")
-    if config.camera.fov_deg is not None and not 0.0 < config.camera.fov_deg < 180.0:
-        raise ConfigError(f"{where}: key 'camera.fov_deg' must be in (0, 180) degrees, got {config.camera.fov_deg}")
 
 
 def with_sampler_steps(config: CascadeConfig, steps: int) -> CascadeConfig:
@@ -353,6 +492,15 @@ def to_dict(config: Any) -> Any:
     if isinstance(config, (tuple, list)):
         return [to_dict(v) for v in config]
     return config
+
+
+def _ascii_as_utf16(head: bytes) -> bool:
+    """The first character is printable ASCII stored in two bytes (UTF-16 without a byte-order mark)."""
+    return len(head) == 2 and any(head[i] == 0 and 32 <= head[1 - i] < 127 for i in (0, 1))
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else (str(int(value)) if float(value).is_integer() else str(value))
 
 
 def _join(prefix: str, name: str) -> str:

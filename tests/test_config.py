@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pixal3d.config import CascadeConfig, ConfigError, load_config, to_dict, with_sampler_steps
 
@@ -117,3 +118,63 @@ def test_with_sampler_steps_changes_every_flow_stage_only():
     config = with_sampler_steps(load_config(CONFIGS / "tiny.yaml"), 1)
     assert {getattr(config, s).sampler.steps for s in ("structure", "shape_512", "shape_1024", "texture")} == {1}
     assert config.texture.sampler.guidance_strength == 1.0
+
+
+# -- declared ranges, file encodings (issue 16) ----------------------------------------------------------
+
+def _override(tmp_path: Path, dotted: str, value) -> Path:
+    data: dict = {"base": str(CONFIGS / "tiny.yaml")}
+    node = data
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("key, value", [
+    ("seed", 2**70), ("seed", -1), ("structure.noise_resolution", 0), ("structure.noise_resolution", -3),
+    ("structure.latent_channels", 0), ("structure.coords_resolution", 0), ("structure.sampler.steps", 0),
+    ("structure.sampler.guidance_strength", -1.0), ("shape_512.sampler.guidance_rescale", 1.5),
+    ("shape_512.sampler.rescale_t", 0.0), ("texture.sampler.sigma_min", 1.0),
+    ("shape_1024.condition.image_size", 0), ("shape_1024.condition.naf_size", -64),
+    ("upsample.times", -1), ("upsample.max_tokens", 0), ("upsample.resolution_step", 0),
+    ("camera.fov_deg", 180.0), ("camera.fov_deg", 0.0),
+])
+def test_a_value_outside_its_declared_range_names_the_key_the_range_and_the_file(tmp_path, key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(_override(tmp_path, key, value))
+    message = str(info.value)
+    assert f"key '{key}'" in message and "c.yaml" in message and "must be" in message, message
+
+
+def test_every_range_is_declared_on_the_dataclass_field():
+    from pixal3d.config import Range, declared_ranges
+
+    ranges = declared_ranges(CascadeConfig)
+    assert isinstance(ranges["seed"], Range) and ranges["seed"].describe() == "an integer in [0, 2**64 - 1]"
+    assert {"structure.noise_resolution", "structure.sampler.steps", "camera.fov_deg"} <= set(ranges)
+
+
+def test_overrides_are_checked_against_the_same_ranges():
+    config = load_config(CONFIGS / "tiny.yaml")
+    with pytest.raises(ConfigError, match=r"key 'seed' must be an integer in \[0, 2\*\*64 - 1\], got -5"):
+        config.with_overrides(seed=-5)
+    assert config.with_overrides(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "binary"])
+def test_a_utf16_or_binary_config_file_is_one_clear_error(tmp_path, encoding):
+    path = tmp_path / "c.yaml"
+    if encoding == "utf-16":
+        path.write_bytes(TINY_TEXT.encode("utf-16"))
+    else:
+        path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "c.yaml" in message and "UTF-8" in message and "\n" not in message
+    if encoding == "utf-16":
+        assert "UTF-16" in message
