@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pixal3d.config import CascadeConfig, load_config
+from pixal3d.config import SEED, CascadeConfig, load_config
 from pixal3d.models.preprocess import as_image
 from pixal3d.pipeline_json import ResolvedWeights, planned_sizes, resolve_weights
 from pixal3d.staging import (
@@ -54,13 +54,17 @@ from .state import PROVIDED, RunState
 
 logger = logging.getLogger(__name__)
 
-MAX_SEED = 2**64 - 1
+MAX_SEED = int(SEED.high)
 
 Loader = Callable[[], nn.Module]
 
 
 class NotEnoughMemoryError(RuntimeError):
     """Even the smallest-footprint policy needs more memory than the machine has available."""
+
+
+class DeviceError(ValueError):
+    """The device asked for does not exist on this machine (or this torch build)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,12 @@ class RunPlan:
     def model_names(self) -> list[str]:
         """Every model some stage needs, in first-use order."""
         return list(dict.fromkeys(m for s in self.stages for m in s.needs))
+
+    def check_input(self, image: Any) -> None:
+        """Raise ``ImageError`` now, before any weight is read, if a stage of this plan cannot take ``image``
+        (a path, PIL image or array): e.g. an opaque photo when no background remover is configured."""
+        for stage in self.stages:
+            stage.check_input(image)
 
 
 class Pixal3D:
@@ -116,7 +126,7 @@ class Pixal3D:
         ``NotEnoughMemoryError`` when one stage's weights alone exceed the memory available.
         """
         config = load_config(config) if isinstance(config, (str, Path)) else config
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device(torch.device(device)) if device is not None else default_device()
         stages = tuple(build_stages(config, replace=replace, until=until))
         check_stages(stages, provides=PROVIDED, state_type=RunState)  # before anything is read
         needs = {s.name: tuple(s.needs) for s in stages}
@@ -193,8 +203,10 @@ class Pixal3D:
         if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
             raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
         label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
+        image = as_image(image)
+        self.run_plan.check_input(image)  # before the first stage loads anything
         state = RunState(
-            input_image=as_image(image), generator=torch.Generator().manual_seed(seed), device=self.device,
+            input_image=image, generator=torch.Generator().manual_seed(seed), device=self.device,
             fov_deg=fov, shape_normalization=self.weights.shape_normalization,
             tex_normalization=self.weights.tex_normalization, progress=progress, callback=callback)
         stages = self._runner.stages
@@ -246,10 +258,40 @@ class _Relay:
 
 
 def check_seed(seed: Any) -> int:
-    """``seed`` as an int a ``torch.Generator`` accepts, or a ``ValueError`` saying the range."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed {seed!r} is not an integer in [0, 2**64 - 1]; pass e.g. seed=42")
+    """``seed`` as an int a ``torch.Generator`` accepts, or a ``ValueError`` saying the range (``config.SEED``)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
+        raise ValueError(f"seed {seed!r} is not {SEED.describe()}; pass e.g. seed=42")
     return seed
+
+
+def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mapping[str, CascadeStage] | None = None,
+                 until: str | None = None) -> None:
+    """``RunPlan.check_input`` for every image before there is a plan: builds the stages (cheap, no file is
+    read) so a batch or the command refuses an unusable input before any weight is generated or read."""
+    stages = build_stages(config, replace=replace, until=until)
+    for image in images:
+        for stage in stages:
+            stage.check_input(image)
+
+
+def check_device(device: torch.device) -> torch.device:
+    """``device`` if it exists here, else a ``DeviceError`` naming it and what exists."""
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"device {device}: only cpu, cuda and mps are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device} asks for CUDA, which this torch build or machine does not have; "
+                              f"use cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DeviceError(f"device {device} does not exist: this machine has {count} CUDA device(s), "
+                              f"cuda:0 to cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {device} asks for Apple MPS, which is not available here; use cpu")
+    if device.type in ("cpu", "mps") and device.index not in (None, 0):
+        raise DeviceError(f"device {device} does not exist: there is one {device.type} device, "
+                          f"'{device.type}' (or {device.type}:0)")
+    return device
 
 
 def default_device() -> torch.device:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
+from PIL import Image
 from torch import nn
 
 from pixal3d.config import CascadeConfig
 from pixal3d.hub import MissingWeightsError
-from pixal3d.models.preprocess import load_background_remover, preprocess_image
+from pixal3d.models.preprocess import as_image, load_background_remover, preprocess_image, require_alpha
 from pixal3d.staging import preserved_rng
 
 from .stage import CascadeStage
@@ -33,6 +36,11 @@ class PreprocessStage(CascadeStage):
 
     def working_set(self) -> int:
         return 0  # a few copies of one image, next to nothing beside the models
+
+    def check_input(self, image: Any) -> None:
+        """Without a remover the image must carry the object's mask as alpha: say so before any weight is read."""
+        if self.remover is None:
+            require_alpha(image if isinstance(image, (str, Path, Image.Image)) else as_image(image))
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         remover = _LazyRemover(models) if self.needs else None

@@ -9,7 +9,7 @@ devices: loading, releasing and parking are the registry's job.
 """
 from __future__ import annotations
 
-from typing import Self
+from typing import Any, Self
 
 from pixal3d.config import CascadeConfig
 from pixal3d.staging import Stage
@@ -25,3 +25,7 @@ class CascadeStage(Stage):
     def from_config(cls, config: CascadeConfig) -> Self:
         """The stage as ``config`` describes it (its ``section``, and any sizes it shares with others)."""
         raise NotImplementedError(f"{cls.__name__} must implement from_config(config)")
+
+    def check_input(self, image: Any) -> None:
+        """Raise ``ImageError`` if this stage cannot take ``image`` (a path, PIL image or array), before any
+        weight is read. Most stages accept anything an earlier stage produces: the default does nothing."""

@@ -229,3 +229,62 @@ def test_wide_png_is_reduced_after_decoding(tmp_path):
 def test_to_rgb_or_rgba_keeps_rgb_and_rgba_untouched():
     image = Image.new("RGBA", (4, 4))
     assert to_rgb_or_rgba(image) is image
+
+
+# -- issue 16: large palette / 1-bit / 16-bit images, garbage EXIF, a clear "needs alpha" check -----------
+@pytest.mark.parametrize("mode", ["P", "P+transparency", "1", "I;16"])
+def test_large_images_in_any_mode_are_reduced_after_conversion(tmp_path, mode):
+    side = 5000
+    if mode == "I;16":
+        image = Image.fromarray(np.full((64, side), 40000, np.uint16))
+    elif mode == "1":
+        image = Image.new("1", (side, 64), 1)
+    else:
+        image = Image.new("RGB", (side, 64), (200, 20, 20)).quantize(16)
+    kwargs = {"transparency": 0} if mode == "P+transparency" else {}
+    loaded = load_image(save(image, tmp_path / "big.png", **kwargs))
+    assert loaded.size == (2500, 32) and loaded.mode == ("RGBA" if mode == "P+transparency" else "RGB")
+    expected = {"P": [200, 20, 20], "1": [255, 255, 255], "I;16": [156, 156, 156]}.get(mode)
+    if expected is not None:
+        assert np.asarray(loaded)[10, 10].tolist() == expected
+
+
+@pytest.mark.parametrize("fmt", ["png", "webp"])
+def test_a_garbage_exif_block_is_ignored_with_a_warning(tmp_path, fmt, caplog):
+    path = tmp_path / f"x.{fmt}"
+    pixels = np.zeros((20, 40, 4), np.uint8)
+    pixels[:, :20] = (255, 0, 0, 255)
+    Image.fromarray(pixels).save(path, exif=b"Exif\x00\x00this is not a TIFF header at all", lossless=True)
+    with caplog.at_level("WARNING"):
+        loaded = load_image(path)
+    assert loaded.size == (40, 20) and np.asarray(loaded)[5, 5].tolist() == [255, 0, 0, 255]
+    assert "EXIF" in caplog.text and str(path) in caplog.text
+
+
+def test_orientation_matches_pillows_exif_transpose_for_every_value(tmp_path):
+    from PIL import ImageOps
+
+    from pixal3d.models.preprocess import normalize_image
+
+    pixels = np.arange(20 * 40 * 3, dtype=np.uint32).reshape(20, 40, 3).astype(np.uint8)
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = save(Image.fromarray(pixels), tmp_path / f"o{orientation}.png", exif=exif)
+        with Image.open(path) as reference_source:
+            reference = ImageOps.exif_transpose(reference_source)
+            assert np.array_equal(np.asarray(normalize_image(Image.open(path))), np.asarray(reference)), orientation
+
+
+@pytest.mark.parametrize("image, reason", [
+    (Image.new("RGB", (64, 64), (1, 2, 3)), "has no alpha channel"),
+    (Image.new("RGBA", (64, 64), (1, 2, 3, 255)), "fully opaque"),
+])
+def test_check_alpha_says_why_and_what_to_do(image, reason):
+    from pixal3d.models.preprocess import require_alpha
+
+    with pytest.raises(ImageError) as info:
+        require_alpha(image, "cup.jpg")
+    message = str(info.value)
+    assert "cup.jpg" in message and reason in message and "weights.rembg" in message
+    require_alpha(Image.new("RGBA", (64, 64), (1, 2, 3, 0)), "clear.png")  # any transparency will do

@@ -2,8 +2,10 @@
 
 ``load_image`` turns any file Pillow reads into an upright RGB or RGBA image, or raises ``ImageError``
 with what is wrong and what to do: not an image, truncated, too small, too large to decode. EXIF
-orientation is applied; grayscale, palette, LA, 16-bit and CMYK inputs are converted. Very large JPEGs are
-decoded at a reduced scale (``Image.draft``), other very large files are reduced right after decoding.
+orientation is applied (an unreadable EXIF block is ignored with a warning: it is metadata, the pixels are
+fine); grayscale, palette, 1-bit, LA, 16-bit and CMYK inputs are converted, then very large images are
+reduced (very large JPEGs are already decoded at a reduced scale, ``Image.draft``). ``require_alpha`` says,
+before any weight is read, that an image cannot be used without a background remover.
 
 ``preprocess_image`` is the reference ``preprocess_image`` (Pixal3D): alpha used as is when the RGBA image
 has any transparency, otherwise a background remover (rembg, BiRefNet family) makes it; then downscale to
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +81,36 @@ def load_image(path: str | Path) -> Image.Image:
     return normalize_image(image, str(path))
 
 
+# EXIF orientation (tag 0x0112) → the transpose that shows the image upright (as ImageOps.exif_transpose).
+ORIENTATION_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+                         4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+                         6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
+
+
 def normalize_image(image: Image.Image, name: str = "the image") -> Image.Image:
-    """A decoded image as every run sees it: large ones reduced, EXIF orientation applied, RGB or RGBA."""
+    """A decoded image as every run sees it: RGB or RGBA, large ones reduced, EXIF orientation applied.
+
+    The mode is converted before the reduction: ``Image.reduce`` refuses palette, 1-bit and 16-bit modes
+    (and averaging palette indices would be meaningless anyway)."""
     _check_size(image.size, name)
+    transpose = _orientation(image, name)  # read first: a conversion drops some formats' EXIF
+    image = to_rgb_or_rgba(image)
     if max(image.size) > LARGE_SIDE:
         factor = max(image.size) // REDUCED_SIDE
         image = image.reduce(factor)
         logger.info("%s reduced by %d to %s before any other work", name, factor, image.size)
-    image = ImageOps.exif_transpose(image)
-    return to_rgb_or_rgba(image)
+    return image.transpose(transpose) if transpose is not None else image
+
+
+def _orientation(image: Image.Image, name: str) -> Image.Transpose | None:
+    """The transpose the EXIF orientation asks for; ``None`` when there is none or the EXIF is unreadable."""
+    try:
+        orientation = image.getexif().get(0x0112)
+    except Exception as err:  # noqa: BLE001 -- Pillow's EXIF parser raises SyntaxError, struct.error, ValueError, ...
+        logger.warning("%s: its EXIF block cannot be read (%s: %s); the image is used as stored, without "
+                       "applying an orientation", name, type(err).__name__, err)
+        return None
+    return ORIENTATION_TRANSPOSE.get(orientation)
 
 
 def as_image(image: Any) -> Image.Image:
@@ -158,6 +181,31 @@ def to_rgb_or_rgba(image: Image.Image) -> Image.Image:
     return image.convert("RGB")  # 1, L, P, CMYK, YCbCr, LAB, HSV
 
 
+ALPHA_MODES = ("RGBA", "LA", "La", "PA", "RGBa")
+NEEDS_ALPHA_ADVICE = ("and this config has no background remover (weights.rembg: null, as in the offline demo); "
+                      "pass a PNG whose alpha channel marks the object (a transparent background), or use a "
+                      "config with a remover (configs/1024_cascade.yaml: weights.rembg: birefnet-general)")
+
+
+def require_alpha(image: str | Path | Image.Image, name: str | None = None) -> None:
+    """``ImageError`` unless ``image`` (a path or a PIL image) has an alpha channel with some transparency:
+    what a run without a background remover needs. A path is judged from its header when its mode has no
+    alpha at all, and decoded only when it may."""
+    if isinstance(image, (str, Path)):
+        name = name or str(image)
+        with _decompression_limit_lifted(), Image.open(image) as header:
+            mode, maybe = header.mode, header.mode in ALPHA_MODES or "transparency" in header.info
+        if not maybe:
+            raise ImageError(f"{name} has no alpha channel (mode {mode}), {NEEDS_ALPHA_ADVICE}")
+        image = load_image(image)
+    name = name or "the image"
+    if image.mode not in ALPHA_MODES and "transparency" not in image.info:
+        raise ImageError(f"{name} has no alpha channel (mode {image.mode}), {NEEDS_ALPHA_ADVICE}")
+    if not has_transparency(to_rgb_or_rgba(image)):
+        raise ImageError(f"{name} has an alpha channel but it is fully opaque, so it does not mark the object, "
+                         f"{NEEDS_ALPHA_ADVICE}")
+
+
 # -- background removal -----------------------------------------------------------------------
 class BackgroundRemover:
     """rembg matting (BiRefNet family by default). The rembg session is created on first use; tests inject one."""
@@ -213,7 +261,7 @@ def preprocess_image(image: Image.Image, remover: BackgroundRemover | None = Non
     if use_alpha:
         output = image
     elif remover is None:
-        raise ValueError("the image has no transparency, so background removal is needed: pass a remover "
+        raise ImageError("the image has no transparency, so background removal is needed: pass a remover "
                          "(load_background_remover()) or an RGBA image whose alpha marks the object")
     else:
         output = remover(image.convert("RGB"))
