@@ -8,9 +8,11 @@
   ``~/.cache/pixal3d``), checked against its sha256 when the config pins one.
 - ``generate: tiny``: the deterministic demo weights, generated into the cache on first use.
 
-Files that are not there become one ``MissingWeightsError`` naming the files, where they should come
-from and the command that fetches them; a safetensors file that is truncated, corrupt or a git-lfs
-pointer is a ``CorruptWeightsError``. What Pixal3D's ``pipeline.json`` names, and which files one
+Files that are not there become one ``MissingWeightsError`` naming every missing file of every source,
+where they should come from and the commands that fetch them (without network, the first request that
+fails stops the lookups: the rest comes from the cache, without retries); a safetensors file that is
+truncated, corrupt or a git-lfs pointer is a ``CorruptWeightsError`` whose advice fits its source
+(download it again, replace it, or regenerate it). What Pixal3D's ``pipeline.json`` names, and which files one
 cascade needs, is ``pixal3d.pipeline_json``'s business.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,68 +58,59 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def planned_file_bytes(source: WeightSource, folder: Path, filename: str, *, offline: bool, label: str) -> int:
-    path = folder / filename
-    if path.is_file():
-        return verify_safetensors(path)
-    if source.repo is None or offline:
-        raise MissingWeightsError(_missing_message(source, [filename], folder, label, offline=offline))
-    from huggingface_hub import parse_safetensors_file_metadata
-
-    try:
-        meta = parse_safetensors_file_metadata(source.repo, filename, revision=source.revision)
-    except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds: say what failed
-        raise MissingWeightsError(_missing_message(source, [filename], None, label, offline=offline,
-                                                   reason=f"{type(err).__name__}: {_first_line(err)}")) from None
-    return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
-
-
-def planned_repo_file_size(source: WeightSource, filename: str, *, offline: bool, notes: list[str]) -> int:
-    if source.local is not None:
-        path = Path(source.local) / filename
-        return path.stat().st_size if path.is_file() else 0
-    if source.repo is None or offline:
-        notes.append(f"{filename}: size unknown offline")
-        return 0
-    from huggingface_hub import HfApi
-
-    try:
-        info = HfApi().get_paths_info(source.repo, [filename], revision=source.revision)
-    except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds
-        notes.append(f"{filename}: size unknown ({type(err).__name__})")
-        return 0
-    return int(getattr(info[0], "size", 0) or 0) if info else 0
-
-
 # -- sources -------------------------------------------------------------------------------------
 
+@dataclass
+class _Missing:
+    """Files one source lacks (found while resolving; reported together by ``Fetcher.raise_missing``)."""
+
+    source: WeightSource
+    label: str
+    files: list[str]
+    folder: Path | None
+    reason: str | None = None  # what the Hub answered, when it did
+
+
 class Fetcher:
-    """Turns one ``WeightSource`` plus the files wanted from it into a local folder or file."""
+    """Turns ``WeightSource``s plus the files wanted from them into local folders and files.
+
+    Missing files are collected, not raised one by one: ``raise_missing()`` reports every file of every
+    source in one ``MissingWeightsError``, with one command per repo, so a partial cache takes one round
+    trip to complete. Without ``offline`` the Hub is used only for what the cache lacks, and the first
+    time it cannot be reached (no network) the rest is looked up in the cache only, without retries.
+    """
 
     def __init__(self, *, offline: bool, generate: Callable[[Path], Path] | None):
         self.offline = offline
         self.generate = generate
+        self.unreachable: str | None = None  # why the Hub could not be reached, once it could not
+        self.missing: list[_Missing] = []
 
-    def folder(self, source: WeightSource, files: list[str], *, label: str) -> Path:
+    # -- folders and files ---------------------------------------------------------------------
+    def folder(self, source: WeightSource, files: list[str], *, label: str) -> Path | None:
+        """The folder holding ``files`` (``None`` when not even the folder is known); what is missing from it
+        is recorded."""
+        reason = None
         if source.repo is not None:
-            folder = self._snapshot(source, files, label=label)
+            folder, reason = self._snapshot(source, files, label=label)
         elif source.local is not None:
             folder = Path(source.local)
         elif source.generate is not None:
-            folder = self._generated()
-            sub = label.split(".")[-1]
-            folder = folder / sub
+            folder = self._generated() / label.split(".")[-1]
         else:
             raise WeightsError(f"{label}: a url source gives one file, but a folder is needed here; "
                                f"use repo or local")
-        missing = [f for f in files if not _present(folder, f)]
+        missing = [f for f in files if folder is None or not _present(folder, f)]
         if missing:
-            raise MissingWeightsError(_missing_message(source, missing, folder, label, offline=self.offline))
+            self.missing.append(_Missing(source, label, missing, folder, reason))
         return folder
 
-    def file(self, source: WeightSource, *, label: str) -> Path:
+    def file(self, source: WeightSource, *, label: str) -> Path | None:
+        """The one file ``source`` gives (``None`` when missing: recorded)."""
         if source.url is None:
             folder = self.folder(source, list(source.files), label=label)
+            if folder is None or any(m.source is source for m in self.missing):
+                return None
             matches = sorted(p for pattern in source.files for p in folder.glob(pattern))
             if len(matches) != 1:
                 raise WeightsError(f"{label}: 'files' must name exactly one file for this source, "
@@ -125,9 +119,12 @@ class Fetcher:
         target = cache_root() / "downloads" / str(source.filename)
         if not target.is_file():
             if self.offline:
-                raise MissingWeightsError(_missing_message(source, [str(source.filename)], target.parent, label,
-                                                           offline=True))
-            _download_url(source.url, target, label=label)
+                self.missing.append(_Missing(source, label, [str(source.filename)], target.parent))
+                return None
+            error = _download_url(source.url, target)
+            if error is not None:
+                self.missing.append(_Missing(source, label, [str(source.filename)], target.parent, error))
+                return None
         if source.sha256:
             digest = _sha256(target)
             if digest != source.sha256.lower():
@@ -135,18 +132,103 @@ class Fetcher:
                                           f"{source.sha256}; delete the file and run again to re-download it")
         return target
 
-    def _snapshot(self, source: WeightSource, files: list[str], *, label: str) -> Path:
+    def planned_bytes(self, source: WeightSource, folder: Path | None, filename: str, *, label: str) -> int:
+        """Tensor bytes of ``folder/filename`` from its header; a file not on disk asks the Hub for the header
+        (a few KB) when it can, else is recorded as missing (0)."""
+        path = folder / filename if folder is not None else None
+        if path is not None and path.is_file():
+            return verify_safetensors(path, source=source)
+        if source.repo is None or self.offline or self.unreachable is not None:
+            self.missing.append(_Missing(source, label, [filename], folder))
+            return 0
+        from huggingface_hub import parse_safetensors_file_metadata
+
+        try:
+            meta = parse_safetensors_file_metadata(source.repo, filename, revision=source.revision)
+        except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds: say what failed
+            self.missing.append(_Missing(source, label, [filename], folder, self._reason(err)))
+            return 0
+        return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
+
+    def repo_file_size(self, source: WeightSource, filename: str, *, notes: list[str]) -> int:
+        """Bytes of one (non-safetensors) file from the Hub's file listing, for the plan; 0 with a note
+        when unknown (offline, unreachable, not listed)."""
+        if source.local is not None:
+            path = Path(source.local) / filename
+            return path.stat().st_size if path.is_file() else 0
+        if source.repo is None or self.offline or self.unreachable is not None or not self._reachable(source, [filename]):
+            notes.append(f"{filename}: size unknown offline")
+            return 0
+        from huggingface_hub import HfApi
+
+        try:
+            info = HfApi().get_paths_info(source.repo, [filename], revision=source.revision)
+        except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds
+            notes.append(f"{filename}: size unknown ({type(err).__name__})")
+            return 0
+        return int(getattr(info[0], "size", 0) or 0) if info else 0
+
+    def raise_missing(self) -> None:
+        """One ``MissingWeightsError`` for everything recorded as missing, if anything was."""
+        if self.missing:
+            raise MissingWeightsError(_missing_message(self.missing, offline=self.offline, reason=self.unreachable))
+
+    # -- the Hub -------------------------------------------------------------------------------
+    def _snapshot(self, source: WeightSource, files: list[str], *, label: str) -> tuple[Path | None, str | None]:
+        """The snapshot folder (downloading what the cache lacks, when allowed) and, if the Hub refused, why."""
+        cached = self._cached_snapshot(source, files)
+        complete = cached is not None and all(_present(cached, f) for f in files)
+        if self.offline or self.unreachable is not None or (complete and _is_commit(source.revision)):
+            return cached, None  # a pinned commit in the cache cannot have changed: no network needed
+        if not self._reachable(source, files):
+            if complete:
+                logger.warning("%s: %s; using the cached %s", label, self.unreachable, source.describe())
+            return cached, None
         import huggingface_hub
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
         try:
-            path = huggingface_hub.snapshot_download(
-                repo_id=source.repo, revision=source.revision, allow_patterns=files,
-                local_files_only=self.offline)
+            path = huggingface_hub.snapshot_download(repo_id=source.repo, revision=source.revision,
+                                                     allow_patterns=files, local_files_only=False)
         except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
-            raise MissingWeightsError(_missing_message(source, files, None, label, offline=self.offline,
-                                                       reason=f"{type(err).__name__}: {_first_line(err)}")) from None
-        return Path(path)
+            return cached, self._reason(err)
+        return Path(path), None
+
+    def _cached_snapshot(self, source: WeightSource, files: list[str]) -> Path | None:
+        """The snapshot folder of ``source`` in the local Hugging Face cache, if there is one (no network)."""
+        import huggingface_hub
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(huggingface_hub.snapshot_download(repo_id=source.repo, revision=source.revision,
+                                                          allow_patterns=files, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            return None
+
+    def _reachable(self, source: WeightSource, files: list[str]) -> bool:
+        """One request, no retries: can the Hub be reached at all? (``snapshot_download`` retries each of
+        its requests five times with backoff, ~25 s, when there is no network.)"""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        try:
+            get_hf_file_metadata(hf_hub_url(source.repo, files[0], revision=source.revision), timeout=10)
+        except Exception as err:  # noqa: BLE001 -- httpx, OSError, offline-mode errors: all mean "not reachable"
+            if not _answered(err):
+                self._mark_unreachable(err)
+                return False
+        return True
+
+    def _reason(self, err: BaseException) -> str | None:
+        """What the Hub answered (``None`` when it could not be reached: that is said once, for all files)."""
+        if _answered(err):
+            return f"{type(err).__name__}: {_first_line(err)}"
+        self._mark_unreachable(err)
+        return None
+
+    def _mark_unreachable(self, err: BaseException) -> None:
+        if self.unreachable is None:
+            self.unreachable = f"the Hugging Face Hub could not be reached ({type(err).__name__}: {_first_line(err)})"
+            logger.info("%s; using only the local cache from now on", self.unreachable)
 
     def _generated(self) -> Path:
         if self.generate is None:
@@ -155,38 +237,69 @@ class Fetcher:
         return self.generate(cache_root() / "tiny")
 
 
+def _answered(err: BaseException) -> bool:
+    """The Hub answered (an HTTP error such as 404 or 401): it is reachable, the request was wrong."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return isinstance(err, HfHubHTTPError)
+
+
+def _is_commit(revision: str | None) -> bool:
+    return revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision.lower())
+
+
 def _present(folder: Path, pattern: str) -> bool:
     if any(ch in pattern for ch in "*?["):
         return any(folder.glob(pattern))
     return (folder / pattern).is_file()
 
 
-def _missing_message(source: WeightSource, missing: list[str], folder: Path | None, label: str, *,
-                     offline: bool, reason: str | None = None) -> str:
-    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-    where = f" in {folder}" if folder is not None else ""
-    text = f"missing weights for {label}: {shown}{where} (from {source.describe()})"
+def _missing_message(missing: list[_Missing], *, offline: bool, reason: str | None = None) -> str:
+    """One line: every missing file by source, then what fetches them."""
+    merged: dict[int, _Missing] = {}
+    for entry in missing:  # one entry per source, files in a stable order
+        kept = merged.setdefault(id(entry.source), _Missing(entry.source, entry.label, [], entry.folder))
+        kept.files += [f for f in entry.files if f not in kept.files]
+        kept.reason = kept.reason or entry.reason
+    entries = list(merged.values())
+    for entry in entries:
+        entry.files.sort()
+    parts = []
+    for entry in entries:
+        shown = ", ".join(entry.files[:8]) + (f" and {len(entry.files) - 8} more" if len(entry.files) > 8 else "")
+        where = f" in {entry.folder}" if entry.folder is not None else ""
+        answer = f" [{entry.reason}]" if entry.reason else ""
+        parts.append(f"{entry.label}: {shown}{where} (from {entry.source.describe()}){answer}")
+    text = "missing weights for " + "; ".join(parts)
     if reason:
         text += f" [{reason}]"
-    if source.repo is not None:
-        command = ["hf", "download", source.repo, *missing]
-        if source.revision:
-            command += ["--revision", source.revision]
-        hint = "online" if offline else "with network access"
-        text += f"; fetch them {hint} with: {shlex.join(command)}"
+    fixes = [_fix(entry, offline=offline) for entry in entries]
+    text += "; " + "; ".join(dict.fromkeys(fixes))
+    if any(e.source.repo is not None for e in entries):
         if offline:
             text += " (HF_HUB_OFFLINE is set, so only the local cache was searched)"
-    elif source.url is not None:
-        target = cache_root() / "downloads" / str(source.filename)
-        text += f"; fetch it with: curl -L -o {shlex.quote(str(target))} {shlex.quote(source.url)}"
-    elif source.local is not None:
-        text += "; put the files there or point the config at the folder that holds them"
-    else:
-        text += "; delete the folder and run again to regenerate it (scripts/make_tiny_weights.py)"
+        elif reason:
+            text += " (or set HF_HUB_OFFLINE=1 to skip the network)"
     return text
 
 
-def _download_url(url: str, target: Path, *, label: str) -> None:
+def _fix(entry: _Missing, *, offline: bool) -> str:
+    source = entry.source
+    if source.repo is not None:
+        command = ["hf", "download", source.repo, *entry.files]
+        if source.revision:
+            command += ["--revision", source.revision]
+        return f"fetch them {'online' if offline else 'with network access'} with: {shlex.join(command)}"
+    if source.url is not None:
+        target = cache_root() / "downloads" / str(source.filename)
+        return f"fetch it with: curl -L -o {shlex.quote(str(target))} {shlex.quote(source.url)}"
+    if source.local is not None:
+        return "put the files there or point the config at the folder that holds them"
+    return f"delete {entry.folder.parent if entry.folder else cache_root() / 'tiny'} and run again to regenerate it"
+
+
+def _download_url(url: str, target: Path) -> str | None:
+    """Download ``url`` to ``target`` (through a ``.part`` file); ``None``, or why it failed."""
     import urllib.request
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -198,9 +311,9 @@ def _download_url(url: str, target: Path, *, label: str) -> None:
                 out.write(chunk)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise MissingWeightsError(f"could not download {label} from {url} ({_first_line(err)}); fetch it with: "
-                                  f"curl -L -o {shlex.quote(str(target))} {shlex.quote(url)}") from None
+        return f"could not download it: {_first_line(err)}"
     tmp.replace(target)
+    return None
 
 
 def _sha256(path: Path) -> str:
@@ -217,19 +330,35 @@ def _first_line(err: BaseException) -> str:
 
 # -- safetensors ---------------------------------------------------------------------------------
 
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
+def read_safetensors_header(path: str | Path, *, source: WeightSource | None = None) -> dict[str, Any]:
     """The tensors of a safetensors file's header (name → dtype, shape, offsets), after checking the file
-    is complete; ``MissingWeightsError`` / ``CorruptWeightsError`` say what is wrong and what to do."""
+    is complete; ``MissingWeightsError`` / ``CorruptWeightsError`` say what is wrong and what to do, which
+    depends on where the file came from (``source``: downloaded, a folder of the user's, generated)."""
     try:
         return _read_header(path).tensors
     except SafetensorsHeaderError as err:
         if err.problem == "missing":
             raise MissingWeightsError(str(err)) from None
+        if source is not None and source.generate is not None:
+            folder = _generated_folder(Path(path))
+            raise CorruptWeightsError(f"{err}; delete {folder} and run again to regenerate it") from None
+        if source is not None and source.local is not None:
+            raise CorruptWeightsError(f"{err}; replace it with a complete copy (delete it and download it "
+                                      f"again into {source.local})") from None
         if err.problem == "lfs-pointer":
             raise CorruptWeightsError(f"{err}; download the real file (hf download, or git lfs pull)") from None
         raise CorruptWeightsError(f"{err}; delete it and download it again") from None
 
 
-def verify_safetensors(path: str | Path) -> int:
+def verify_safetensors(path: str | Path, *, source: WeightSource | None = None) -> int:
     """Check ``path`` is a complete safetensors file; return its tensor bytes."""
-    return max((int(v["data_offsets"][1]) for v in read_safetensors_header(path).values()), default=0)
+    return max((int(v["data_offsets"][1]) for v in read_safetensors_header(path, source=source).values()),
+               default=0)
+
+
+def _generated_folder(path: Path) -> Path:
+    """The generated version folder (``<cache>/tiny/tiny-vN``) holding ``path``."""
+    for parent in path.parents:
+        if parent.parent.name == "tiny":
+            return parent
+    return path.parent

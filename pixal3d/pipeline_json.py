@@ -22,8 +22,6 @@ from .hub import (
     MissingWeightsError,
     cache_root,
     hub_offline,
-    planned_file_bytes,
-    planned_repo_file_size,
     verify_safetensors,
 )
 
@@ -73,7 +71,8 @@ class ResolvedWeights:
 def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_MODELS,
                     need_moge: bool = False, offline: bool | None = None,
                     generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
-    """Resolve, download (unless offline) and verify the files for ``models``.
+    """Resolve, download (unless offline) and verify the files for ``models``; every file that is missing,
+    from every source, is named in one ``MissingWeightsError``.
 
     ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
     default ``pixal3d.tiny_weights.ensure_tiny_weights``).
@@ -84,11 +83,14 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
 
     # 1. pipeline.json, then the checkpoints it names for the models this run uses
     pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
-    stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
-    files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
-    checkpoints = {name: pipe_dir / stem for name, stem in stems.items()}
+    pipeline: dict[str, Any] = {}
+    checkpoints: dict[str, Path] = {}
+    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
+        pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
+        stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
+        files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
+        pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
+        checkpoints = {name: pipe_dir / stem for name, stem in stems.items()} if pipe_dir is not None else {}
 
     # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
     dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
@@ -100,6 +102,7 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
             raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
                                       "given; pass --fov DEG or add weights.moge to the config")
         moge = fetch.folder(weights.moge, list(weights.moge.files), label="weights.moge")
+    fetch.raise_missing()  # everything missing, from every source, in one error
 
     # 3. every safetensors file the run will read must be whole
     resolved = ResolvedWeights(
@@ -107,8 +110,9 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
         shape_normalization=read_normalization(pipeline, "shape_slat_normalization", pipe_dir / "pipeline.json"),
         tex_normalization=read_normalization(pipeline, "tex_slat_normalization", pipe_dir / "pipeline.json"),
         pipeline=pipeline)
-    for path in resolved.safetensors().values():
-        verify_safetensors(path)
+    sources = {"dinov3": weights.dinov3, "naf": weights.naf}
+    for name, path in resolved.safetensors().items():
+        verify_safetensors(path, source=sources.get(name, weights.pixal3d))
     return resolved
 
 
@@ -119,7 +123,8 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
     checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
     Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
-    notes naming models whose size is unknown (counted as 0).
+    notes naming models whose size is unknown (counted as 0). Files that are neither on disk nor
+    reachable are named, all of them, in one ``MissingWeightsError``.
     """
     offline = hub_offline() if offline is None else offline
     wanted = list(models)
@@ -127,15 +132,14 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     sizes: dict[str, int] = {}
     notes: list[str] = []
     pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"),
-                              [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
-    for name, stem in stems.items():
-        sizes[name] = planned_file_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", offline=offline,
-                                          label="weights.pixal3d")
+    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
+        stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"),
+                                  [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
+        for name, stem in stems.items():
+            sizes[name] = fetch.planned_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d")
     if "dinov3" in wanted:
         folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
-        sizes["dinov3"] = planned_file_bytes(weights.dinov3, folder, "model.safetensors", offline=offline,
-                                              label="weights.dinov3")
+        sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, folder, "model.safetensors", label="weights.dinov3")
     if "naf" in wanted:
         if weights.naf.url is not None:
             target = cache_root() / "downloads" / str(weights.naf.filename)
@@ -143,9 +147,11 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
             if not target.is_file():
                 notes.append("naf: not downloaded yet, size unknown (about 3 MB)")
         else:
-            sizes["naf"] = fetch.file(weights.naf, label="weights.naf").stat().st_size
+            naf = fetch.file(weights.naf, label="weights.naf")
+            sizes["naf"] = naf.stat().st_size if naf is not None else 0
+    fetch.raise_missing()
     if "moge" in wanted and weights.moge is not None:
-        sizes["moge"] = planned_repo_file_size(weights.moge, "model.pt", offline=offline, notes=notes)
+        sizes["moge"] = fetch.repo_file_size(weights.moge, "model.pt", notes=notes)
     if "rembg" in wanted:
         sizes["rembg"] = 0
         notes.append("rembg: its ONNX model size is not counted")

@@ -30,11 +30,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
+
+from pixal3d.hub import WeightsError
+from pixal3d.locks import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
 TINY_VERSION = "tiny-v5"
+TINY_MEGABYTES = 10  # what the generated folder takes on disk (about 4 MB), with room to spare
 
 DINO_HIDDEN = 64
 LATENT = 8  # tiny shape/texture latent channels (32 in the published models)
@@ -152,7 +156,7 @@ def _write_checkpoint(folder: Path, name: str) -> None:
             state[key] = torch.full_like(state[key], value)
     path = folder / stem
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, str(path.with_suffix(".safetensors")))
+    _save({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, path.with_suffix(".safetensors"))
     path.with_suffix(".json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
 
@@ -165,15 +169,21 @@ def _write_dinov3(folder: Path) -> None:
     state = {key: deterministic_tensor("dinov3", key, tuple(t.shape)) for key, t in model.state_dict().items()}
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
-    save_file(dict(sorted(state.items())), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _save(dict(sorted(state.items())), folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def _write_naf(folder: Path) -> None:
     spec = {"name": "NAF", "args": NAF_ARGS}
     state = _state_for("naf", spec)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(dict(sorted(state.items())), str(folder / "naf.safetensors"))
+    _save(dict(sorted(state.items())), folder / "naf.safetensors")
     (folder / "naf.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``'s bytes, written by Python: a full disk is then an ``OSError``, not
+    safetensors' own error type."""
+    path.write_bytes(safetensors_bytes(tensors, metadata=metadata))
 
 
 def write_tiny_weights(folder: Path) -> Path:
@@ -192,24 +202,38 @@ def write_tiny_weights(folder: Path) -> Path:
 
 
 def ensure_tiny_weights(root: Path) -> Path:
-    """``root/<TINY_VERSION>``, generated on first use (written to a temporary folder, then renamed)."""
+    """``root/<TINY_VERSION>``, generated on first use: written to a temporary folder, then renamed.
+
+    Processes starting together (parallel test workers, a batch of first runs) take turns on a lock: the
+    first generates, the others wait and find the folder complete; a finished folder is never replaced
+    while another process reads it. A cache that cannot be written (read-only, a file where the folder
+    should be, a full disk) is a ``WeightsError`` naming the folder and ``PIXAL3D_CACHE``.
+    """
     target = Path(root) / TINY_VERSION
     if (target / "COMPLETE").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(target.parent / f".{TINY_VERSION}.lock", wait=True):
+            if not (target / "COMPLETE").is_file():  # not finished by another process while this one waited
+                _generate(target)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise WeightsError(f"cannot write the offline demo weights into {target.parent} ({reason}"
+                           f"{': ' + str(err.filename) if err.filename else ''}); set PIXAL3D_CACHE to a writable "
+                           f"folder with at least {TINY_MEGABYTES} MB free") from None
+    return target
+
+
+def _generate(target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=target.parent))
     try:
         write_tiny_weights(tmp)
         (tmp / "COMPLETE").write_text(TINY_VERSION + "\n")
         if target.exists():
-            shutil.rmtree(target)  # an incomplete earlier attempt
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "COMPLETE").is_file():  # another process did not win the race either
-                raise
+            shutil.rmtree(target)  # an attempt that never completed (no COMPLETE: nobody reads it)
+        os.replace(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("tiny demo weights written to %s", target)
-    return target

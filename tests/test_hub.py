@@ -61,7 +61,8 @@ def test_hub_repo_offline_with_an_empty_cache_gives_the_download_command(tmp_pat
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     weights = WeightsConfig(pixal3d=WeightSource(repo="TencentARC/Pixal3D", revision=REV),
-                            dinov3=WeightSource(local=str(tmp_path)), naf=WeightSource(local=str(tmp_path)))
+                            dinov3=WeightSource(local=str(tmp_path)),
+                            naf=WeightSource(local=str(tmp_path), files=("naf.safetensors",)))
     with pytest.raises(MissingWeightsError) as info:
         resolve_weights(weights)
     message = str(info.value)
