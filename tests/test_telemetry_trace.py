@@ -182,3 +182,57 @@ def test_report_cli_rejects_a_damaged_trace(tmp_path, capsys):
     path.write_text('{"type":"start"}\n{oops\n{"type":"end"}\n')
     assert cli.main(["report", str(path)]) == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+# -- issue 16: the report command on empty, damaged and mistyped traces, and its output paths -------------
+def _one_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("content, words", [
+    ("", "no records"),
+    ("\n\n", "no records"),
+    ("this is not a trace\n", "not a JSON trace record"),
+    ('[1, 2, 3]\n{"type":"end","t":1}\n', ":1 is not a JSON object"),
+    ('{"type":"start","time":0}\n{"type":"sample","t":"soon","process":1}\n{"type":"end","t":1}\n', "'t'"),
+    ('{"type":"start","time":0}\n{"type":"sample","t":1,"process":"lots"}\n{"type":"end","t":1}\n', "'process'"),
+    ('{"type":"start","time":0}\n{"type":"event","t":1,"kind":"load","bytes":"3"}\n', "'bytes'"),
+    ('{"type":"start","time":0}\n{"type":7,"t":1}\n', "'type'"),
+])
+def test_report_cli_refuses_an_empty_damaged_or_mistyped_trace_in_one_line(tmp_path, capsys, content, words):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    plot = tmp_path / "fig.png"
+    assert cli.main(["report", str(path), "-o", str(plot)]) == 1
+    line = _one_error(capsys)
+    assert "t.jsonl" in line and words in line, line
+    assert not plot.exists()
+
+
+def test_report_cli_refuses_a_folder_or_an_unknown_format_for_the_plot_before_reading(tmp_path, capsys):
+    trace = write_trace(tmp_path / "staged.jsonl", staged_trace())
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    assert cli.main(["report", str(trace), "-o", str(folder)]) == 2
+    assert "is a folder" in _one_error(capsys) and list(folder.iterdir()) == []
+    assert cli.main(["report", str(trace), "-o", str(tmp_path / "x.txt")]) == 2
+    assert ".png" in _one_error(capsys) and not (tmp_path / "x.txt").exists()
+
+
+def test_report_cli_creates_the_folders_of_json_and_plot_and_prints_what_it_wrote(tmp_path, capsys):
+    trace = write_trace(tmp_path / "staged.jsonl", staged_trace())
+    data, plot = tmp_path / "missing" / "x.json", tmp_path / "deep" / "er" / "fig.svg"
+    assert cli.main(["report", str(trace), "--json", str(data), "-o", str(plot)]) == 0
+    assert json.loads(data.read_text())["rows"][1]["stage"] == "structure"
+    assert plot.read_text().lstrip().startswith("<?xml") and f"plot: {plot}" in capsys.readouterr().out
+
+
+def test_report_cli_an_unwritable_json_path_is_one_line(tmp_path, capsys):
+    trace = write_trace(tmp_path / "staged.jsonl", staged_trace())
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert cli.main(["report", str(trace), "--json", str(blocker / "x.json")]) == 1
+    assert str(blocker) in _one_error(capsys)

@@ -17,6 +17,7 @@ that belongs to no stage: the new window starts when that release has finished.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -24,21 +25,30 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 SETUP = "setup"
 WINDOW_KINDS = ("stage", "mark")
 LOAD_KINDS = ("load", "reload")
 
 
 class TraceWriter:
-    """Appends records to a JSONL file, one flushed line each, so a killed run leaves a usable trace."""
+    """Appends records to a JSONL file, one flushed line each, so a killed run leaves a usable trace.
+
+    The trace is a diagnostic beside the run, never a reason to stop it: if the file cannot be opened or
+    written (a full disk, a removed folder), one warning names it and the rest of the records are only
+    kept in memory."""
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path is not None else None
         self._lock = threading.Lock()
         self._handle = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open until close()
+            except OSError as error:
+                self._give_up(error)
 
     def write(self, record: dict[str, Any]) -> None:
         """Write one record as a line and flush it."""
@@ -46,33 +56,79 @@ class TraceWriter:
             return
         line = json.dumps(record, separators=(",", ":"))
         with self._lock:
-            self._handle.write(line + "\n")
-            self._handle.flush()
+            if self._handle is None:
+                return
+            try:
+                self._handle.write(line + "\n")
+                self._handle.flush()
+            except OSError as error:
+                self._give_up(error)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
         with self._lock:
             if self._handle is not None:
-                self._handle.close()
+                try:
+                    self._handle.close()
+                except OSError as error:
+                    self._give_up(error)
                 self._handle = None
+
+    def _give_up(self, error: OSError) -> None:
+        logger.warning("memory trace %s: %s; the trace stops here, the run goes on", self.path,
+                       error.strerror or error)
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            try:
+                handle.close()
+            except OSError:
+                pass  # its buffered lines could not be written either: already reported
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
-    """All records of a trace. A half-written last line (a killed run) is skipped; a broken line
-    anywhere else raises ValueError naming the line."""
+    """All records of a trace. A half-written last line (a killed run) is skipped; a broken line anywhere
+    else, a line that is not a record (a JSON object with a string ``type``, numbers where numbers belong)
+    or a trace with no record at all raises ValueError naming the file and the line."""
     lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as error:
-            if number == len(lines):
+            if number == len(lines) and records:
                 break
             raise ValueError(f"{path}:{number} is not a JSON trace record ({error}); the trace is "
-                             "damaged before its last line, so it cannot be summarised") from error
-    if records and records[0].get("type") != "start":
+                             "damaged before its last line, so it cannot be summarised") from None
+        _check_record(record, f"{path}:{number}")
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no records (it is empty); is it a memory trace written with --trace?")
+    if records[0].get("type") != "start":
         raise ValueError(f"{path} does not begin with a 'start' record; is it a memory trace?")
     return records
+
+
+_NUMBERS = ("t", "time", "since", "interval")  # in any record
+_TIMED = ("sample", "peak", "event", "error", "end")  # records placed on the time axis: they need a "t"
+
+
+def _check_record(record: Any, where: str) -> None:
+    """ValueError unless ``record`` has the shape the summary relies on."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is not a JSON object ({type(record).__name__}); a trace record looks like "
+                         f'{{"type": "sample", "t": 1.5, ...}}')
+    kind = record.get("type")
+    if not isinstance(kind, str):
+        raise ValueError(f"{where}: 'type' must be a string, got {kind!r}")
+    if kind in _TIMED and "t" not in record:
+        raise ValueError(f"{where}: a '{kind}' record needs a time 't'")
+    for key, value in record.items():
+        number = (key in _NUMBERS or (kind in ("sample", "peak") and key != "type")
+                  or (kind == "event" and key in ("bytes", "seconds")))
+        if number and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{where}: '{key}' must be a number, got {value!r}")
+        if kind == "event" and key in ("kind", "model", "stage") and value is not None and not isinstance(value, str):
+            raise ValueError(f"{where}: '{key}' must be a string, got {value!r}")
 
 
 @dataclass
