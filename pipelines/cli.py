@@ -4,12 +4,15 @@
         [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--device D]
         [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--quiet]
 
-Before any weight is read the memory plan and the chosen policy are printed (``--plan`` prints them
-and exits). Each stage shows a progress bar (and each sampler step one); at the end a table gives
-every stage's seconds and peak memory, and ``<output>.run.json`` records the run. Errors a user can
-cause (missing input, unreadable image, missing weights, not enough memory, invalid config, output
-folder not writable) print one line on stderr and exit non-zero (2 before the run starts, 1 during
-it); no partial GLB is ever left at the output path.
+Before any weight is read the inputs, outputs and options are checked and the memory plan and the
+chosen policy are printed (``--plan`` prints them and exits). Each stage shows a progress bar (and each
+sampler step one); at the end a table gives every stage's seconds and peak memory, and
+``<output>.run.json`` records the run. Errors a user can cause (``pipelines.errors.classify``: missing
+input, an image without alpha and no remover, missing weights, not enough memory, invalid config, an
+output that cannot be written or that another run is writing, a full disk) print one line on stderr and
+exit non-zero (2 before the run starts, 1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it).
+The GLB, its run.json and its latents appear together or not at all; no partial or temporary file is
+ever left.
 """
 from __future__ import annotations
 
@@ -19,36 +22,32 @@ import logging
 import sys
 import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from pixal3d.config import CameraConfig, ConfigError, load_config
-from pixal3d.hub import WeightsError
-from pixal3d.models.loading import CheckpointError
-from pixal3d.models.preprocess import ImageError, probe_image
-from pixal3d.staging import Policy, PolicyError, StageGraphError, StageRecord
-from pixal3d.staging.mps_memory import MpsMemoryLimitError
+from pixal3d.config import CameraConfig, CascadeConfig, ConfigError, load_config, shipped_config
+from pixal3d.files import folds_case
+from pixal3d.interrupts import terminate_as_exception
+from pixal3d.locks import exclusive_lock
+from pixal3d.models.preprocess import probe_image
+from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes
 
-from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan, check_seed, default_device
+from .errors import Failure, UsageError, classify
+from .pipeline import DeviceError, Pixal3D, RunPlan, check_device, check_inputs, default_device
 from .result import run_json_path
-from .structure import EmptyStructureError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "1024_cascade.yaml"
+DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+OUR_LOGGERS = ("pixal3d", "pipelines", "pixal3d-image-to-mesh")
 
 logger = logging.getLogger("pixal3d-image-to-mesh")
+_log_handler: logging.Handler | None = None
 
-
-class UsageError(ValueError):
-    """Bad inputs or outputs on the command line."""
-
-
-# Errors a user can cause: one line, no traceback.
-BEFORE_RUN_ERRORS = (UsageError, ConfigError, WeightsError, CheckpointError, PolicyError, NotEnoughMemoryError,
-                     ImageError, StageGraphError, MpsMemoryLimitError)
-RUN_ERRORS = (ImageError, WeightsError, CheckpointError, EmptyStructureError, OSError, torch.OutOfMemoryError)
+__all__ = ["UsageError", "main"]  # UsageError lives in pipelines.errors; re-exported for existing imports
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -58,7 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="output .glb (one input) or folder (several); default outputs/<name>.glb")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                        help="cascade config (default: configs/1024_cascade.yaml; configs/tiny.yaml is the offline demo)")
+                        help="cascade config: a file, or a shipped one by name (default: 1024_cascade; "
+                             "tiny is the offline demo)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the config's, 42)")
     parser.add_argument("--fov", type=float, default=None, metavar="DEG",
                         help="horizontal field of view in degrees (default: the config's, else MoGe-2)")
@@ -80,61 +80,90 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that every model release runs scans only the run's own objects (0.5 s → ~0.01 s per release).
     gc.freeze()
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
-                        format="pixal3d: %(levelname)s: %(message)s")
+    _configure_logging(quiet=args.quiet)
     if args.quiet:
         import transformers
 
         transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
+    started = False
     try:
-        plan, jobs = _prepare(args)
-        if args.plan or not args.quiet:
-            print(plan.table(), flush=True)
-        if args.plan:
-            return 0
-        pipe = Pixal3D.from_plan(plan)  # fetches (unless offline) and verifies the weights; loads nothing
-    except BEFORE_RUN_ERRORS as err:
-        return _fail(err, 2)
-    try:
-        with pipe:
+        with terminate_as_exception(), ExitStack() as held:
+            plan, jobs = _prepare(args, held)
+            if args.plan or not args.quiet:
+                print(plan.table(), flush=True)
+            if args.plan:
+                return 0
+            pipe = held.enter_context(Pixal3D.from_plan(plan))  # fetches and verifies the weights; loads nothing
+            started = True
             for input_path, output_path in jobs:
                 _run_one(pipe, input_path, output_path, args)
-    except RUN_ERRORS as err:
-        return _fail(err, 1)
+    except BaseException as err:  # classify() decides; anything it does not know is re-raised
+        failure = classify(err, started=started)
+        if failure is None:
+            raise
+        return _fail(failure)
     return 0
 
 
-def _fail(err: BaseException, code: int) -> int:
-    message = " ".join(str(err).split()) or type(err).__name__
-    print(f"pixal3d-image-to-mesh: error: {message}", file=sys.stderr)
-    return code
+def _fail(failure: Failure) -> int:
+    print(f"pixal3d-image-to-mesh: error: {failure.message}", file=sys.stderr)
+    return failure.exit_code
+
+
+def _configure_logging(*, quiet: bool) -> None:
+    """One stderr handler on our own loggers (warnings; errors only with --quiet). Library loggers
+    (huggingface_hub, transformers, ...) keep their own configuration: the root logger is left alone."""
+    global _log_handler
+    if _log_handler is None:
+        _log_handler = _StderrHandler()
+        _log_handler.setFormatter(logging.Formatter("pixal3d: %(levelname)s: %(message)s"))
+        for name in OUR_LOGGERS:
+            logging.getLogger(name).addHandler(_log_handler)
+    _log_handler.setLevel(logging.ERROR if quiet else logging.WARNING)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever ``sys.stderr`` is when a record comes (tests and embedding
+    programs replace it between calls)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 # -- 1. everything that can be checked before a weight is read -------------------------------------
-def _prepare(args: argparse.Namespace) -> tuple[RunPlan, list[tuple[Path, Path]]]:
-    # 1. config (with the command's overrides), inputs, outputs, device
+def _prepare(args: argparse.Namespace, held: ExitStack) -> tuple[RunPlan, list[tuple[Path, Path]]]:
+    # 1. config (with the command's overrides); ranges are the config's own (pixal3d.config)
     config = load_config(args.config)
     if args.seed is not None:
-        try:
-            config = config.with_overrides(seed=check_seed(args.seed))
-        except ValueError as err:
-            raise UsageError(f"--seed: {err}") from None
+        config = _override(config, "--seed", seed=args.seed)
     if args.fov is not None:
-        if not 0.0 < args.fov < 180.0:
-            raise UsageError(f"--fov {args.fov} is not a field of view in degrees; use a value in (0, 180), "
-                             f"e.g. --fov 49")
-        config = config.with_overrides(camera=CameraConfig(fov_deg=args.fov))
+        config = _override(config, "--fov", camera=CameraConfig(fov_deg=args.fov))
+    # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover)
     inputs = collect_inputs(args.inputs)
+    check_inputs(config, inputs)
+    # 3. outputs: not folders, writable, not colliding, not being written by another run
     jobs = list(zip(inputs, plan_outputs(inputs, args.output)))
-    for _, output in jobs:
-        check_writable(output.parent)
-    if args.keep_latents is not None:
-        check_writable(args.keep_latents)
-    if args.trace is not None:
-        check_writable(args.trace.parent)
+    check_outputs(jobs, args)
+    if not args.plan:
+        for _, output in jobs:
+            held.enter_context(exclusive_lock(output.with_name(f".{output.name}.lock"), wait=False,
+                                              what=str(output), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
-    # 2. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
+    # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
     return Pixal3D.plan(config, policy=args.memory_policy, device=device), jobs
+
+
+def _override(config: CascadeConfig, option: str, **changes: Any) -> CascadeConfig:
+    """``config.with_overrides(...)``; a value outside the config's declared range names the option."""
+    try:
+        return config.with_overrides(where=option, **changes)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
 
 
 def parse_device(text: str) -> torch.device:
@@ -143,22 +172,20 @@ def parse_device(text: str) -> torch.device:
         device = torch.device(text)
     except RuntimeError:
         raise UsageError(f"--device {text!r} is not a torch device; use cpu, cuda, cuda:1 or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {text} asks for CUDA, which this torch build or machine does not have; "
-                         f"use --device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {text} asks for Apple MPS, which is not available here; use --device cpu")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {text}: only cpu, cuda and mps are supported")
-    return device
+    try:
+        return check_device(device)
+    except DeviceError as err:
+        raise UsageError(f"--device: {err}") from None
 
 
 def collect_inputs(paths: Sequence[Path]) -> list[Path]:
-    """Image files named directly, plus the images inside named folders (sorted); checked to exist."""
+    """Image files named directly, plus the images inside named folders (sorted; hidden files such as macOS's
+    ``._cup.png`` AppleDouble companions and ``.DS_Store`` are not images and are skipped); checked to exist."""
     found: list[Path] = []
     for path in paths:
         if path.is_dir():
-            images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            images = sorted(p for p in path.iterdir()
+                            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
             if not images:
                 raise UsageError(f"folder {path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
             found += images
@@ -185,25 +212,56 @@ def plan_outputs(inputs: Sequence[Path], output: Path | None) -> list[Path]:
     return [folder / f"{p.stem}.glb" for p in inputs]
 
 
-def check_writable(folder: Path) -> None:
+def check_outputs(jobs: Sequence[tuple[Path, Path]], args: argparse.Namespace) -> None:
+    """Everything the run will write can be written: no output is a folder, every folder is writable, and
+    no two outputs are one file on a case-insensitive file system (``Cup.glb`` and ``cup.glb`` on macOS)."""
+    several = len(args.inputs) > 1 or args.inputs[0].is_dir()
+    for input_path, output in jobs:
+        check_file_path(output, "-o")
+        check_file_path(run_json_path(output), "-o")
+        check_writable(output.parent, "-o")
+        if args.keep_latents is not None:
+            check_writable(args.keep_latents, "--keep-latents")
+            check_file_path(args.keep_latents / f"{input_path.stem}.latents.pt", "--keep-latents")
+        trace = _trace_path(args.trace, input_path, several=several)
+        if trace is not None:
+            check_file_path(trace, "--trace")
+            check_writable(trace.parent, "--trace")
+    outputs = [output for _, output in jobs]
+    if len(outputs) > 1 and any(folds_case(folder) for folder in {o.parent for o in outputs}):
+        folded: dict[tuple[Path, str], Path] = {}
+        for output in outputs:
+            other = folded.setdefault((output.parent, output.name.casefold()), output)
+            if other != output:
+                raise UsageError(f"outputs {other.name} and {output.name} differ only in case, and {output.parent} is "
+                                 f"on a case-insensitive file system where they are one file; rename an input")
+
+
+def check_file_path(path: Path, option: str) -> None:
+    """``path`` is not an existing folder (found now, not after the whole run)."""
+    if path.is_dir():
+        raise UsageError(f"{option}: {path} is a folder, so no file can be written there; name a file or "
+                         f"remove the folder")
+
+
+def check_writable(folder: Path, option: str = "-o") -> None:
     """Create ``folder`` if needed and prove a file can be written there (then remove it)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".pixal3d-write-test-"):
             pass
     except OSError as err:
-        raise UsageError(f"output folder {folder} is not writable ({err.strerror or err}); "
-                         f"choose another with -o") from None
+        raise UsageError(f"{option}: folder {folder} is not writable ({err.strerror or err}); "
+                         f"choose another {option}") from None
 
 
 # -- 2. the run ----------------------------------------------------------------------------------
 def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> None:
     trace = _trace_path(args.trace, input_path, several=len(args.inputs) > 1 or args.inputs[0].is_dir())
     result = pipe.run(input_path, progress=not args.quiet, trace=trace)
-    result.save(output_path)
-    result.save_record(run_json_path(output_path), output=output_path, command=["pixal3d-image-to-mesh", *args.argv])
-    if args.keep_latents is not None:
-        result.save_latents(args.keep_latents / f"{input_path.stem}.latents.pt")
+    latents = args.keep_latents / f"{input_path.stem}.latents.pt" if args.keep_latents is not None else None
+    result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
+                        command=["pixal3d-image-to-mesh", *args.argv])
     if not args.quiet:
         print(stage_table(result.stages))
         print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}); "

@@ -1,8 +1,10 @@
 """Result: what one ``Pixal3D.run`` produced — the mesh, the decoded fields, coords and latents — and how it
 went: per-stage seconds, models, peak memory and fingerprints. ``save`` writes the GLB, ``record`` is the
-run.json content, ``save_latents`` the coords and latents."""
+run.json content, ``save_latents`` the coords and latents; ``save_outputs`` writes any of the three as one
+group that appears whole or not at all."""
 from __future__ import annotations
 
+import io
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from pixal3d.config import CascadeConfig, to_dict
-from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.files import atomic_paths, json_bytes, write_bytes_atomic, write_bytes_to, write_json_atomic
 from pixal3d.mesh.export import ExportedMesh
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.staging import Policy, StageRecord
@@ -98,9 +100,34 @@ class Result:
         """Write ``latents()`` with ``torch.save`` to ``path`` atomically; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            torch.save(self.latents(), tmp)
+        write_bytes_atomic(path, self.latents_bytes())
         return path
+
+    def latents_bytes(self) -> bytes:
+        """``latents()`` serialized by ``torch.save`` (in memory: a write error is then an ``OSError`` naming
+        the file, not torch's ``RuntimeError`` from inside its zip writer)."""
+        buffer = io.BytesIO()
+        torch.save(self.latents(), buffer)
+        return buffer.getvalue()
+
+    def save_outputs(self, glb: str | Path, *, record: str | Path | None = None, latents: str | Path | None = None,
+                     command: Sequence[str] = ()) -> list[Path]:
+        """Write the GLB and, when paths are given, its run.json (``record(output=glb, command=...)``) and its
+        latents, atomically as one group: every file is written before any appears, so a full disk, an
+        error or a signal leaves none of them, never a GLB without its record. Returns the paths."""
+        if self.mesh is None:
+            raise ValueError("this run has no mesh to save (it stopped before the export stage)")
+        files = {Path(glb): lambda: self.mesh.glb}
+        if record is not None:
+            files[Path(record)] = lambda: json_bytes(self.record(output=glb, command=command))
+        if latents is not None:
+            files[Path(latents)] = self.latents_bytes
+        for path in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_paths(list(files)) as temps:
+            for tmp, (path, data) in zip(temps, files.items()):
+                write_bytes_to(tmp, data(), path)
+        return list(files)
 
     def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
         """The run.json content: config, seed, versions, policy and reasons, tokens, per-stage rows."""
@@ -123,8 +150,16 @@ class Result:
             "total_seconds": round(self.seconds, 4),
             "stages": stages,
             "memory": list(self.memory),
-            "export": self.mesh.report.to_dict() if self.mesh is not None else {},
+            "export": self._export_record(output),
         }
+
+    def _export_record(self, output: str | Path | None) -> dict[str, Any]:
+        if self.mesh is None:
+            return {}
+        export = self.mesh.report.to_dict()
+        if output is not None:
+            export["path"] = str(output)  # where the GLB is, not where the exporter held it
+        return export
 
     def save_record(self, path: str | Path, *, output: str | Path | None = None, command: Sequence[str] = ()) -> Path:
         """Write ``record(...)`` as JSON to ``path`` atomically; returns the path."""

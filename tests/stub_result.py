@@ -1,0 +1,46 @@
+"""A ``Result`` without running the cascade, for tests of what happens around a run (writing, locking,
+signals, errors): the command's write path sees a real ``Result`` whose GLB is a few known bytes.
+
+``patch_run(glb=...)`` replaces ``Pixal3D.run`` so that the command plans, resolves the (tiny) weights
+and writes exactly as it does after a real run, in a fraction of a second. Usable from a subprocess:
+``python -c "from tests.stub_result import patch_run; patch_run(); ..."``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipelines import Pixal3D, Result
+from pipelines.state import RunState
+from pixal3d.mesh.export import ExportedMesh, ExportReport
+from pixal3d.staging import Policy
+
+STUB_GLB = b"glTF" + bytes(range(256)) * 64  # 16 KiB + 4: a stand-in for the GLB bytes
+
+
+def stub_result(config: Any, *, input: str = "<image>", seed: int = 42, glb: bytes = STUB_GLB) -> Result:
+    """A ``Result`` whose mesh holds ``glb`` (no tensors, no stages)."""
+    state = RunState(input_image=None, generator=torch.Generator().manual_seed(seed), device=torch.device("cpu"),
+                     shape_normalization=None, tex_normalization=None)
+    state.mesh = ExportedMesh(mesh=None, glb=glb, report=ExportReport(steps=[], file_bytes=len(glb)))
+    state.ss_latent = torch.zeros(1, 8, 16, 16, 16)  # 128 KiB when saved with --keep-latents
+    return Result(input=input, seed=seed, config=config, device=torch.device("cpu"), policy=Policy.staged,
+                  policy_reasons=("stub",), state=state, stages=[], memory=[])
+
+
+def stub_run(*, glb: bytes = STUB_GLB, before: Callable[[Pixal3D, Any], None] | None = None) -> Callable[..., Result]:
+    """A replacement for ``Pixal3D.run`` returning ``stub_result`` (``before(self, image)`` is called first)."""
+
+    def run(self: Pixal3D, image: Any, *, seed: int | None = None, **_: Any) -> Result:
+        if before is not None:
+            before(self, image)
+        return stub_result(self.config, input=str(image), seed=self.config.seed if seed is None else seed, glb=glb)
+
+    return run
+
+
+def patch_run(**options: Any) -> None:
+    """Replace ``Pixal3D.run`` for the rest of the process (subprocess tests; in-process use monkeypatch)."""
+    Pixal3D.run = stub_run(**options)

@@ -1,0 +1,373 @@
+"""The command under real-world input and faults (issue 16's battery): every error a user can cause is one
+line on stderr and a non-zero exit, found before any weight is read when it can be, and no partial or
+temporary file is ever left. Tests that need a whole process (signals, file-size limits, a second run,
+logging) run the command in a subprocess; ``Pixal3D.run`` is replaced by ``tests.stub_result`` where the
+test is about what happens around a run, not inside it."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from pipelines import Pixal3D, cli
+from pixal3d.tiny_weights import TINY_VERSION
+from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.stub_result import STUB_GLB, stub_run
+from tests.test_cli import _files, _one_error_line, _run
+
+
+def _empty_cache(monkeypatch, tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("PIXAL3D_CACHE", str(cache))
+    return cache
+
+
+def _python(script: str, *args: str, env: dict | None = None, fsize: int | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter at the checkout root (optionally under a file-size limit:
+    writes beyond ``fsize`` bytes fail with EFBIG, as on a full disk)."""
+
+    def limit() -> None:
+        if fsize is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=limit, check=False)
+
+
+def _stderr_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pixal3d-image-to-mesh: error: "), proc.stderr
+    return lines[0]
+
+
+STUB_COMMAND = """
+    import sys
+    from tests.stub_result import patch_run
+    patch_run(glb=b"glTF" * int(sys.argv[1]))
+    from pipelines.cli import main
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+# -- item 1: an image without alpha under a config without a background remover ---------------------------
+def _opaque(kind: str, folder: Path) -> Path:
+    rgba = Image.open(EXAMPLE).convert("RGBA")
+    if kind == "rgb.jpg":
+        rgba.convert("RGB").save(folder / kind, quality=95)
+    elif kind == "opaque.png":
+        rgba.putalpha(255)
+        rgba.save(folder / kind)
+    elif kind == "cmyk.jpg":
+        rgba.convert("CMYK").save(folder / kind)
+    elif kind == "gray16.png":
+        Image.fromarray(np.asarray(rgba.convert("L"), np.uint16) * 257).save(folder / kind)
+    return folder / kind
+
+
+@pytest.mark.parametrize("kind", ["rgb.jpg", "opaque.png", "cmyk.jpg", "gray16.png"])
+def test_an_image_without_alpha_and_no_remover_is_refused_before_any_weight_is_read(kind, tmp_path, capsys,
+                                                                                 monkeypatch):
+    cache = _empty_cache(monkeypatch, tmp_path)
+    image = _opaque(kind, tmp_path)
+    code, _, err = _run(capsys, image, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    line = _one_error_line(err)
+    assert code == 2 and kind in line and "alpha" in line and "weights.rembg" in line
+    assert "load_background_remover" not in line  # no API advice a command-line user cannot follow
+    assert _files(cache) == [] and _files(tmp_path / "out") == []  # no weight generated, let alone read
+
+
+def test_an_image_with_alpha_passes_the_check(tmp_path, capsys, tiny_cache):
+    code, out, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    assert code == 0 and "policy:" in out, err
+
+
+# -- item 3: the CPU runs out of memory --------------------------------------------------------------------
+def test_cpu_out_of_memory_during_the_run_is_one_line_and_exit_1(tiny_cache, tmp_path, capsys, monkeypatch):
+    def allocate(self, image, **_):
+        np.empty((2**40, 2**20), np.uint8)  # 1 EiB: numpy's _ArrayMemoryError, a MemoryError
+    monkeypatch.setattr(Pixal3D, "run", allocate)
+    out = tmp_path / "out" / "o.glb"
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    line = _one_error_line(err)
+    assert code == 1 and "not enough memory" in line and "Unable to allocate" in line
+    assert _files(out.parent) == []
+
+
+# -- item 5: signals ---------------------------------------------------------------------------------------
+SIGNAL_AT_COMMIT = """
+    import os, signal, sys
+    from tests.stub_result import patch_run
+    patch_run()
+    real = os.replace
+    def replace(src, dst, *args, **kwargs):
+        if str(dst).endswith(".glb"):  # the temporary GLB is complete: stop the run now
+            os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        return real(src, dst, *args, **kwargs)
+    os.replace = replace
+    from pipelines.cli import main
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_after_the_temporary_glb_is_written_leaves_no_file_and_one_line(name, code, tiny_cache, tmp_path):
+    out = tmp_path / "out" / "x.glb"
+    proc = _python(SIGNAL_AT_COMMIT, name, str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(out), "--quiet",
+                   env={"PIXAL3D_CACHE": str(tiny_cache)})
+    assert proc.returncode == code, proc.stderr
+    assert "stopped by" in _stderr_line(proc) and "Traceback" not in proc.stderr
+    assert _files(out.parent) == []  # neither x.glb, nor its run.json, nor a temporary file
+
+
+# -- item 6: an output path that is a folder ---------------------------------------------------------------
+@pytest.mark.parametrize("option", ["-o", "--trace"])
+def test_an_output_or_trace_path_that_is_a_folder_is_refused_before_the_run(option, tmp_path, capsys, monkeypatch):
+    cache = _empty_cache(monkeypatch, tmp_path)
+    folder = tmp_path / ("x.glb" if option == "-o" else "t.jsonl")
+    folder.mkdir()
+    args = ["-o", folder] if option == "-o" else ["-o", tmp_path / "o.glb", "--trace", folder]
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, *args)
+    line = _one_error_line(err)
+    assert code == 2 and option in line and "folder" in line and str(folder) in line
+    assert _files(cache) == []
+
+
+# -- item 7: no network ------------------------------------------------------------------------------------
+def _hub_cache_missing_files(tiny_cache: Path, hub: Path) -> tuple[str, Path]:
+    """A Hugging Face cache with the tiny pixal3d and dinov3 folders as repos, three checkpoints and DINOv3's
+    weights missing; returns the revision and a config that uses them."""
+    rev = "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"
+    for repo, sub in (("t--p", "pixal3d"), ("t--d", "dinov3")):
+        shutil.copytree(tiny_cache / "tiny" / TINY_VERSION / sub, hub / f"models--{repo}" / "snapshots" / rev)
+        (hub / f"models--{repo}" / "refs").mkdir()
+        (hub / f"models--{repo}" / "refs" / "main").write_text(rev)
+    snapshot = hub / "models--t--p" / "snapshots" / rev
+    for stem in ("ss_flow_tiny", "shape_flow_512_tiny", "tex_dec_tiny"):
+        (snapshot / "ckpts" / f"{stem}.safetensors").unlink()
+    (hub / "models--t--d" / "snapshots" / rev / "model.safetensors").unlink()
+    config = hub.parent / "hub.yaml"
+    config.write_text(yaml.safe_dump({"base": str(TINY_CONFIG), "weights": {
+        "pixal3d": {"repo": "t/p", "revision": rev},
+        "dinov3": {"repo": "t/d", "revision": rev, "files": ["config.json", "model.safetensors"]}}}))
+    return rev, config
+
+
+MISSING = ("ckpts/ss_flow_tiny.safetensors", "ckpts/shape_flow_512_tiny.safetensors",
+           "ckpts/tex_dec_tiny.safetensors", "model.safetensors")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_is_one_error_naming_every_missing_file_without_retries(tiny_cache, tmp_path):
+    rev, config = _hub_cache_missing_files(tiny_cache, tmp_path / "hub")
+    env = {"PIXAL3D_CACHE": str(tiny_cache), "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HUB_OFFLINE": ""}
+    start = time.monotonic()
+    proc = _python(STUB_COMMAND, "1", str(EXAMPLE), "--config", str(config), "-o", str(tmp_path / "o.glb"), "--plan",
+                   env=env)
+    seconds = time.monotonic() - start
+    line = _stderr_line(proc)  # no retry warnings, no duplicated library lines
+    assert proc.returncode == 2 and "could not be reached" in line
+    assert all(name in line for name in MISSING), line
+    assert f"hf download t/p {' '.join(sorted(MISSING[:3]))} --revision {rev}" in line
+    assert f"hf download t/d model.safetensors --revision {rev}" in line
+    assert seconds < 20  # was 26-32 s of retries
+
+
+def test_offline_with_a_partial_cache_names_every_missing_file_at_once(tiny_cache, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    _, config = _hub_cache_missing_files(tiny_cache, tmp_path / "hub")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
+    line = _one_error_line(err)
+    assert code == 2 and all(name in line for name in MISSING) and "HF_HUB_OFFLINE" in line
+
+
+LOGGING = """
+    import logging, sys
+    from pipelines.cli import main
+    code = main(sys.argv[1:])
+    logging.getLogger("huggingface_hub.file_download").warning("a library warning")
+    logging.getLogger("pixal3d.hub").warning("our warning")
+    sys.exit(code)
+"""
+
+
+def test_the_command_configures_its_own_loggers_and_leaves_library_loggers_alone(tiny_cache, tmp_path):
+    proc = _python(LOGGING, str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "o.glb"), "--plan",
+                   env={"PIXAL3D_CACHE": str(tiny_cache)})
+    assert proc.returncode == 0, proc.stderr
+    assert "pixal3d: WARNING: our warning" in proc.stderr
+    assert "pixal3d: WARNING: a library warning" not in proc.stderr
+    assert proc.stderr.count("a library warning") <= 1
+
+
+# -- item 8: the cache and the disk ------------------------------------------------------------------------
+def test_a_cache_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PIXAL3D_CACHE", str(blocker))
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
+    line = _one_error_line(err)
+    assert code == 2 and str(blocker) in line and "PIXAL3D_CACHE" in line
+
+
+def test_a_full_disk_while_generating_the_demo_weights_is_one_line_and_leaves_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    proc = _python(STUB_COMMAND, "1", str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "o.glb"),
+                   "--plan", env={"PIXAL3D_CACHE": str(cache)}, fsize=64 * 1024)
+    line = _stderr_line(proc)
+    assert proc.returncode == 2 and str(cache / "tiny") in line and "PIXAL3D_CACHE" in line
+    assert "File too large" in line or "No space left" in line
+    assert _files(cache / "tiny") == []  # no half-written weights, no temporary folder
+
+
+def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cache, tmp_path):
+    out = tmp_path / "out" / "x.glb"
+    # a 256-byte GLB fits under the 2 KiB limit, the run.json (~4 KiB) does not
+    proc = _python(STUB_COMMAND, "64", str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(out), "--quiet",
+                   env={"PIXAL3D_CACHE": str(tiny_cache)}, fsize=2048)
+    line = _stderr_line(proc)
+    assert proc.returncode == 1 and str(out.with_name("x.run.json")) in line, line
+    assert _files(out.parent) == []
+
+
+def test_keep_latents_on_a_full_disk_is_one_line_naming_the_file(tiny_cache, tmp_path):
+    out = tmp_path / "out" / "x.glb"
+    # GLB 16 KiB and run.json ~4 KiB fit under 64 KiB, the latents (~130 KiB) do not
+    proc = _python(STUB_COMMAND, str(len(STUB_GLB) // 4), str(EXAMPLE), "--config", str(TINY_CONFIG), "-o",
+                   str(out), "--quiet", "--keep-latents", str(tmp_path / "lat"), env={"PIXAL3D_CACHE": str(tiny_cache)},
+                   fsize=64 * 1024)
+    line = _stderr_line(proc)
+    assert proc.returncode == 1 and str(tmp_path / "lat" / "example.latents.pt") in line, line
+    assert _files(out.parent) == [] and _files(tmp_path / "lat") == []
+
+
+@pytest.mark.parametrize("option", ["--trace", "--keep-latents"])
+def test_an_unwritable_trace_or_latents_folder_names_its_option(option, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder should be")
+    target = blocker / "sub" / ("t.jsonl" if option == "--trace" else "")
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", option, target)
+    line = _one_error_line(err)
+    assert code == 2 and option in line and "-o" not in line.replace(str(tmp_path), "")
+
+
+# -- item 9: two runs, one output --------------------------------------------------------------------------
+HOLD_THE_RUN = """
+    import sys, time
+    from pathlib import Path
+    from tests.stub_result import patch_run
+    started, release = Path(sys.argv[1]), Path(sys.argv[2])
+    def hold(pipe, image):
+        started.touch()
+        deadline = time.monotonic() + 60
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    patch_run(before=hold, glb=b"glTF first run")
+    from pipelines.cli import main
+    sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_a_second_run_writing_the_same_output_is_refused(tiny_cache, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out" / "x.glb"
+    started, release = tmp_path / "started", tmp_path / "release"
+    args = [str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(out), "--quiet"]
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_THE_RUN), str(started), str(release), *args],
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "PIXAL3D_CACHE": str(tiny_cache)},
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not started.exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.05)
+        monkeypatch.setattr(Pixal3D, "run", stub_run(glb=b"glTF second run"))
+        code, _, err = _run(capsys, *args)
+        line = _one_error_line(err)
+        assert code == 2 and "another run" in line and str(out) in line
+    finally:
+        release.touch()
+        _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr
+    assert out.read_bytes() == b"glTF first run"
+    assert json.loads(out.with_name("x.run.json").read_text())["output"] == str(out)
+
+
+def test_outputs_that_differ_only_in_case_are_refused_on_a_case_insensitive_folder(tiny_cache, tmp_path, capsys,
+                                                                                   monkeypatch):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    shutil.copy(EXAMPLE, inputs / "Cup.png")
+    shutil.copy(EXAMPLE, inputs / "cup.png")
+    monkeypatch.setattr(cli, "folds_case", lambda folder: True, raising=False)  # as on macOS's default volume
+    code, _, err = _run(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
+    line = _one_error_line(err)
+    assert code == 2 and "Cup" in line and "cup" in line and "case" in line
+
+
+# -- item 11: values out of range, devices that do not exist ----------------------------------------------
+def test_a_seed_out_of_range_names_the_option_or_the_key(tmp_path, capsys):
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--seed", str(2**70))
+    line = _one_error_line(err)
+    assert code == 2 and "--seed" in line and "2**64 - 1" in line
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"base": str(TINY_CONFIG), "seed": 2**70}))
+    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
+    line = _one_error_line(err)
+    assert code == 2 and "'seed'" in line and "c.yaml" in line
+
+
+def test_a_device_index_that_does_not_exist_is_refused_without_blaming_the_weights(tmp_path, capsys, tiny_cache):
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--device", "cpu:1")
+    line = _one_error_line(err)
+    assert code == 2 and "cpu:1" in line and "delete" not in line and "download" not in line
+
+
+# -- item 12: what run.json says ---------------------------------------------------------------------------
+def test_run_json_export_path_is_the_output(tiny_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Pixal3D, "run", stub_run())
+    out = tmp_path / "out" / "x.glb"
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    assert code == 0, err
+    record = json.loads(out.with_name("x.run.json").read_text())
+    assert record["export"]["path"] == str(out) == record["output"]
+    assert _files(out.parent) == ["x.glb", "x.run.json"]
+
+
+# -- item 14: AppleDouble and other hidden files in a folder -----------------------------------------------
+def test_hidden_files_in_an_input_folder_are_skipped(tiny_cache, tmp_path, capsys):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    shutil.copy(EXAMPLE, inputs / "cup.png")
+    (inputs / "._cup.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64))
+    (inputs / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(64))
+    code, _, err = _run(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
+    assert code == 0, err
+    # an explicitly named hidden file is still checked
+    code, _, err = _run(capsys, inputs / "._cup.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    assert code == 2 and "._cup.png" in _one_error_line(err)
