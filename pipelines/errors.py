@@ -49,10 +49,11 @@ MEMORY_ADVICE = ("close other programs, run with --memory-policy staged, or lowe
 # do the same for MPS; these are the messages (c10/core/impl/alloc_cpu.cpp, the MPS allocator).
 TORCH_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
                       "MPS backend out of memory")
-DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-               errno.EFBIG: "file too large (over the file system's or the process's file-size limit)"}
-PERMISSION_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                     errno.EROFS: "read-only file system"}
+DISK_ERRNOS = {errno.ENOSPC: "free some space or write somewhere else",
+               errno.EDQUOT: "free some space or write somewhere else",
+               errno.EFBIG: "the file system's or the process's file-size limit was reached: raise the limit or "
+                            "write somewhere else"}
+PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,15 @@ def one_line(err: BaseException) -> str:
 
 
 def _os_failure(err: OSError, code: int) -> Failure:
-    path = err.filename if err.filename is not None else None
-    where = f" {path}" if path is not None else ""
+    """The system's own words (``No space left on device``), the file, and what to do."""
+    reason = err.strerror or one_line(err)
+    path = f" {err.filename}" if err.filename is not None else ""
     if err.errno in DISK_ERRNOS:
-        return Failure("disk", f"{DISK_ERRNOS[err.errno]} while writing{where}; free some space (or raise the "
-                               f"limit) or write somewhere else", code)
+        return Failure("disk", f"{reason} while writing{path}; {DISK_ERRNOS[err.errno]}", code)
     if err.errno in PERMISSION_ERRNOS or isinstance(err, PermissionError):
-        reason = PERMISSION_ERRNOS.get(err.errno, "permission denied")
-        return Failure("permission", f"{reason}:{where}; choose a path you can write, or fix its permissions", code)
-    if err.strerror and path is not None:
-        return Failure("io", f"{err.strerror}: {path}", code)
+        return Failure("permission", f"{reason}:{path}; choose a path you can write, or change its permissions", code)
+    if err.strerror and err.filename is not None:
+        return Failure("io", f"{reason}:{path}", code)
     return Failure("io", one_line(err), code)
 
 

@@ -52,8 +52,11 @@ def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
             raise
         mode = 0o666 & ~_umask()
         for tmp, target in zip(temps, targets):
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
+            try:
+                os.chmod(tmp, mode)
+                os.replace(tmp, target)
+            except OSError as err:
+                raise name_target(err, target) from err
             renamed.append(target)
         committed = True
     finally:

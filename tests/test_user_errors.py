@@ -54,8 +54,8 @@ def test_cpu_and_device_out_of_memory_say_what_to_try():
 
 
 @pytest.mark.parametrize("code, words", [
-    (errno.ENOSPC, "no space left"), (errno.EDQUOT, "quota"), (errno.EFBIG, "too large"),
-    (errno.EACCES, "permission denied"), (errno.EROFS, "read-only"),
+    (errno.ENOSPC, "no space left on device while writing"), (errno.EDQUOT, "quota"),
+    (errno.EFBIG, "file-size limit"), (errno.EACCES, "permission denied"), (errno.EROFS, "read-only"),
 ])
 def test_file_system_errors_name_the_file_and_the_next_step(code, words):
     failure = classify(OSError(code, os.strerror(code), "/data/out/x.glb"), started=True)
