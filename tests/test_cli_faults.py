@@ -1,8 +1,8 @@
 """The command under real-world input and faults (issue 16's battery): every error a user can cause is one
 line on stderr and a non-zero exit, found before any weight is read when it can be, and no partial or
-temporary file is ever left. Tests that need a whole process (signals, file-size limits, a second run,
-logging) run the command in a subprocess; ``Pixal3D.run`` is replaced by ``tests.stub_result`` where the
-test is about what happens around a run, not inside it."""
+temporary file is ever left. Signals and a second concurrent run need their own process; a full disk is
+the process's file-size limit (writes past it fail as on a full disk). ``Pixal3D.run`` is replaced by
+``tests.stub_result`` where the test is about what happens around a run, not inside it."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ from PIL import Image
 from pipelines import Pixal3D, cli
 from pixal3d.tiny_weights import TINY_VERSION
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
-from tests.stub_result import STUB_GLB, stub_run
+from tests.stub_result import stub_run
 from tests.test_cli import _files, _one_error_line, _run
 
 
@@ -36,19 +38,11 @@ def _empty_cache(monkeypatch, tmp_path: Path) -> Path:
     return cache
 
 
-def _python(script: str, *args: str, env: dict | None = None, fsize: int | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh interpreter at the checkout root (optionally under a file-size limit:
-    writes beyond ``fsize`` bytes fail with EFBIG, as on a full disk)."""
-
-    def limit() -> None:
-        if fsize is not None:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
+def _python(script: str, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter at the checkout root."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=limit, check=False)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _stderr_line(proc: subprocess.CompletedProcess) -> str:
@@ -56,15 +50,6 @@ def _stderr_line(proc: subprocess.CompletedProcess) -> str:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("pixal3d-image-to-mesh: error: "), proc.stderr
     return lines[0]
-
-
-STUB_COMMAND = """
-    import sys
-    from tests.stub_result import patch_run
-    patch_run(glb=b"glTF" * int(sys.argv[1]))
-    from pipelines.cli import main
-    sys.exit(main(sys.argv[2:]))
-"""
 
 
 # -- item 1: an image without alpha under a config without a background remover ---------------------------
@@ -180,32 +165,38 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_an_unreachable_hub_is_one_error_naming_every_missing_file_without_retries(tiny_cache, tmp_path):
+def _unreachable_hub(tiny_cache: Path, tmp_path: Path, monkeypatch) -> tuple[str, Path]:
+    """The partial Hugging Face cache, no network (a closed local port as the Hub) and no HF_HUB_OFFLINE."""
+    from huggingface_hub import constants
+
     rev, config = _hub_cache_missing_files(tiny_cache, tmp_path / "hub")
-    env = {"PIXAL3D_CACHE": str(tiny_cache), "HF_HUB_CACHE": str(tmp_path / "hub"),
-           "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HUB_OFFLINE": ""}
-    proc = _python(STUB_COMMAND, "1", str(EXAMPLE), "--config", str(config), "-o", str(tmp_path / "o.glb"), "--plan",
-                   env=env)
-    line = _stderr_line(proc)  # no retry warnings, no duplicated library lines
-    assert proc.returncode == 2 and "could not be reached" in line
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return rev, config
+
+
+def test_an_unreachable_hub_is_one_error_naming_every_missing_file_without_retries(tiny_cache, tmp_path, capsys,
+                                                                                   monkeypatch, caplog):
+    rev, config = _unreachable_hub(tiny_cache, tmp_path, monkeypatch)
+    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
+    line = _one_error_line(err)
+    assert code == 2 and "could not be reached" in line
     assert all(name in line for name in MISSING), line
     assert f"hf download t/p {' '.join(sorted(MISSING[:3]))} --revision {rev}" in line
     assert f"hf download t/d model.safetensors --revision {rev}" in line
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # were 22 lines over 26-32 s
 
 
 def test_an_unreachable_hub_costs_one_failed_request_not_retries(tiny_cache, tmp_path, monkeypatch):
-    from huggingface_hub import constants
-
     from pixal3d.config import load_config
     from pixal3d.hub import MissingWeightsError
     from pixal3d.pipeline_json import planned_sizes, resolve_weights
 
-    _, config = _hub_cache_missing_files(tiny_cache, tmp_path / "hub")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    _, config = _unreachable_hub(tiny_cache, tmp_path, monkeypatch)
     weights = load_config(config).weights
-    for call in (lambda: planned_sizes(weights, models=["sparse_structure_flow_model", "dinov3"], offline=False),
-                 lambda: resolve_weights(weights, offline=False)):
+    for call in (lambda: planned_sizes(weights, models=["sparse_structure_flow_model", "dinov3"]),
+                 lambda: resolve_weights(weights)):
         start = time.monotonic()
         with pytest.raises(MissingWeightsError, match="could not be reached"):
             call()
@@ -223,23 +214,17 @@ def test_offline_with_a_partial_cache_names_every_missing_file_at_once(tiny_cach
     assert code == 2 and all(name in line for name in MISSING) and "HF_HUB_OFFLINE" in line
 
 
-LOGGING = """
-    import logging, sys
-    from pipelines.cli import main
-    code = main(sys.argv[1:])
-    logging.getLogger("huggingface_hub.file_download").warning("a library warning")
+def test_the_command_configures_its_own_loggers_and_leaves_library_loggers_alone(tiny_cache, tmp_path, capsys,
+                                                                                 monkeypatch):
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # as in a fresh process (pytest's capture handlers set aside)
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    assert code == 0, err
+    assert root.handlers == []  # nothing on the root logger, so huggingface_hub's warnings are not ours to print
     logging.getLogger("pixal3d.hub").warning("our warning")
-    sys.exit(code)
-"""
-
-
-def test_the_command_configures_its_own_loggers_and_leaves_library_loggers_alone(tiny_cache, tmp_path):
-    proc = _python(LOGGING, str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "o.glb"), "--plan",
-                   env={"PIXAL3D_CACHE": str(tiny_cache)})
-    assert proc.returncode == 0, proc.stderr
-    assert "pixal3d: WARNING: our warning" in proc.stderr
-    assert "pixal3d: WARNING: a library warning" not in proc.stderr
-    assert proc.stderr.count("a library warning") <= 1
+    assert "pixal3d: WARNING: our warning" in capsys.readouterr().err
 
 
 # -- item 8: the cache and the disk ------------------------------------------------------------------------
@@ -252,35 +237,47 @@ def test_a_cache_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, mon
     assert code == 2 and str(blocker) in line and "PIXAL3D_CACHE" in line
 
 
-def test_a_full_disk_while_generating_the_demo_weights_is_one_line_and_leaves_nothing(tmp_path):
-    cache = tmp_path / "cache"
-    proc = _python(STUB_COMMAND, "1", str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "o.glb"),
-                   "--plan", env={"PIXAL3D_CACHE": str(cache)}, fsize=64 * 1024)
-    line = _stderr_line(proc)
-    assert proc.returncode == 2 and str(cache / "tiny") in line and "PIXAL3D_CACHE" in line
-    assert "File too large" in line or "No space left" in line
-    assert _files(cache / "tiny") == []  # no half-written weights, no temporary folder
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past ``limit`` bytes fail with EFBIG (``File too large``), as writes on a full disk fail with
+    ENOSPC: the process's RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails instead of killing."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
-def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cache, tmp_path):
+def test_a_full_disk_while_generating_the_demo_weights_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    cache = _empty_cache(monkeypatch, tmp_path)
+    with file_size_limit(64 * 1024):
+        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    line = _one_error_line(err)
+    assert code == 2 and str(cache / "tiny") in line and "PIXAL3D_CACHE" in line and "File too large" in line
+    assert _files(cache / "tiny") == []  # no half-written weights, no temporary folder, no lock file
+
+
+def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Pixal3D, "run", stub_run(glb=b"glTF" * 64))
     out = tmp_path / "out" / "x.glb"
-    # a 256-byte GLB fits under the 2 KiB limit, the run.json (~4 KiB) does not
-    proc = _python(STUB_COMMAND, "64", str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(out), "--quiet",
-                   env={"PIXAL3D_CACHE": str(tiny_cache)}, fsize=2048)
-    line = _stderr_line(proc)
-    assert proc.returncode == 1 and str(out.with_name("x.run.json")) in line, line
+    with file_size_limit(2048):  # the 256-byte GLB fits, the run.json (~4 KiB) does not
+        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    line = _one_error_line(err)
+    assert code == 1 and str(out.with_name("x.run.json")) in line and "File too large" in line
     assert _files(out.parent) == []
 
 
-def test_keep_latents_on_a_full_disk_is_one_line_naming_the_file(tiny_cache, tmp_path):
-    out = tmp_path / "out" / "x.glb"
-    # GLB 16 KiB and run.json ~4 KiB fit under 64 KiB, the latents (~130 KiB) do not
-    proc = _python(STUB_COMMAND, str(len(STUB_GLB) // 4), str(EXAMPLE), "--config", str(TINY_CONFIG), "-o",
-                   str(out), "--quiet", "--keep-latents", str(tmp_path / "lat"), env={"PIXAL3D_CACHE": str(tiny_cache)},
-                   fsize=64 * 1024)
-    line = _stderr_line(proc)
-    assert proc.returncode == 1 and str(tmp_path / "lat" / "example.latents.pt") in line, line
-    assert _files(out.parent) == [] and _files(tmp_path / "lat") == []
+def test_keep_latents_on_a_full_disk_is_one_line_naming_the_file(tiny_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Pixal3D, "run", stub_run())
+    out, latents = tmp_path / "out" / "x.glb", tmp_path / "lat"
+    with file_size_limit(64 * 1024):  # GLB (16 KiB) and run.json (~4 KiB) fit, the latents (~130 KiB) do not
+        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--keep-latents", latents)
+    line = _one_error_line(err)
+    assert code == 1 and str(latents / "example.latents.pt") in line, line
+    assert _files(out.parent) == [] and _files(latents) == []
 
 
 @pytest.mark.parametrize("option", ["--trace", "--keep-latents"])
