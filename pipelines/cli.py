@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from pixal3d.config import CameraConfig, CascadeConfig, ConfigError, load_config, shipped_config
+from pixal3d.config import (
+    CameraConfig,
+    CascadeConfig,
+    ConfigError,
+    load_config,
+    shipped_config,
+)
 from pixal3d.files import folds_case
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
@@ -37,7 +43,14 @@ from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes
 
 from .errors import Failure, UsageError, classify
-from .pipeline import DeviceError, Pixal3D, RunPlan, check_device, check_inputs, default_device
+from .pipeline import (
+    DeviceError,
+    Pixal3D,
+    RunPlan,
+    check_device,
+    check_inputs,
+    default_device,
+)
 from .result import run_json_path
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")

@@ -129,6 +129,7 @@ def _fake_mps(monkeypatch, env):
 
     mac = Machine("mps", "Apple GPU", True, 48 * GIB, 40 * GIB, 48 * GIB, 40 * GIB)
     monkeypatch.setattr(pipeline, "detect_machine", lambda device: mac)
+    monkeypatch.setattr(pipeline.torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(pipeline, "check_mps_memory_limit", lambda: check_mps_memory_limit(
         env=env, recommended_bytes=int(37.44 * GIB), physical_bytes=48 * GIB))
 
