@@ -53,6 +53,7 @@ class FailureBoard:
         self.grace_s = grace_s
         self._next_poll = 0.0
         self._acked = False
+        self.settled = False  # a failure of this request was posted or read here: nothing more to tell
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -68,6 +69,7 @@ class FailureBoard:
         except Exception:  # the store is gone with its host: the waits will report the broken links
             return
         if posted:
+            self.settled = True
             notice = self._read_and_ack()
             self._wait_for_acks()
             raise PeerFailedError(f"rank {self.rank} stopped: {notice}")
@@ -78,6 +80,7 @@ class FailureBoard:
         Every rank that stops waits (up to ``grace_s``) until all have read the notice before it
         returns: the store may live in its process, and its exit closes the connections that the
         others would otherwise see break before they read why."""
+        self.settled = True
         if isinstance(err, LinkError):
             notice = f"rank {err.peer} is gone (rank {self.rank}: {err})"
         else:

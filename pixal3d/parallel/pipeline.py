@@ -19,7 +19,7 @@ no rank ever waits on a rank that waits on it (no deadlock), and the bits equal 
 from __future__ import annotations
 
 import functools
-import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +29,6 @@ from ..models.flow_transformer import FlowTransformer
 from ..nn.sparse_tensor import SparseTensor
 from ..samplers import Latent, sample_flow_euler
 from .comm import Inbox, Outbox, Wire, broadcast_object, broadcast_tensor, pack, tensor_specs, unpack
-from .failure import PeerFailedError
 from .runtime import ParallelRuntime
 from .schedule import StepPlan, plan_steps
 from .sequence import FlowSequence, run_blocks
@@ -38,18 +37,20 @@ from .shard import owned_blocks, shard_info
 from .stale_kv import PatchAttention, patch_attention
 from .stepper import update_piece, update_whole
 
-logger = logging.getLogger(__name__)
+StepCallback = Callable[[dict[str, Any]], None]
 
 
 @torch.no_grad()
 def parallel_sample(model: FlowTransformer, noise: Latent | None, *, cond: dict[str, Any] | None,
                     neg_cond: dict[str, Any] | None, sampler: SamplerConfig, runtime: ParallelRuntime | None,
-                    concat_cond: SparseTensor | None = None) -> Latent:
+                    concat_cond: SparseTensor | None = None, callback: StepCallback | None = None) -> Latent:
     """Sample one flow stage on every rank of the job; every rank returns the final latent.
 
     ``model``: this rank's shard (``load_flow_shard``), the whole model when pp = 1. ``noise``,
     ``cond``, ``neg_cond``, ``concat_cond``: read on rank 0 only (other ranks may pass None).
     ``runtime``: from ``init_parallel``; None (mode "none") runs today's single-process sampler.
+    ``callback``: after each step this rank has done its part of, ``{"step", "t", "t_prev"}`` (step from
+    0; with runtime None the single-process sampler's dict, which has the latents too).
     """
     if runtime is None:
         flow = model if concat_cond is None else functools.partial(model, concat_cond=concat_cond)
@@ -57,25 +58,13 @@ def parallel_sample(model: FlowTransformer, noise: Latent | None, *, cond: dict[
                                  guidance_strength=sampler.guidance_strength,
                                  guidance_rescale=sampler.guidance_rescale,
                                  guidance_interval=tuple(sampler.guidance_interval), rescale_t=sampler.rescale_t,
-                                 sigma_min=sampler.sigma_min)
-    wire = runtime.begin_request()
-    try:
-        return _sample(model, noise, cond, neg_cond, concat_cond, sampler, runtime, wire)
-    except PeerFailedError:
-        raise
-    except BaseException as err:
-        notice = wire.board.report(err)  # tells the other ranks (or learns who failed first)
-        rank = runtime.topology.rank
-        # A settings error is the user's to fix and every rank that sees it says the same: raise it as is.
-        if isinstance(err, ParallelConfigError) or notice.startswith(f"rank {rank} failed"):
-            logger.error("%s", notice)
-            err.add_note(f"(raised on rank {rank} of the parallel job; every other rank stops too)")
-            raise
-        raise PeerFailedError(f"rank {rank} stopped: {notice}") from err
+                                 sigma_min=sampler.sigma_min, callback=callback)
+    return runtime.request(functools.partial(_sample, model, noise, cond, neg_cond, concat_cond, sampler, runtime,
+                                             callback=callback))
 
 
 def _sample(model: FlowTransformer, noise: Any, cond: Any, neg_cond: Any, concat_cond: Any, sampler: SamplerConfig,
-            runtime: ParallelRuntime, wire: Wire) -> Latent:
+            runtime: ParallelRuntime, wire: Wire, *, callback: StepCallback | None) -> Latent:
     topo, settings = runtime.topology, runtime.settings
     # 1. Rank 0's inputs on every rank; the same settings everywhere.
     noise, cond, neg_cond, concat_cond = _share_inputs(model, (noise, cond, neg_cond, concat_cond), sampler,
@@ -98,6 +87,8 @@ def _sample(model: FlowTransformer, noise: Any, cond: Any, neg_cond: Any, concat
     with patch_attention(owned_blocks(model), state):
         for step, next_step in zip(plan, [*plan[1:], None], strict=True):
             x = _step(model, seq, sampler, step, next_step, x, state, runtime, inboxes, outboxes)
+            if callback is not None:
+                callback({"step": step.index, "t": step.t, "t_prev": step.t_prev})
     for box in outboxes.values():
         box.drain()
     for box in inboxes.values():

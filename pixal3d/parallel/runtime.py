@@ -1,5 +1,12 @@
 """The job's process groups, made once per process: ``init_parallel(settings)`` under torchrun.
 
+A *request* is one exchange every rank takes part in, in the same order on every rank: a flow stage's
+``parallel_sample``, or one of the job's messages (``session.py``). Each request has its own failure
+board, so the ranks agree on where a failure is reported: a rank that fails *inside* a request posts
+on that request's board (``request``); a rank that fails *between* requests (rank 0 in a stage it runs
+alone, a follower loading its shard) posts on the board of the next request, the one every other rank
+is waiting in or will enter next (``fail``).
+
 Backend: NCCL when the rank computes on CUDA (the device is set before ``init_process_group``, the
 order xDiT #735 found ``new_group`` needs), gloo otherwise (CPU, MPS, and between machines without
 CUDA). Every group gets ``settings.timeout_s`` as its timeout, so a collective never waits forever.
@@ -10,21 +17,23 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .comm import Wire
-from .failure import FailureBoard
+from .failure import FailureBoard, PeerFailedError
 from .settings import ParallelConfigError, ParallelSettings
 from .topology import Topology
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class ParallelRuntime:
     groups: dict[tuple[str, int, int], Any]
     requests: int = 0
     last_stats: dict[str, Any] = field(default_factory=dict)
+    _board: FailureBoard | None = field(default=None, repr=False)
 
     @property
     def wire_device(self) -> torch.device:
@@ -50,7 +60,35 @@ class ParallelRuntime:
         self.requests += 1
         board = FailureBoard(self.store, self.topology.rank, self.topology.world_size, self.requests,
                              grace_s=min(10.0, self.settings.timeout_s))
+        self._board = board
         return Wire(self.wire_device, board, self.settings.timeout_s)
+
+    def request(self, body: Callable[[Wire], T]) -> T:
+        """Run ``body(wire)`` as the job's next request. If it raises, every other rank learns it: this
+        rank's own error is re-raised (with a note naming the rank), an error caused by another rank's
+        failure becomes ``PeerFailedError`` naming that rank."""
+        wire = self.begin_request()
+        try:
+            return body(wire)
+        except PeerFailedError:
+            raise
+        except BaseException as err:
+            notice = wire.board.report(err)  # tells the other ranks (or learns who failed first)
+            rank = self.topology.rank
+            # A settings error is the user's to fix and every rank that sees it says the same: raise it as is.
+            if isinstance(err, ParallelConfigError) or notice.startswith(f"rank {rank} failed"):
+                logger.debug("%s", notice)  # the caller reports the error itself
+                err.add_note(f"(raised on rank {rank} of the parallel job; every other rank stops too)")
+                raise
+            raise PeerFailedError(f"rank {rank} stopped: {notice}") from err
+
+    def fail(self, err: BaseException) -> str | None:
+        """Tell every other rank that this rank failed with ``err`` outside a request, on the board of
+        the next request (the one they wait in); returns the notice they read. Does nothing (None) when
+        ``err`` is the failure of a request, already posted or read there."""
+        if isinstance(err, PeerFailedError) or (self._board is not None and self._board.settled):
+            return None
+        return self.begin_request().board.report(err)
 
     def group(self, kind: str, src: int, dst: int) -> Any:
         return self.groups[(kind, src, dst)]
