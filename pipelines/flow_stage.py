@@ -4,9 +4,14 @@ Noise is drawn with ``torch.randn`` from the run's CPU generator (``RunState.gen
 moved to the run's device, at exactly the reference's four points (structure, shape 512, shape 1024,
 texture; reference §7.1): the reference seeds the global CPU generator and draws from it, and a CPU
 ``torch.Generator`` seeded the same gives the same bits, on every device. Nothing else draws from it.
+
+Sampling goes through ``sample``: today's single-process sampler, or, when the run has a parallel
+runtime (``RunState.parallel``, rank 0 under torchrun), ``pixal3d.parallel.parallel_sample`` with the
+same inputs, which the other ranks join (``pipelines/parallel.py``).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -20,12 +25,14 @@ from pixal3d.models.conditioning import (
     condition,
     negative_condition,
 )
+from pixal3d.nn.sparse_tensor import SparseTensor
+from pixal3d.parallel import parallel_sample
 from pixal3d.pipeline_json import Normalization
 from pixal3d.samplers import sample_flow_euler
 
 from .state import RunState
 
-CONDITION_INPUTS = ("image", "camera", "device", "generator", "progress", "callback")
+CONDITION_INPUTS = ("image", "camera", "device", "generator", "progress", "callback", "parallel")
 """The ``RunState`` fields every flow stage reads besides its own."""
 
 
@@ -53,16 +60,23 @@ def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
 
 
 def sample(model: Callable[..., Any], noise: Any, cond: dict[str, Any], sampler: SamplerConfig, *,
-           state: RunState, stage: str) -> Any:
-    """Run the flow-Euler sampler with the stage's parameters; the negative condition is zeros. Each
-    step is reported to ``state.callback`` as ``{"kind": "step", "stage", "step", "steps"}`` (from 1)."""
-    params = asdict(sampler)
-    params["guidance_interval"] = tuple(params["guidance_interval"])
+           state: RunState, stage: str, concat_cond: SparseTensor | None = None) -> Any:
+    """Run the flow-Euler sampler with the stage's parameters; the negative condition is zeros;
+    ``concat_cond`` (texture: the shape latent) is passed to every model call. Each step is reported to
+    ``state.callback`` as ``{"kind": "step", "stage", "step", "steps"}`` (from 1). With
+    ``state.parallel`` set, every rank of the job samples together (``parallel_sample``; ``model`` is
+    this rank's shard) and the result is the same latent (bit for bit under CFG-parallel)."""
     report = None
     if state.callback is not None:
         def report(info: dict[str, Any]) -> None:
             state.callback({"kind": "step", "stage": stage, "step": info["step"] + 1, "steps": sampler.steps})
-    return sample_flow_euler(model, noise, cond=cond, neg_cond=negative_condition(cond), progress=state.progress,
+    if state.parallel is not None:
+        return parallel_sample(model, noise, cond=cond, neg_cond=negative_condition(cond), concat_cond=concat_cond,
+                               sampler=sampler, runtime=state.parallel, callback=report)
+    params = asdict(sampler)
+    params["guidance_interval"] = tuple(params["guidance_interval"])
+    flow = model if concat_cond is None else functools.partial(model, concat_cond=concat_cond)
+    return sample_flow_euler(flow, noise, cond=cond, neg_cond=negative_condition(cond), progress=state.progress,
                              callback=report, **params)
 
 

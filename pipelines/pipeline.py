@@ -9,12 +9,16 @@ safetensors headers, working sets from the stages' own estimates) and which memo
 ``from_plan`` then fetches the weights and builds the pipeline on the same stage objects (the command
 prints the plan in between, and ``--plan`` stops there). Models load when their stage first asks for
 them; the policy decides where they live between stages and between runs. ``close()`` releases them.
+
+Under torchrun, ``parallel=ParallelSettings(...)`` (or a runtime from ``init_parallel``) spreads the flow
+stages over the job's ranks (``parallel.py``): rank 0 runs images, every other rank calls ``follow()``.
 """
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -25,6 +29,8 @@ from tqdm.auto import tqdm
 
 from pixal3d.config import SEED, CascadeConfig, load_config
 from pixal3d.models.preprocess import as_image
+from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
+from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights, planned_sizes, resolve_weights
 from pixal3d.staging import (
     Event,
@@ -47,6 +53,19 @@ from pixal3d.telemetry import MemoryMeter
 
 from .build import build_stages
 from .loaders import model_loaders
+from .parallel import (
+    FOLLOWER_PROVIDED,
+    FollowerState,
+    Leader,
+    check_blocks,
+    check_warmup,
+    describe_parallel,
+    flow_stages,
+    follow,
+    follower_stages,
+    rank_device,
+    shard_loaders,
+)
 from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage
@@ -57,6 +76,7 @@ logger = logging.getLogger(__name__)
 MAX_SEED = int(SEED.high)
 
 Loader = Callable[[], nn.Module]
+Parallel = ParallelSettings | ParallelRuntime | None
 
 
 class NotEnoughMemoryError(RuntimeError):
@@ -80,6 +100,13 @@ class RunPlan:
     reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()
     mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
+    parallel: Parallel = None                # the job's settings (or runtime) under torchrun, else None
+    rank: int = 0                            # this process's rank in that job; ranks != 0 follow rank 0
+
+    @property
+    def follower(self) -> bool:
+        """Whether this process only joins rank 0's flow stages (``Pixal3D.follow``)."""
+        return self.parallel is not None and self.rank != 0
 
     def table(self) -> str:
         """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
@@ -100,35 +127,60 @@ class Pixal3D:
     """The cascade ready to run: stages, resolved weights, a policy and a model registry."""
 
     def __init__(self, plan: RunPlan, weights: ResolvedWeights, *, strict: bool = False, preserve_rng: bool = True,
-                 wrap_loader: Callable[[str, Loader], Loader] | None = None):
+                 wrap_loader: Callable[[str, Loader], Loader] | None = None, runtime: ParallelRuntime | None = None):
         self.run_plan = plan
         self.config = plan.config
         self.device = plan.device
         self.weights = weights
         self._relay = _Relay()
+        self._runtime = plan.parallel if isinstance(plan.parallel, ParallelRuntime) else runtime
+        self._owns_runtime = self._runtime is not None and self._runtime is not plan.parallel
+        if plan.parallel is not None and self._runtime is None:
+            raise ValueError("a parallel plan needs the job's runtime: build the pipeline with Pixal3D.from_plan")
         if plan.mps_limit is not None:
             apply_mps_memory_limit(plan.mps_limit)
         remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
+        if self._runtime is not None:  # flow models load as this rank's shards
+            flows = [s.flow_model for s in flow_stages(plan.stages)]
+            loaders = shard_loaders(loaders, weights, flows, self._runtime)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
-        self._runner = StageRunner(plan.stages, loaders, provides=PROVIDED, state_type=RunState,
+        provides, state_type = (FOLLOWER_PROVIDED, FollowerState) if plan.follower else (PROVIDED, RunState)
+        self._runner = StageRunner(plan.stages, loaders, provides=provides, state_type=state_type,
                                    policy=plan.policy, events=self._relay, strict=strict, preserve_rng=preserve_rng)
+        self._leader = Leader(self._runtime, plan.stages) if self._runtime is not None and not plan.follower else None
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
     def plan(config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
              device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-             until: str | None = None) -> RunPlan:
+             until: str | None = None, parallel: Parallel = None) -> RunPlan:
         """The memory plan and the resolved policy; reads only ``pipeline.json`` and safetensors headers.
 
         ``replace`` swaps stages by name, ``until`` ends the cascade after the named stage. Raises
         ``NotEnoughMemoryError`` when one stage's weights alone exceed the memory available.
+        ``parallel``: ``ParallelSettings`` (or a runtime from ``init_parallel``) under torchrun; checked here
+        against torchrun's environment and the config (``ParallelConfigError``). Ranks != 0 plan only their
+        part: the flow stages, on shards of the flow models (each counted whole in the plan).
         """
         config = load_config(config) if isinstance(config, (str, Path)) else config
         device = check_device(torch.device(device)) if device is not None else default_device()
         stages = tuple(build_stages(config, replace=replace, until=until))
-        check_stages(stages, provides=PROVIDED, state_type=RunState)  # before anything is read
+        provides, state_type, rank, parallel_notes = PROVIDED, RunState, 0, []
+        if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
+            parallel = None  # today's path exactly
+        if parallel is not None:
+            settings = parallel.settings if isinstance(parallel, ParallelRuntime) else parallel
+            topology = parallel.topology if isinstance(parallel, ParallelRuntime) else Topology.from_env(settings)
+            device = parallel.device if isinstance(parallel, ParallelRuntime) else rank_device(device, topology)
+            check_warmup(settings, stages)
+            rank = topology.rank
+            if rank != 0:
+                stages = tuple(follower_stages(stages))
+                provides, state_type = FOLLOWER_PROVIDED, FollowerState
+            parallel_notes.append(describe_parallel(settings, topology))
+        check_stages(stages, provides=provides, state_type=state_type)  # before anything is read
         needs = {s.name: tuple(s.needs) for s in stages}
         sizes, notes = planned_sizes(config.weights, models=sorted({m for ms in needs.values() for m in ms}))
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
@@ -142,7 +194,8 @@ class Pixal3D:
             if mps_limit.lets_swap:  # PyTorch's default: the run lowers it (from_plan), as said here
                 reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
-        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), tuple(notes), mps_limit)
+        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), (*notes, *parallel_notes),
+                       mps_limit, parallel, rank)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -153,17 +206,35 @@ class Pixal3D:
         preserve_rng: False only for the control test that shows why loads must not move the generators
         wrap_loader:  ``(name, loader) -> loader``, e.g. a benchmark measuring memory around each load
         """
+        if not isinstance(plan.parallel, ParallelSettings):
+            return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader)
+        # Join the job first, so that a failure on any rank from here on stops every rank.
+        runtime = init_parallel(plan.parallel, device=plan.device)
+        try:
+            return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader,
+                       runtime=runtime)
+        except BaseException as err:
+            runtime.fail(err)
+            runtime.close()
+            raise
+
+    @staticmethod
+    def _weights(plan: RunPlan) -> ResolvedWeights:
         names = plan.model_names()
         weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names)
-        return cls(plan, weights, strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader)
+        if plan.parallel is not None:  # every pipeline rank needs a block of every flow: N <= blocks
+            settings = plan.parallel.settings if isinstance(plan.parallel, ParallelRuntime) else plan.parallel
+            check_blocks(settings, weights, [s.flow_model for s in flow_stages(plan.stages)])
+        return weights
 
     @classmethod
     def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
                     device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-                    until: str | None = None, **options: Any) -> Pixal3D:
+                    until: str | None = None, parallel: Parallel = None, **options: Any) -> Pixal3D:
         """``from_plan(plan(config, ...), **options)``: a config file or object, the policy (``auto``
-        chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage."""
-        plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until)
+        chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage,
+        the parallel settings under torchrun (default: none, one process)."""
+        plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until, parallel=parallel)
         return cls.from_plan(plan, **options)
 
     # -- what it is --------------------------------------------------------------------------
@@ -182,6 +253,16 @@ class Pixal3D:
         """The staging runner (its ``registry`` shows what is loaded)."""
         return self._runner
 
+    @property
+    def parallel(self) -> ParallelRuntime | None:
+        """The parallel job's runtime under torchrun (None: one process)."""
+        return self._runtime
+
+    @property
+    def is_follower(self) -> bool:
+        """True on ranks != 0 of a parallel job: call ``follow()`` there, ``run`` on rank 0."""
+        return self.run_plan.follower
+
     # -- running -----------------------------------------------------------------------------
     def run(self, image: Any, *, seed: int | None = None, fov: float | None = None,
             events: Callable[[Event], None] | None = None, progress: bool = False,
@@ -199,16 +280,26 @@ class Pixal3D:
         trace:    also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
         name:     what run.json calls the input (default: the path, or "<image>")
         """
+        if self.is_follower:
+            raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
+                               f"and run images on rank 0")
         seed = self.config.seed if seed is None else check_seed(seed)
         if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
             raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
         label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
+        with self._leader.image(label) if self._leader is not None else nullcontext():  # followers join each image
+            return self._run(image, seed, fov, label, events, progress, callback, trace, trace_meta)
+
+    def _run(self, image: Any, seed: int, fov: float | None, label: str, events: Callable[[Event], None] | None,
+             progress: bool, callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
+             trace_meta: Mapping[str, Any] | None) -> Result:
         image = as_image(image)
         self.run_plan.check_input(image)  # before the first stage loads anything
         state = RunState(
             input_image=image, generator=torch.Generator().manual_seed(seed), device=self.device,
             fov_deg=fov, shape_normalization=self.weights.shape_normalization,
-            tex_normalization=self.weights.tex_normalization, progress=progress, callback=callback)
+            tex_normalization=self.weights.tex_normalization, progress=progress, callback=callback,
+            parallel=self._runtime)
         stages = self._runner.stages
         bar = tqdm(total=len(stages), desc=Path(label).name, unit="stage", disable=not progress)
         meta = {"input": label, "policy": self.policy.value, "seed": seed, **(trace_meta or {})}
@@ -231,18 +322,41 @@ class Pixal3D:
             if record.stage in peaks:
                 record.peak_process_bytes = peaks[record.stage].peak_process
                 record.peak_device_bytes = peaks[record.stage].peak_device
+        parallel = self._leader.gather(rows) if self._leader is not None else None  # every rank's peaks
         return Result(input=label, seed=seed, config=self.config, device=self.device, policy=self.policy,
                       policy_reasons=self.run_plan.reasons, state=state, stages=records,
-                      memory=[row.to_dict() for row in rows])
+                      memory=[row.to_dict() for row in rows], parallel=parallel)
+
+    def follow(self) -> int:
+        """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0
+        closes its pipeline; returns the number of images. Any failure, here or on another rank, raises
+        on every rank (``PeerFailedError`` naming the rank that failed)."""
+        if not self.is_follower:
+            raise RuntimeError("rank 0 leads the parallel job (or there is none): call run(image) for each image "
+                               "and close() at the end; follow() is for the other ranks")
+        return follow(self._runtime, self._runner, self._relay.targets)
 
     def close(self) -> None:
-        """Release every loaded model (a later ``run`` loads them again)."""
-        self._runner.close()
+        """Release every loaded model (a later ``run`` loads them again). In a parallel job, rank 0 tells the
+        followers the job is over (their ``follow()`` returns), and the job's process groups are torn down
+        when this pipeline made them; no run is possible after that."""
+        try:
+            if self._leader is not None:
+                self._leader.close()
+        finally:
+            self._runner.close()
+            if self._owns_runtime:
+                self._runtime.close()
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self._runtime is not None:  # the other ranks stop too, rather than wait
+            if self._leader is not None:
+                self._leader.abort(exc)
+            else:
+                self._runtime.fail(exc)
         self.close()
 
 

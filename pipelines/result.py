@@ -43,7 +43,8 @@ def run_json_path(output: Path) -> Path:
 class Result:
     """One image's run. ``state`` holds every field the stages wrote (see ``RunState``); ``stages`` one
     record per stage; ``memory`` the memory meter's per-window rows (a ``setup`` window first, where an
-    eager policy loads its models)."""
+    eager policy loads its models); ``parallel`` (under torchrun) the job's settings and every rank's
+    per-stage peak memory (``pipelines/parallel.py``)."""
 
     input: str
     seed: int
@@ -54,6 +55,7 @@ class Result:
     state: RunState
     stages: list[StageRecord]
     memory: list[dict[str, Any]]
+    parallel: dict[str, Any] | None = None
 
     # -- outputs -----------------------------------------------------------------------------
     @property
@@ -151,6 +153,7 @@ class Result:
             "stages": stages,
             "memory": list(self.memory),
             "export": self._export_record(output),
+            **({"parallel": self.parallel} if self.parallel is not None else {}),
         }
 
     def _export_record(self, output: str | Path | None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class Shape1024Stage(CascadeStage):
     name = "shape_1024"
     section = "shape_1024"
     needs = ("dinov3", "naf", "shape_slat_flow_model_1024")
+    flow_model = "shape_slat_flow_model_1024"
     inputs = (*CONDITION_INPUTS, "coords_hr", "hr_resolution", "shape_normalization")
     outputs = ("hr_noise", "shape_latent")
     transient = ("cond",)
@@ -53,7 +54,7 @@ class Shape1024Stage(CascadeStage):
         grid = state.hr_resolution // 2 ** self.upsample_times
         cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords)
         state.hr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_hr, C] f32, CPU
-        latent = sample(models["shape_slat_flow_model_1024"], SparseTensor(state.hr_noise.to(state.device), coords),
+        latent = sample(models[self.flow_model], SparseTensor(state.hr_noise.to(state.device), coords),
                         cond, cfg.sampler, state=state, stage=self.name)
         mean, std = norm_tensors(state.shape_normalization, state.device)
         state.shape_latent = latent.replace(latent.feats * std + mean)

@@ -32,6 +32,7 @@ class Shape512Stage(CascadeStage):
     name = "shape_512"
     section = "shape_512"
     needs = ("dinov3", "naf", "shape_slat_flow_model_512")
+    flow_model = "shape_slat_flow_model_512"
     inputs = (*CONDITION_INPUTS, "coords_lr", "shape_normalization")
     outputs = ("lr_noise", "lr_latent")
     transient = ("cond",)
@@ -52,7 +53,7 @@ class Shape512Stage(CascadeStage):
         coords = state.coords_lr.to(state.device)
         cond = stage_condition(state, models, extractor("shape_512", cfg.condition, self.coords_resolution), coords)
         state.lr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_lr, C] f32, CPU
-        latent = sample(models["shape_slat_flow_model_512"], SparseTensor(state.lr_noise.to(state.device), coords),
+        latent = sample(models[self.flow_model], SparseTensor(state.lr_noise.to(state.device), coords),
                         cond, cfg.sampler, state=state, stage=self.name)
         mean, std = norm_tensors(state.shape_normalization, state.device)
         state.lr_latent = latent.replace(latent.feats * std + mean)

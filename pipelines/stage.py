@@ -3,7 +3,9 @@
 Each stage declares, on its class: ``name``; ``section``, the ``CascadeConfig`` field it is built from;
 ``needs``, the registry model names it may ask for; ``inputs`` and ``outputs``, the ``RunState`` fields
 it reads and writes (``transient``: written, fingerprinted, then cleared); and ``working_set()``, its
-estimated memory beyond its models' weights (``working_set.py``). It reads and writes ``RunState`` fields
+estimated memory beyond its models' weights (``working_set.py``). A stage that samples a flow model
+(``flow_stage.sample``) names it in ``flow_model``: under torchrun the other ranks load their shard of
+it and join the sampling (``parallel.py``). It reads and writes ``RunState`` fields
 only, gets models only from the ``models`` mapping it is handed, and never moves weights between
 devices: loading, releasing and parking are the registry's job.
 """
@@ -20,6 +22,7 @@ class CascadeStage(Stage):
     ``working_set``."""
 
     section: str | None = None
+    flow_model: str | None = None  # the registry name of the flow model it samples, if any
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> Self:

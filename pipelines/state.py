@@ -20,7 +20,7 @@ from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.pipeline_json import Normalization
 
 PROVIDED = ("input_image", "generator", "device", "fov_deg", "shape_normalization", "tex_normalization",
-            "progress", "callback")
+            "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""
 
 
@@ -37,6 +37,7 @@ class RunState:
     fov_deg: float | None = None              # this run's field of view; None: the camera stage decides
     progress: bool = False                    # tqdm bars for sampler steps and export steps
     callback: Callable[[dict[str, Any]], None] | None = None  # progress reports (Pixal3D.run)
+    parallel: Any = None                      # pixal3d.parallel.ParallelRuntime under torchrun (rank 0), else None
     # preprocess
     image: Any = None                         # PIL.Image, RGB, object cropped and composited on black
     # camera

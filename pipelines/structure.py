@@ -30,6 +30,7 @@ class StructureStage(CascadeStage):
     name = "structure"
     section = "structure"
     needs = ("dinov3", "sparse_structure_flow_model", "sparse_structure_decoder")
+    flow_model = "sparse_structure_flow_model"
     inputs = CONDITION_INPUTS
     outputs = ("ss_noise", "ss_latent", "coords_lr")
     transient = ("cond",)
@@ -50,7 +51,7 @@ class StructureStage(CascadeStage):
         cond = stage_condition(state, models, extractor("ss", cfg.condition, cfg.noise_resolution), None)
         r = cfg.noise_resolution
         state.ss_noise = draw_noise(state.generator, 1, cfg.latent_channels, r, r, r)  # [1, C, R, R, R] f32, CPU
-        latent = sample(models["sparse_structure_flow_model"], state.ss_noise.to(state.device), cond, cfg.sampler,
+        latent = sample(models[self.flow_model], state.ss_noise.to(state.device), cond, cfg.sampler,
                         state=state, stage=self.name)
         state.ss_latent = latent
         state.coords_lr = occupied_coords(models["sparse_structure_decoder"](latent), cfg.coords_resolution)

@@ -6,7 +6,6 @@ de-normalized with ``tex_slat_normalization``.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 from torch import nn
@@ -33,6 +32,7 @@ class TextureStage(CascadeStage):
     name = "texture"
     section = "texture"
     needs = ("dinov3", "naf", "tex_slat_flow_model_1024")
+    flow_model = "tex_slat_flow_model_1024"
     inputs = (*CONDITION_INPUTS, "shape_latent", "hr_resolution", "shape_normalization", "tex_normalization")
     outputs = ("tex_noise", "tex_latent")
     transient = ("cond",)
@@ -57,8 +57,8 @@ class TextureStage(CascadeStage):
         shape_mean, shape_std = norm_tensors(state.shape_normalization, state.device)
         shape_norm = shape.replace((shape.feats - shape_mean) / shape_std)
         state.tex_noise = draw_noise(state.generator, shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C], CPU
-        flow = functools.partial(models["tex_slat_flow_model_1024"], concat_cond=shape_norm)
-        latent = sample(flow, SparseTensor(state.tex_noise.to(state.device), shape.coords), cond, cfg.sampler,
-                        state=state, stage=self.name)
+        noise = SparseTensor(state.tex_noise.to(state.device), shape.coords)
+        latent = sample(models[self.flow_model], noise, cond, cfg.sampler, state=state, stage=self.name,
+                        concat_cond=shape_norm)
         mean, std = norm_tensors(state.tex_normalization, state.device)
         state.tex_latent = latent.replace(latent.feats * std + mean)

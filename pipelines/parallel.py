@@ -1,0 +1,263 @@
+"""The cascade under torchrun: rank 0 runs every stage, the other ranks join its flow stages.
+
+``Pixal3D.from_config(config, parallel=ParallelSettings(...))`` on every rank of a torchrun job:
+
+* **rank 0** (``Pixal3D.run``) runs the whole cascade. Its four flow stages sample through
+  ``flow_stage.sample`` → ``parallel_sample`` with the run's runtime (``RunState.parallel``); everything
+  else (preprocess, camera, conditioning, decoders, export) runs on rank 0 alone, and only rank 0 has
+  outputs. ``Leader`` frames each image: it announces the image and the flow stages it will sample
+  (each follower checks them against its own), exchanges every rank's per-stage peak memory at the
+  end, reports a failure to the followers, and announces the end when the pipeline closes.
+* **ranks ≠ 0** (``Pixal3D.follow``) hold only their shards of the flow models: per image,
+  ``FollowerStage`` by ``FollowerStage`` the staging registry loads the stage's shard (and releases,
+  parks or keeps the previous one as the policy says), ``parallel_sample`` runs with no inputs (rank 0's
+  are broadcast), and ``BetweenImages`` lets the last shard go while rank 0 decodes and exports.
+
+Every message is a request of the job (``pixal3d.parallel.session``), so a failure on any rank, inside
+a flow stage or not, stops every rank within the job's timeout, each naming the failed rank.
+"""
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pixal3d.models.loading import read_spec
+from pixal3d.parallel import (
+    ParallelConfigError,
+    ParallelRuntime,
+    ParallelSettings,
+    PeerFailedError,
+    load_flow_shard,
+    parallel_sample,
+)
+from pixal3d.parallel.topology import Topology
+from pixal3d.parallel.session import announce, exchange, receive
+from pixal3d.pipeline_json import ResolvedWeights
+from pixal3d.staging import Stage, StageRunner
+from pixal3d.telemetry import MemoryMeter
+
+FOLLOWER_PROVIDED = ("parallel",)
+
+
+@dataclass
+class FollowerState:
+    """A follower's run: only the job's runtime (its flow stages read nothing else)."""
+
+    parallel: ParallelRuntime
+
+
+def flow_stages(stages: Sequence[Stage]) -> list[Stage]:
+    """The stages that sample a flow model (``flow_model`` set), in run order."""
+    return [s for s in stages if getattr(s, "flow_model", None) is not None]
+
+
+def _sampler(stage: Stage) -> Any:
+    """A flow stage's ``config.sampler`` (a ``FollowerStage``'s ``sampler``)."""
+    sampler = getattr(stage, "sampler", None) or getattr(getattr(stage, "config", None), "sampler", None)
+    if sampler is None:
+        raise ParallelConfigError(f"stage {stage.name!r} names flow_model {stage.flow_model!r} but has no "
+                                  f"config.sampler; a stage sampled in parallel needs its sampler settings there")
+    return sampler
+
+
+def flow_signature(stages: Sequence[Stage]) -> list[dict[str, Any]]:
+    """What every rank must agree on per flow stage: name, flow model and sampler settings."""
+    return [{"stage": s.name, "flow_model": s.flow_model, "sampler": asdict(_sampler(s))} for s in flow_stages(stages)]
+
+
+class FollowerStage(Stage):
+    """A follower's part of one flow stage: its shard of the flow model, sampling with rank 0's inputs."""
+
+    inputs = FOLLOWER_PROVIDED
+
+    def __init__(self, stage: Stage):
+        self.name = stage.name
+        self.flow_model = stage.flow_model
+        self.needs = (stage.flow_model,)
+        self.sampler = _sampler(stage)
+        self._working_set = int(stage.working_set() or 0)  # the flow stage's estimate (an upper bound here)
+
+    def working_set(self) -> int:
+        return self._working_set
+
+    def run(self, state: FollowerState, models: Mapping[str, nn.Module]) -> None:
+        parallel_sample(models[self.flow_model], None, cond=None, neg_cond=None, sampler=self.sampler,
+                        runtime=state.parallel)
+
+
+class BetweenImages(Stage):
+    """A follower after an image's last flow stage: entering it lets that stage's shard go (per policy)."""
+
+    name = "between_images"
+
+    def working_set(self) -> int:
+        return 0
+
+    def run(self, state: FollowerState, models: Mapping[str, nn.Module]) -> None:
+        return None
+
+
+def follower_stages(stages: Sequence[Stage]) -> list[Stage]:
+    """A follower's stages: one ``FollowerStage`` per flow stage of the cascade, then ``BetweenImages``."""
+    return [*(FollowerStage(s) for s in flow_stages(stages)), BetweenImages()]
+
+
+# -- checks, before anything loads -----------------------------------------------------------------
+def check_warmup(settings: ParallelSettings, stages: Sequence[Stage]) -> None:
+    """W ≤ the sampler steps of every flow stage (from the config, before any file is read)."""
+    for stage in flow_stages(stages):
+        steps = _sampler(stage).steps
+        if settings.warmup > steps:
+            raise ParallelConfigError(f"--warmup {settings.warmup} is more than stage {stage.name}'s {steps} sampler "
+                                      f"steps; use --warmup {steps} or less (--warmup {steps} runs that stage "
+                                      f"synchronously: exact)")
+
+
+def check_blocks(settings: ParallelSettings, weights: ResolvedWeights, flow_models: Sequence[str]) -> None:
+    """N ≤ the blocks of every flow model (from each checkpoint's json, before any weight is read)."""
+    for name in flow_models:
+        blocks = read_spec(weights.checkpoints[name].with_suffix(".json")).get("args", {}).get("num_blocks")
+        if isinstance(blocks, int) and settings.pp_degree > blocks:
+            raise ParallelConfigError(f"--pp {settings.pp_degree} is more than the {blocks} blocks of {name}; every "
+                                      f"pipeline rank needs at least one block: use --pp {blocks} or less")
+
+
+def shard_loaders(loaders: Mapping[str, Callable[[], nn.Module]], weights: ResolvedWeights,
+                  flow_models: Sequence[str], runtime: ParallelRuntime) -> dict[str, Callable[[], nn.Module]]:
+    """``loaders`` with each flow model replaced by this rank's shard of it (``load_flow_shard``) when the
+    blocks are split (pp > 1); under CFG-parallel alone every rank holds whole models."""
+    out = dict(loaders)
+    topo = runtime.topology
+    if topo.pp_degree > 1:
+        for name in flow_models:
+            out[name] = functools.partial(load_flow_shard, weights.checkpoints[name], topo.stage, topo.pp_degree,
+                                          device=runtime.device)
+    return out
+
+
+def rank_device(device: torch.device, topology: Topology) -> torch.device:
+    """A rank's device: ``cuda`` without an index becomes ``cuda:<local rank>`` (one GPU per process)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", topology.local_rank)
+    return device
+
+
+def describe_parallel(settings: ParallelSettings, topology: Topology) -> str:
+    """One line for the plan: the job's shape and this rank's part in it."""
+    role = "runs every stage" if topology.rank == 0 else "joins the flow stages"
+    shard = (f", holds pipeline stage {topology.stage + 1} of {topology.pp_degree} of each flow model (the plan counts "
+             f"whole models)") if topology.pp_degree > 1 else ""
+    knobs = (f", M = {settings.patches} patches after W = {settings.warmup} synchronous steps"
+             if topology.pp_degree > 1 else "")
+    return f"parallel {settings.mode}: rank {topology.rank} of {topology.world_size} {role}{shard}{knobs}"
+
+
+# -- per image -------------------------------------------------------------------------------------
+def rank_report(runtime: ParallelRuntime, rows: Sequence[Any]) -> dict[str, Any]:
+    """This rank's part of run.json: where it ran and its peak memory per stage window."""
+    peaks = [r.peak_process for r in rows if r.peak_process is not None]
+    device_peaks = [r.peak_device for r in rows if r.peak_device is not None]
+    return {"rank": runtime.topology.rank, "host": socket.gethostname(), "device": str(runtime.device),
+            "pipeline_stage": runtime.topology.stage, "cfg_group": runtime.topology.cfg_index,
+            "peak_process_bytes": max(peaks, default=None), "peak_device_bytes": max(device_peaks, default=None),
+            "stages": [{"stage": r.stage, "peak_process_bytes": r.peak_process, "peak_device_bytes": r.peak_device}
+                       for r in rows]}
+
+
+def job_record(runtime: ParallelRuntime, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """run.json's ``parallel`` entry: the settings, the job's shape and every rank's report."""
+    s, topo = runtime.settings, runtime.topology
+    return {"mode": s.mode, "pp": s.pp_degree, "patches": s.patches, "warmup": s.warmup, "timeout_s": s.timeout_s,
+            "world_size": topo.world_size, "cfg_degree": topo.cfg_degree, "backend": runtime.backend,
+            "ranks": ranks}
+
+
+class Leader:
+    """Rank 0's side of the job: frames each image for the followers and ends the job."""
+
+    def __init__(self, runtime: ParallelRuntime, stages: Sequence[Stage]):
+        self.runtime = runtime
+        self.signature = flow_signature(stages)
+        self.images = 0
+        self.stopped: str | None = None  # why the job can run no more images
+
+    @contextmanager
+    def image(self, label: str) -> Iterator[None]:
+        """Around one image's run: announce it; on any error, tell the followers and stop the job."""
+        if self.stopped is not None:
+            raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
+        try:
+            announce(self.runtime, {"kind": "image", "index": self.images, "input": label, "flows": self.signature})
+            self.images += 1
+            yield
+        except BaseException as err:
+            self.stopped = f"{type(err).__name__}: {err}"
+            self.runtime.fail(err)
+            raise
+
+    def abort(self, err: BaseException) -> None:
+        """Stop the job because of ``err`` (raised on rank 0 outside ``run``): the followers stop too."""
+        if self.stopped is None:
+            self.stopped = f"{type(err).__name__}: {err}"
+        self.runtime.fail(err)
+
+    def gather(self, rows: Sequence[Any]) -> dict[str, Any]:
+        """Every rank's report of this image (call inside ``image``): the ``parallel`` record."""
+        return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
+
+    def close(self) -> None:
+        """Tell the followers there are no more images (once; not after a failure: they have stopped)."""
+        if self.stopped is None:
+            self.stopped = "rank 0 closed its pipeline"
+            announce(self.runtime, {"kind": "end"})
+
+
+def follow(runtime: ParallelRuntime, runner: StageRunner, targets: list[Callable[[Any], None]]) -> int:
+    """A follower's loop: per announced image, its flow stages, then its report; returns the number of
+    images when rank 0 ends the job. ``targets`` is the runner's event relay (the memory meter joins it).
+    Any error here is told to every other rank before it propagates."""
+    mine = flow_signature([s for s in runner.stages if isinstance(s, FollowerStage)])
+    images = 0
+    try:
+        while True:
+            command = receive(runtime)
+            if command.get("kind") == "end":
+                return images
+            _check_flows(runtime.topology.rank, mine, command["flows"])
+            with MemoryMeter(None, device=runtime.device, meta={"rank": runtime.topology.rank}) as meter:
+                targets[:] = [meter.on_event]
+                try:
+                    state = FollowerState(parallel=runtime)
+                    for flow in command["flows"]:
+                        runner.run_stage(flow["stage"], state)
+                    runner.run_stage(BetweenImages.name, state)
+                finally:
+                    targets.clear()
+            exchange(runtime, rank_report(runtime, meter.report()))
+            images += 1
+    except BaseException as err:
+        runtime.fail(err)
+        raise
+
+
+def _check_flows(rank: int, mine: list[dict[str, Any]], leaders: list[dict[str, Any]]) -> None:
+    if mine == leaders:
+        return
+    names = ([f["stage"] for f in mine], [f["stage"] for f in leaders])
+    if names[0] != names[1]:
+        raise ParallelConfigError(f"rank {rank} has the flow stages {names[0]} but rank 0 samples {names[1]}; every "
+                                  f"rank needs the same config (and the same --until / replaced stages)")
+    for a, b in zip(mine, leaders, strict=True):
+        if a != b:
+            keys = sorted(k for k in {*a["sampler"], *b["sampler"]} if a["sampler"].get(k) != b["sampler"].get(k))
+            diffs = ", ".join(f"{k} = {a['sampler'].get(k)!r} here, {b['sampler'].get(k)!r} on rank 0" for k in keys)
+            raise ParallelConfigError(f"rank {rank}'s config differs from rank 0's in stage {a['stage']}: "
+                                      f"{diffs or a['flow_model'] + ' vs ' + b['flow_model']}; every rank needs the "
+                                      f"same config")
