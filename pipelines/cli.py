@@ -3,6 +3,7 @@
     pixal3d-image-to-mesh input.png [-o out.glb] [--config configs/1024_cascade.yaml] [--seed N]
         [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--device D]
         [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--quiet]
+        [--parallel none|cfg|pipefusion|both [--pp N] [--patches M] [--warmup W] [--parallel-timeout S]]
 
 Before any weight is read the inputs, outputs and options are checked and the memory plan and the
 chosen policy are printed (``--plan`` prints them and exits). Each stage shows a progress bar (and each
@@ -13,12 +14,16 @@ output that cannot be written or that another run is writing, a full disk) print
 exit non-zero (2 before the run starts, 1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it).
 The GLB, its run.json and its latents appear together or not at all; no partial or temporary file is
 ever left.
+
+Under torchrun, ``--parallel`` spreads the flow stages over the job's processes (``cli_parallel.py``):
+rank 0 does everything above, the other ranks join its flow stages and write nothing.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -39,6 +44,7 @@ from pixal3d.files import folds_case
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import probe_image
+from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings
 from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes
 
@@ -83,6 +89,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-latents", type=Path, default=None, metavar="DIR",
                         help="also save each run's coords and latents to DIR/<name>.latents.pt")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, plan or table")
+    group = parser.add_argument_group("several devices (under torchrun; README: Several GPUs or machines)")
+    group.add_argument("--parallel", default="none", choices=["none", "cfg", "pipefusion", "both"],
+                       help="spread the flow stages over torchrun's processes: cfg (2, exact), pipefusion (N, "
+                            "approximate unless --warmup >= steps or --patches 1), both (2 x N); default none")
+    group.add_argument("--pp", type=int, default=None, metavar="N",
+                       help="pipefusion/both: pipeline ranks per flow model (default: the processes torchrun "
+                            "started, halved for both)")
+    group.add_argument("--patches", type=int, default=None, metavar="M",
+                       help="pipefusion/both: token patches per step (default: N)")
+    group.add_argument("--warmup", type=int, default=None, metavar="W",
+                       help="pipefusion/both: leading steps run synchronously, exact (default 1)")
+    group.add_argument("--parallel-timeout", type=float, default=600.0, metavar="S",
+                       help="longest wait for another rank before every rank stops with an error (default 600; "
+                            "raise it when rank 0's decode and export take longer)")
     return parser.parse_args(argv)
 
 
@@ -98,10 +118,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         import transformers
 
         transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
+    try:
+        settings = parallel_settings(args)
+    except (UsageError, ParallelConfigError) as err:  # the same on every rank: said once
+        return _fail(classify(err, started=False)) if launch_rank() == 0 else 2
+    if settings is not None:
+        from .cli_parallel import run_job
+
+        return run_job(args, settings)
+    return _main(args)
+
+
+def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime | None = None) -> int:
+    """Everything one process does, rank 0's part of a parallel job included."""
     started = False
     try:
         with terminate_as_exception(), ExitStack() as held:
-            plan, jobs = _prepare(args, held)
+            plan, jobs = _prepare(args, held, parallel)
             if args.plan or not args.quiet:
                 print(plan.table(), flush=True)
             if args.plan:
@@ -114,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure = classify(err, started=started)
         if failure is None:
             raise
+        if isinstance(parallel, ParallelRuntime):
+            parallel.fail(err)  # the other ranks stop too (nothing happens if they already know)
         return _fail(failure)
     return 0
 
@@ -149,7 +184,8 @@ class _StderrHandler(logging.StreamHandler):
 
 
 # -- 1. everything that can be checked before a weight is read -------------------------------------
-def _prepare(args: argparse.Namespace, held: ExitStack) -> tuple[RunPlan, list[tuple[Path, Path]]]:
+def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None
+             ) -> tuple[RunPlan, list[tuple[Path, Path]]]:
     # 1. config (with the command's overrides); ranges are the config's own (pixal3d.config)
     config = load_config(args.config)
     if args.seed is not None:
@@ -168,7 +204,40 @@ def _prepare(args: argparse.Namespace, held: ExitStack) -> tuple[RunPlan, list[t
                                               what=str(output), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
-    return Pixal3D.plan(config, policy=args.memory_policy, device=device), jobs
+    return Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel), jobs
+
+
+def launch_rank(env: dict[str, str] | None = None) -> int:
+    """This process's rank as torchrun set it (0 without torchrun)."""
+    return int((os.environ if env is None else env).get("RANK", "0"))
+
+
+def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> ParallelSettings | None:
+    """``--parallel`` and its knobs as ``ParallelSettings`` checked against torchrun's environment (the same
+    on every rank, before any rendezvous); None for ``--parallel none``, today's single process."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    knobs = [f"--{k}" for k in ("pp", "patches", "warmup") if getattr(args, k) is not None]
+    if args.parallel == "none":
+        if knobs:
+            raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel is none)")
+        if world > 1:
+            raise UsageError(f"torchrun started {world} processes but --parallel is none, so each would run the whole "
+                             f"cascade and write the same files; pass --parallel cfg, pipefusion or both, or run "
+                             f"without torchrun")
+        return None
+    cfg = 2 if args.parallel in ("cfg", "both") else 1
+    piped = args.parallel in ("pipefusion", "both")
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        raise ParallelConfigError(f"--parallel {args.parallel} runs under torchrun, which starts the processes: "
+                                  f"torchrun --nproc-per-node {2 * cfg if piped else cfg} scripts/image_to_mesh.py ... "
+                                  f"(README: Several GPUs or machines)")
+    pp = args.pp if args.pp is not None else (max(1, world // cfg) if piped else 1)
+    settings = ParallelSettings(mode=args.parallel, pp=pp, patches=args.patches if args.patches is not None else
+                                (pp if piped else 1), warmup=1 if args.warmup is None else args.warmup,
+                                timeout_s=args.parallel_timeout)
+    settings.check_world_size(world)
+    return settings
 
 
 def _override(config: CascadeConfig, option: str, **changes: Any) -> CascadeConfig:

@@ -20,6 +20,7 @@ from pixal3d.interrupts import Terminated
 from pixal3d.locks import LockedError
 from pixal3d.models.loading import CheckpointError
 from pixal3d.models.preprocess import ImageError
+from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
 from pixal3d.staging import PolicyError, StageGraphError
 from pixal3d.staging.mps_memory import MpsMemoryLimitError
 
@@ -40,7 +41,8 @@ KINDS: tuple[tuple[type[BaseException], str], ...] = (
     (UsageError, "usage"), (LockedError, "usage"), (DeviceError, "usage"), (ConfigError, "config"),
     (ImageError, "input"), (EmptyStructureError, "input"), (WeightsError, "weights"), (CheckpointError, "weights"),
     (NotEnoughMemoryError, "memory"), (PolicyError, "memory"), (MpsMemoryLimitError, "memory"),
-    (StageGraphError, "config"),
+    (StageGraphError, "config"), (ParallelConfigError, "config"), (PeerFailedError, "parallel"),
+    (LinkError, "parallel"),
 )
 
 MEMORY_ADVICE = ("close other programs, run with --memory-policy staged, or lower export.texture_size / "
@@ -60,7 +62,8 @@ PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 class Failure:
     """A user-caused error, ready to report.
 
-    kind:      usage, config, input, weights, memory, disk, permission, io or interrupted (a web app maps
+    kind:      usage, config, input, weights, memory, disk, permission, io, parallel (another rank failed or a
+               link broke) or interrupted (a web app maps
                these to its status codes; a batch records them per image)
     message:   one line: what happened, the value or path, and what to do next
     exit_code: the command's exit status for it
