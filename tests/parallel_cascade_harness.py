@@ -1,0 +1,76 @@
+"""Workers of the cascade-level multi-process tests (tests/test_parallel_cascade.py): the tiny cascade through
+``Pixal3D`` (library) or ``pixal3d-image-to-mesh`` (command) on ranks started like torchrun starts them
+(``tests.parallel_harness.spawn``). Module level, so that spawned children can import them.
+
+Children fork from a server started once per test session, whose environment may predate the session's
+tiny-weights cache: each worker sets ``PIXAL3D_CACHE`` (and offline mode) itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+# Ranks import the cascade (transformers, DINOv3, ...) in seconds; the fork server does it once when it
+# starts (if an earlier test started it without them, every rank imports them itself: slower, the same).
+mp.set_forkserver_preload(["torch", "pixal3d.parallel", "tests.parallel_harness", "pipelines",
+                           "tests.parallel_cascade_harness"])
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+FLOWS = ("sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
+         "tex_slat_flow_model_1024")
+
+
+def _environment(cache: str, threads: int) -> None:
+    os.environ["PIXAL3D_CACHE"] = cache
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(threads)
+
+
+def library_worker(rank: int, cache: str, settings: Any, runs: list[tuple[str, int]], threads: int,
+                   until: str | None) -> dict[str, Any]:
+    """``Pixal3D.from_config(tiny, parallel=settings)``: rank 0 runs ``runs`` [(image, seed)], the others
+    follow. Returns rank 0's fingerprints and parallel records, every rank's model loads
+    ``(name, shard stage, shard stages)`` in order, and a follower's image count."""
+    _environment(cache, threads)
+    from pipelines import Pixal3D
+    from pixal3d.parallel.shard import shard_info
+
+    loads: list[tuple[str, int, int]] = []
+
+    def recording(name, load):
+        def loader():
+            module = load()
+            info = shard_info(module) if name in FLOWS else None
+            loads.append((name, *((info.stage, info.stages) if info else (0, 0))))
+            return module
+        return loader
+
+    with Pixal3D.from_config(TINY_CONFIG, policy="staged", device="cpu", until=until, parallel=settings,
+                             wrap_loader=recording) as pipe:
+        if pipe.is_follower:
+            return {"images": pipe.follow(), "loads": loads}
+        results = [pipe.run(image, seed=seed) for image, seed in runs]
+    return {"fingerprints": [r.fingerprints() for r in results], "parallel": [r.parallel for r in results],
+            "loads": loads}
+
+
+def cli_worker(rank: int, cache: str, argv: list[str] | dict[int, list[str]], folder: str, threads: int) -> int:
+    """``pixal3d-image-to-mesh argv`` (``argv`` per rank when a dict) as it runs under torchrun; its
+    stderr goes to ``folder/rank<r>.stderr``. Returns main()'s exit code on success; raises SystemExit
+    with it otherwise (the process then exits non-zero)."""
+    _environment(cache, threads)
+    from pipelines import cli
+
+    args = argv[rank] if isinstance(argv, dict) else argv
+    with open(Path(folder) / f"rank{rank}.stderr", "w") as stderr, contextlib.redirect_stderr(stderr):
+        code = cli.main([str(a) for a in args])
+    Path(folder, f"rank{rank}.code").write_text(str(code))
+    if code != 0:
+        raise SystemExit(code)
+    return code

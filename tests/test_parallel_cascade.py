@@ -1,0 +1,216 @@
+"""The cascade and the command under torchrun's conditions (issue 13, phase 2): ranks joined by env:// on
+loopback, gloo, the tiny config (``tests/parallel_cascade_harness.py``). Rank 0 runs the cascade; the
+others join its four flow stages holding their shards.
+
+Bitwise comparisons need the same kernels on the same shapes, and thread counts change CPU matmul
+rounding: the golden fingerprints (``tests/golden/tiny_cpu.json``) are those of torch's default thread
+count on the 2-core machine that wrote them, so the golden comparison runs its ranks with that many
+threads; the PipeFusion comparison runs ranks and the single-process oracle with one thread each.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+
+from pipelines import Pixal3D, cli, flow_stage
+from pixal3d.config import SamplerConfig
+from pixal3d.parallel import ParallelConfigError, ParallelSettings, emulate_pipefusion
+from tests.cascade_fixtures import EXAMPLE, GOLDEN, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
+from tests.parallel_cascade_harness import FLOWS, cli_worker, library_worker
+from tests.parallel_harness import spawn
+
+GOLDEN_THREADS = 2  # torch.get_num_threads() where tests/golden/tiny_cpu.json was written (2 cores)
+
+
+def _golden() -> dict[str, dict[str, str]]:
+    return json.loads(GOLDEN.read_text())["stages"]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _torchrun_env(monkeypatch, rank: int, world: int) -> None:
+    for key, value in dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=1).items():
+        monkeypatch.setenv(key, str(value))
+
+
+# -- one process ---------------------------------------------------------------------------------
+def test_parallel_none_is_todays_code_path_and_gives_the_golden_fingerprints(tiny, monkeypatch):
+    """Test 1: ``parallel=ParallelSettings()`` (mode none, N = 1, no CFG-parallel) runs today's sampler —
+    parallel_sample is never called — and gives the golden fingerprints; run.json has no parallel entry."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("parallel_sample called with --parallel none")
+    monkeypatch.setattr(flow_stage, "parallel_sample", refuse)
+    with Pixal3D.from_config(tiny, policy="staged", device="cpu", until="decode", parallel=ParallelSettings()) as pipe:
+        assert pipe.parallel is None and not pipe.is_follower and pipe.run_plan.parallel is None
+        result = pipe.run(EXAMPLE)
+    assert result.fingerprints() == _golden()
+    assert result.parallel is None and "parallel" not in result.record()
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--parallel", "cfg"], dict(RANK=0, WORLD_SIZE=3), ["needs 2 processes", "WORLD_SIZE is 3"]),
+    (["--parallel", "pipefusion", "--pp", "2", "--patches", "0"], dict(RANK=0, WORLD_SIZE=2), ["M = 0", ">= 1"]),
+    (["--parallel", "both", "--pp", "2"], dict(RANK=0, WORLD_SIZE=2), ["needs 4 processes"]),
+    (["--pp", "2"], {}, ["--pp needs --parallel pipefusion or both"]),
+    ([], dict(RANK=0, WORLD_SIZE=2), ["torchrun started 2 processes but --parallel is none"]),
+    (["--parallel", "cfg"], {}, ["runs under torchrun", "--nproc-per-node 2"]),
+])
+def test_bad_parallel_settings_are_one_line_on_rank_0_and_exit_2_on_every_rank(tmp_path, capsys, monkeypatch,
+                                                                                argv, env, words):
+    """Settings that do not fit the job are refused before any rendezvous, identically on every rank:
+    rank 0 prints one line, every rank exits 2 (the other ranks silently)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for rank in range(2 if env else 1):
+        for key, value in {**env, **({"RANK": rank} if env else {})}.items():
+            monkeypatch.setenv(key, str(value))
+        code = cli.main([str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "o.glb"), *argv])
+        out, err = capsys.readouterr()
+        assert code == 2
+        if rank == 0:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("pixal3d-image-to-mesh: error: "), err
+            assert all(w in lines[0] for w in words), lines[0]
+        else:
+            assert err == "" and out == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_warmup_above_a_stages_steps_is_refused_by_the_plan(tiny, monkeypatch):
+    """W > steps (the tiny stages have 2) is found from the config before any weight is read, naming the
+    stage; W = steps is accepted."""
+    _torchrun_env(monkeypatch, 0, 2)
+    with pytest.raises(ParallelConfigError, match=r"--warmup 3 is more than stage structure's 2 sampler steps"):
+        Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=3))
+    plan = Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=2))
+    assert plan.rank == 0 and not plan.follower and "rank 0 of 2 runs every stage" in plan.table()
+    _torchrun_env(monkeypatch, 1, 2)
+    follower = Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=2))
+    assert follower.follower and follower.model_names() == list(FLOWS)  # only the flow models (as shards)
+    assert [s.name for s in follower.stages] == ["structure", "shape_512", "shape_1024", "texture", "between_images"]
+
+
+# -- several processes ----------------------------------------------------------------------------
+def test_cfg_parallel_through_the_cascade_gives_the_golden_fingerprints(tiny_cache, tmp_path):
+    """Test 4 at the cascade level: rank 0 runs the whole cascade, rank 1 the negative CFG passes of its
+    four flow stages with its own (whole) flow models: the golden fingerprints, bit for bit. The record
+    holds both ranks' per-stage peaks; rank 1 loaded the four flow models and nothing else."""
+    run = spawn(2, library_worker, str(tiny_cache), ParallelSettings(mode="cfg", timeout_s=60),
+                [(str(EXAMPLE), 42)], GOLDEN_THREADS, "decode", folder=tmp_path, timeout_s=150)
+    assert run.exitcodes == [0, 0], run.errors
+    leader, follower = run.results
+    assert leader["fingerprints"] == [_golden()]
+    assert follower["images"] == 1
+    assert follower["loads"] == [(name, 0, 1) for name in FLOWS]  # whole models: the one shard of one stage
+    record = leader["parallel"][0]
+    assert (record["mode"], record["world_size"], record["backend"]) == ("cfg", 2, "gloo")
+    assert [r["rank"] for r in record["ranks"]] == [0, 1]
+    assert [s["stage"] for s in record["ranks"][1]["stages"]][1:] == [
+        "structure", "shape_512", "shape_1024", "texture", "between_images"]
+    assert all(r["peak_process_bytes"] > 0 for r in record["ranks"])
+
+
+def _emulating(patches: int, warmup: int):
+    """``sample_flow_euler``'s signature over the single-process PipeFusion emulator (the oracle)."""
+    def sample(flow, noise, *, cond, neg_cond, progress, callback, **params):
+        partial = isinstance(flow, functools.partial)
+        model, concat = (flow.func, flow.keywords["concat_cond"]) if partial else (flow, None)
+        return emulate_pipefusion(model, noise, cond=cond, neg_cond=neg_cond, concat_cond=concat,
+                                  sampler=SamplerConfig(**params), patches=patches, warmup=warmup)
+    return sample
+
+
+def test_pipefusion_cascade_equals_the_emulator_and_images_in_a_row_equal_fresh_runs(tiny, tiny_cache, tmp_path,
+                                                                                     monkeypatch, one_thread):
+    """PipeFusion N = 2, M = 2, W = 0 through the cascade (each rank holds half of each flow's blocks):
+    two images in a row through the same ranks give, stage by stage, the fingerprints of two fresh
+    single-process cascades whose flow stages run the emulator of the same schedule (test 3 and test 5 at
+    the cascade level; W = 0 makes every streamed step read the K/V buffers, so a buffer left from the
+    first image would show). Control: the exact sampler gives other latents."""
+    runs = [(str(EXAMPLE), 42), (str(EXAMPLE), 7)]
+    run = spawn(2, library_worker, str(tiny_cache), ParallelSettings(mode="pipefusion", pp=2, patches=2, warmup=0,
+                                                                      timeout_s=60),
+                runs, 1, "decode", folder=tmp_path, timeout_s=150)
+    assert run.exitcodes == [0, 0], run.errors
+    leader, follower = run.results
+    exact = Pixal3D.from_config(tiny, policy="staged", device="cpu", until="decode").run(EXAMPLE, seed=42)
+    monkeypatch.setattr(flow_stage, "sample_flow_euler", _emulating(patches=2, warmup=0))
+    for (image, seed), got in zip(runs, leader["fingerprints"], strict=True):
+        fresh = Pixal3D.from_config(tiny, policy="staged", device="cpu", until="decode").run(image, seed=seed)
+        assert got == fresh.fingerprints(), seed
+    first = leader["fingerprints"][0]
+    assert first["shape_512"]["lr_latent.feats"] != exact.fingerprints()["shape_512"]["lr_latent.feats"]
+    assert first["texture"] != leader["fingerprints"][1]["texture"]
+    # every rank loaded its half of each flow, per image (staged: released when the run left the stage)
+    assert follower["images"] == 2
+    assert follower["loads"] == [(name, 1, 2) for name in FLOWS] * 2
+    assert [load for load in leader["loads"] if load[0] in FLOWS] == [(name, 0, 2) for name in FLOWS] * 2
+    assert [r["pipeline_stage"] for r in leader["parallel"][1]["ranks"]] == [0, 1]
+
+
+def test_a_failure_on_rank_0_outside_the_flow_stages_stops_every_rank_naming_it(tiny_cache, tmp_path):
+    """The command on 2 ranks (CFG-parallel), two inputs whose second passes the header check but cannot be
+    decoded: rank 0 writes the first GLB, fails on the second before any flow stage, and both ranks exit
+    non-zero well within the 120 s timeout, rank 1 naming rank 0 and its error."""
+    bad = tmp_path / "in" / "b_truncated.png"
+    bad.parent.mkdir()
+    data = EXAMPLE.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    (tmp_path / "in" / "a.png").write_bytes(data)
+    out = tmp_path / "out"
+    argv = [tmp_path / "in", "--config", TINY_CONFIG, "-o", out, "--quiet", "--parallel", "cfg",
+            "--parallel-timeout", "120"]
+    started = time.monotonic()
+    run = spawn(2, cli_worker, str(tiny_cache), argv, str(tmp_path), 1, folder=tmp_path, timeout_s=150)
+    assert all(code not in (0, None) for code in run.exitcodes), run.exitcodes
+    assert time.monotonic() - started < 100
+    assert [(tmp_path / f"rank{r}.code").read_text() for r in (0, 1)] == ["1", "1"]
+    rank0 = (tmp_path / "rank0.stderr").read_text().strip().splitlines()
+    rank1 = (tmp_path / "rank1.stderr").read_text().strip().splitlines()
+    assert len(rank0) == 1 and "b_truncated.png is truncated or corrupt" in rank0[0], rank0
+    assert len(rank1) == 1 and rank1[0].startswith("pixal3d-image-to-mesh: error: rank 1 stopped: rank 0 failed: "
+                                                   "ImageError: "), rank1
+    assert sorted(p.name for p in out.iterdir()) == ["a.glb", "a.run.json"]
+    record = json.loads((out / "a.run.json").read_text())
+    assert record["parallel"]["mode"] == "cfg" and len(record["parallel"]["ranks"]) == 2
+
+
+@pytest.mark.parametrize("case", ["blocks", "config"])
+def test_settings_that_do_not_fit_the_models_or_differ_between_ranks_stop_every_rank(tiny_cache, tmp_path, case):
+    """After the rendezvous: --pp 3 on 3 ranks for 2-block flows is one error on rank 0 (every rank finds
+    it before loading anything; the others stay silent), exit 2 everywhere. A rank whose config differs
+    (rank 1 samples the structure in 3 steps) stops the job at the first image: it names the difference,
+    rank 0 names rank 1, every rank exits non-zero."""
+    base = ["assets/example.png", "--config", TINY_CONFIG, "-o", tmp_path / "out", "--quiet",
+            "--parallel-timeout", "60"]
+    if case == "blocks":
+        world, argv = 3, [*base, "--parallel", "pipefusion", "--pp", "3"]
+    else:
+        other = tmp_path / "other.yaml"
+        other.write_text(f"base: {TINY_CONFIG}\nstructure:\n  sampler: {{steps: 3}}\n")
+        world = 2
+        argv = {0: [*base, "--parallel", "cfg"],
+                1: [*base[:2], other, *base[3:], "--parallel", "cfg"]}
+    run = spawn(world, cli_worker, str(tiny_cache), argv, str(tmp_path), 1, folder=tmp_path, timeout_s=120)
+    assert all(code not in (0, None) for code in run.exitcodes), run.exitcodes
+    errors = [(tmp_path / f"rank{r}.stderr").read_text().strip().splitlines() for r in range(world)]
+    assert len(errors[0]) == 1, errors
+    if case == "blocks":
+        assert "--pp 3 is more than the 2 blocks of sparse_structure_flow_model" in errors[0][0]
+        assert errors[1:] == [[], []]
+        assert [(tmp_path / f"rank{r}.code").read_text() for r in range(3)] == ["2", "2", "2"]
+    else:
+        assert "rank 0 stopped: rank 1 failed: ParallelConfigError: rank 1's config differs from rank 0's in " \
+               "stage structure: steps = 3 here, 2 on rank 0" in errors[0][0], errors
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
