@@ -13,7 +13,7 @@ Two techniques for the four flow transformers, applied from outside the unchange
   The result depends on (M, W) only, never on N: ``emulate_pipefusion`` computes it in one process.
 * ``mode="both"``: 2 × N ranks, one PipeFusion ring per CFG branch.
 
-Wiring (phase 2, for the cascade and the CLI)::
+Wiring (the cascade does this in ``pipelines/parallel.py``, the command in ``pipelines/cli_parallel.py``)::
 
     settings = ParallelSettings(mode="pipefusion", pp=2, patches=4, warmup=1)  # from the CLI / config
     runtime = init_parallel(settings, device=device)   # once per process under torchrun; raises
@@ -39,7 +39,12 @@ Contract of ``parallel_sample``:
 * Failure: if any rank raises, every rank raises within seconds, the failing rank its own error
   (with a note naming its rank) and the others ``PeerFailedError("rank r stopped: rank k failed:
   <Type>: <message>")``; a rank that dies is named by the first peer that loses it; a rank that hangs
-  is reported after ``settings.timeout_s``. The CLI prints the error once per rank and exits non-zero.
+  is reported after ``settings.timeout_s``. A rank that fails *between* flow stages calls
+  ``runtime.fail(err)``: posted where the others wait next, so they stop the same way. The command
+  prints a settings error once (rank 0) and every other error on the rank that has it; every rank
+  exits non-zero.
+* Between flow stages the ranks talk through ``session``: rank 0 announces each image (and the end),
+  every rank reports its peak memory per image (``exchange``).
 
 Launch: ``torchrun --nproc-per-node 2 ...`` on one machine (NCCL on CUDA, gloo on CPU/MPS);
 ``torchrun --nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:PORT --nproc-per-node 1 ...``
@@ -50,7 +55,8 @@ torchrun's environment), ``runtime`` (process groups), ``shard`` (layer sharding
 order, patches, slices of positions and conditions), ``schedule`` (the per-step plan), ``stale_kv``
 (PipeFusion attention), ``stepper`` (the sampler's update per piece / whole latent), ``comm``
 (point-to-point links, broadcasts), ``failure`` (every rank stops, naming the failed one),
-``pipeline`` (``parallel_sample``), ``emulator`` (the single-process oracle).
+``pipeline`` (``parallel_sample``), ``session`` (the job's messages between flow stages),
+``emulator`` (the single-process oracle).
 """
 from .emulator import emulate_pipefusion
 from .failure import LinkError, PeerFailedError
