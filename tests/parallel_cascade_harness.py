@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+import tests.parallel_harness  # noqa: F401  (first: its preload list is replaced by the longer one below)
+
 # Ranks import the cascade (transformers, DINOv3, ...) in seconds; the fork server does it once when it
 # starts (if an earlier test started it without them, every rank imports them itself: slower, the same).
 mp.set_forkserver_preload(["torch", "pixal3d.parallel", "tests.parallel_harness", "pipelines",
