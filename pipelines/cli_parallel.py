@@ -21,7 +21,12 @@ import argparse
 import sys
 
 from pixal3d.config import load_config
-from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, init_parallel
+from pixal3d.parallel import (
+    ParallelConfigError,
+    ParallelRuntime,
+    ParallelSettings,
+    init_parallel,
+)
 from pixal3d.parallel.topology import Topology
 
 from .cli import UsageError, _fail, _main, default_device, parse_device

@@ -162,14 +162,16 @@ def test_pipefusion_cascade_equals_the_emulator_and_images_in_a_row_equal_fresh_
 
 
 def test_a_failure_on_rank_0_outside_the_flow_stages_stops_every_rank_naming_it(tiny_cache, tmp_path):
-    """The command on 2 ranks (CFG-parallel), two inputs whose second passes the header check but cannot be
-    decoded: rank 0 writes the first GLB, fails on the second before any flow stage, and both ranks exit
-    non-zero well within the 120 s timeout, rank 1 naming rank 0 and its error."""
-    bad = tmp_path / "in" / "b_truncated.png"
+    """The command on 2 ranks (CFG-parallel), two inputs whose second passes every check before the run but
+    holds no object (fully transparent): rank 0 writes the first GLB, fails on the second in preprocessing,
+    before any flow stage, and both ranks exit non-zero well within the 120 s timeout, rank 1 naming rank 0
+    and its error."""
+    from PIL import Image
+
+    bad = tmp_path / "in" / "b_empty.png"
     bad.parent.mkdir()
-    data = EXAMPLE.read_bytes()
-    bad.write_bytes(data[: len(data) // 2])
-    (tmp_path / "in" / "a.png").write_bytes(data)
+    Image.new("RGBA", (64, 64), (255, 255, 255, 0)).save(bad)
+    (tmp_path / "in" / "a.png").write_bytes(EXAMPLE.read_bytes())
     out = tmp_path / "out"
     argv = [tmp_path / "in", "--config", TINY_CONFIG, "-o", out, "--quiet", "--parallel", "cfg",
             "--parallel-timeout", "120"]
@@ -180,7 +182,7 @@ def test_a_failure_on_rank_0_outside_the_flow_stages_stops_every_rank_naming_it(
     assert [(tmp_path / f"rank{r}.code").read_text() for r in (0, 1)] == ["1", "1"]
     rank0 = (tmp_path / "rank0.stderr").read_text().strip().splitlines()
     rank1 = (tmp_path / "rank1.stderr").read_text().strip().splitlines()
-    assert len(rank0) == 1 and "b_truncated.png is truncated or corrupt" in rank0[0], rank0
+    assert len(rank0) == 1 and "no object found" in rank0[0], rank0
     assert len(rank1) == 1 and rank1[0].startswith("pixal3d-image-to-mesh: error: rank 1 stopped: rank 0 failed: "
                                                    "ImageError: "), rank1
     assert sorted(p.name for p in out.iterdir()) == ["a.glb", "a.run.json"]
