@@ -1,4 +1,6 @@
-"""PNG plots of memory over time with stage bands and load/release marks (matplotlib, Agg)."""
+"""Plots of memory over time with stage bands and load/release marks (matplotlib, Agg): a PNG file
+(``plot_traces``) or a figure object (``trace_figure``, e.g. for a web page that redraws it while the
+trace grows). Figures are built without pyplot, so threads can draw at the same time."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +12,9 @@ _GIB = 2**30
 _BAND_COLOURS = ("#dbe9f6", "#f6e7d8")
 
 
-def _draw(axes: Any, records: list[dict[str, Any]], title: str) -> None:
+def draw_trace(axes: Any, records: list[dict[str, Any]], title: str) -> None:
+    """Draw one trace (complete or still growing) on ``axes``: a band per stage window, process,
+    device and swap memory in GiB, exact peaks as dashed levels, loads and releases as lines."""
     summary = summarize(records)
     for index, row in enumerate(summary.rows):
         axes.axvspan(row.start, row.start + row.seconds, color=_BAND_COLOURS[index % 2], lw=0)
@@ -38,22 +42,24 @@ def _draw(axes: Any, records: list[dict[str, Any]], title: str) -> None:
     axes.legend(loc="upper left", fontsize=7)
 
 
-def plot_traces(traces: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
-    """Plot one or more traces (label, records), one panel each on a shared time and memory
-    scale; green dashed lines are loads, red dotted lines releases. Writes ``path``."""
-    import matplotlib
+def trace_figure(traces: list[tuple[str, list[dict[str, Any]]]], *, width: float = 11.0,
+                 panel_height: float = 3.6) -> Any:
+    """A matplotlib ``Figure`` with one panel per trace (label, records) on a shared time and memory
+    scale; green dashed lines are loads, red dotted lines releases."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    figure, panels = pyplot.subplots(len(traces), 1, figsize=(11, 3.6 * len(traces)),
-                                     sharex=True, sharey=True, squeeze=False)
+    figure = Figure(figsize=(width, panel_height * len(traces)))
+    panels = figure.subplots(len(traces), 1, sharex=True, sharey=True, squeeze=False)
     for axes, (label, records) in zip(panels[:, 0], traces):
-        _draw(axes, records, label)
+        draw_trace(axes, records, label)
     panels[-1, 0].set_xlabel("seconds since start")
     figure.tight_layout()
+    return figure
+
+
+def plot_traces(traces: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+    """``trace_figure(traces)`` written to ``path`` (PNG)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+    trace_figure(traces).savefig(path, dpi=110)
     return path
