@@ -311,6 +311,8 @@ class Pixal3D:
                     bar.set_postfix_str(stage.name)
                     if callback is not None:
                         callback({"kind": "stage", "stage": stage.name, "index": index, "stages": len(stages)})
+                    if index == 0 and self._runner.registry.stage == stage.name:
+                        meter.mark(stage.name)  # a run that failed in this stage left the registry there: no event
                     records.append(self._runner.run_stage(stage, state))
                     bar.update(1)
             finally:
