@@ -1,0 +1,207 @@
+"""One job as a stream of updates: waiting for the models, the plan, each stage and sampler step with the
+memory trace so far, then the GLB, run.json and the per-stage table (or the error, on one line).
+
+The cascade runs in a thread of its own; the generator polls it (``poll`` seconds) and reads the new lines
+of the JSONL memory trace that ``Pixal3D.run(trace=...)`` flushes as it goes, so a page can redraw the
+memory plot while the run happens. Nothing here imports Gradio.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pixal3d.files import write_json_atomic
+from pixal3d.models.preprocess import ImageError
+from pixal3d.telemetry import format_bytes
+
+from ..pipeline import RunPlan
+from ..result import Result, run_json_path
+from .errors import error_line
+from .settings import JobSettings
+from .worker import Worker
+
+TABLE_HEADERS = ("stage", "seconds", "peak memory", "peak device", "models used", "loaded")
+REFUSAL = "cannot run on this machine: "
+NO_IMAGE = ("no image: upload a PNG, JPEG or WebP (an RGBA image's alpha marks the object), or pick the example")
+
+_job_numbers = itertools.count(1)
+
+
+@dataclass
+class JobOutputs:
+    """What a finished job left: the files (in the job's folder) and the per-stage table."""
+
+    glb: Path
+    record: Path
+    trace: Path
+    table: list[list[str]]
+    seconds: float
+    policy: str
+
+
+@dataclass
+class JobUpdate:
+    """The job's state at one moment. ``records``: the memory trace so far (every record, not only new ones)."""
+
+    status: str
+    fraction: float = 0.0
+    records: list[dict[str, Any]] = field(default_factory=list)
+    plan: str | None = None
+    outputs: JobOutputs | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outputs is not None or self.error is not None
+
+
+class TraceTail:
+    """The records of a JSONL trace that is still being written: each ``read`` adds the complete new lines."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        """All records so far (a half-written last line waits for the next read)."""
+        if not self.path.exists():
+            return self.records
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        self.records.extend(json.loads(line) for line in lines if line.strip())
+        return self.records
+
+
+class _Progress:
+    """What the run's callback last reported, read by the polling generator."""
+
+    def __init__(self) -> None:
+        self.stage = ""
+        self.index = 0
+        self.stages = 1
+        self.step = 0
+        self.steps = 0
+        self.plan: RunPlan | None = None
+        self.waiting = False
+
+    def __call__(self, report: dict[str, Any]) -> None:
+        if report["kind"] == "stage":
+            self.stage, self.index, self.stages = report["stage"], report["index"], report["stages"]
+            self.step = self.steps = 0
+        elif report["kind"] == "step":
+            self.step, self.steps = report["step"], report["steps"]
+
+    def waits(self) -> None:
+        self.waiting = True
+
+    def started(self, plan: RunPlan) -> None:
+        self.plan, self.waiting = plan, False
+
+    def status(self) -> str:
+        if self.waiting:
+            return "waiting: another job is using the models; yours starts when it ends"
+        if self.plan is None:
+            return "planning"
+        if not self.stage:
+            return f"starting (policy {self.plan.policy.value})"
+        text = f"stage {self.index + 1}/{self.stages} · {self.stage}"
+        return text + (f" · sampler step {self.step}/{self.steps}" if self.steps else "")
+
+    def fraction(self) -> float:
+        within = self.step / self.steps if self.steps else 0.0
+        return min(1.0, (self.index + within) / max(self.stages, 1)) if self.stage else 0.0
+
+
+def plan_or_refusal(worker: Worker, settings: JobSettings) -> str:
+    """The memory plan and the chosen policy with its reasons (``RunPlan.table()``, the text ``--plan`` prints), or
+    ``REFUSAL`` and the one-line reason when the plan cannot be made or the machine cannot run it."""
+    try:
+        return worker.plan(settings).table()
+    except Exception as err:  # noqa: BLE001 - every failure to plan is shown, as a refusal with its reason
+        return REFUSAL + error_line(err)
+
+
+def run_job(worker: Worker, image: Any, settings: JobSettings, *, outputs: Path, name: str | None = None,
+            poll: float = 0.5) -> Iterator[JobUpdate]:
+    """Run one job on ``worker``, yielding an update every ``poll`` seconds and a last one with the outputs (written
+    under ``outputs``) or the error. ``image``: a path, a PIL image or an array (None: the "no image" error)."""
+    if image is None:
+        yield JobUpdate(status=f"error: {NO_IMAGE}", error=error_line(ImageError(NO_IMAGE)))
+        return
+    stem = Path(name or (str(image) if isinstance(image, (str, Path)) else "image")).stem or "image"
+    folder = outputs / f"{next(_job_numbers):04d}-{stem}"
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = folder / f"{stem}.trace.jsonl"
+    tail, progress, finished = TraceTail(trace), _Progress(), {}
+
+    def work() -> None:
+        try:
+            finished["result"] = worker.run(image, settings, name=name or str(image), callback=progress,
+                                            trace=trace, on_wait=progress.waits,
+                                            on_start=progress.started)
+        except BaseException as err:  # noqa: BLE001 - handed to the generator, which reports it
+            finished["error"] = err
+
+    thread = threading.Thread(target=work, name=f"pixal3d-job-{stem}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        yield _update(progress, tail)
+        thread.join(poll)
+    if "error" in finished:
+        message = error_line(finished["error"])
+        yield JobUpdate(status=f"error: {message}", fraction=progress.fraction(), records=tail.read(),
+                        plan=_plan_text(progress), error=message)
+        return
+    result: Result = finished["result"]
+    done = _save(result, folder / f"{stem}.glb", trace, settings)
+    yield JobUpdate(status=f"done in {done.seconds:.1f} s (policy {done.policy}): {done.glb.name}", fraction=1.0,
+                    records=tail.read(), plan=_plan_text(progress), outputs=done)
+
+
+def _update(progress: _Progress, tail: TraceTail) -> JobUpdate:
+    return JobUpdate(status=progress.status(), fraction=progress.fraction(), records=list(tail.read()),
+                     plan=_plan_text(progress))
+
+
+def _plan_text(progress: _Progress) -> str | None:
+    return progress.plan.table() if progress.plan is not None else None
+
+
+def _save(result: Result, glb: Path, trace: Path, settings: JobSettings) -> JobOutputs:
+    """The GLB and run.json (with the visitor's settings beside the config) next to the trace."""
+    result.save(glb)
+    record = result.record(output=glb, command=["pixal3d-app", "--config", result.config.source])
+    record["app_settings"] = vars(settings)
+    write_json_atomic(run_json_path(glb), record)
+    return JobOutputs(glb=glb, record=run_json_path(glb), trace=trace, table=stage_rows(result),
+                      seconds=result.seconds, policy=result.policy.value)
+
+
+def stage_rows(result: Result) -> list[list[str]]:
+    """One row per stage (``TABLE_HEADERS``): seconds, peak process and device memory, the models it used, and
+    what was loaded in its window (count and bytes, from the memory meter)."""
+    windows = {row["stage"]: row for row in result.memory}
+    rows = []
+    setup = windows.get("setup", {})
+    if setup.get("loads"):  # an eager policy loads every model before the first stage
+        rows.append(["setup", f"{setup['seconds']:.2f}", format_bytes(setup.get("peak_process")),
+                     format_bytes(setup.get("peak_device")), "-",
+                     f"{setup['loads']} ({format_bytes(setup.get('loaded_bytes', 0))})"])
+    for record in result.stages:
+        window = windows.get(record.stage, {})
+        loads = window.get("loads", 0)
+        loaded = f"{loads} ({format_bytes(window.get('loaded_bytes', 0))})" if loads else "-"
+        rows.append([record.stage, f"{record.seconds:.2f}", format_bytes(record.peak_process_bytes),
+                     format_bytes(record.peak_device_bytes), ", ".join(record.used) or "-", loaded])
+    rows.append(["total", f"{result.seconds:.2f}", "", "", "", ""])
+    return rows

@@ -1,0 +1,129 @@
+"""The Gradio page: inputs on the left; the plan, progress, live memory plot, 3D viewer, downloads and
+per-stage table on the right. The only module of the app that imports Gradio.
+
+Runs share one queue with a concurrency of 1 (``concurrency_id="models"``): a second visitor's job waits
+and the page shows its place in the queue. Showing the plan reads only file headers, so it has its own
+unlimited queue and answers while a job runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from pixal3d.staging import Policy
+from pixal3d.telemetry.plot import trace_figure
+
+from .errors import error_line
+from .job import REFUSAL, TABLE_HEADERS, JobUpdate, plan_or_refusal, run_job
+from .settings import TEXTURE_SIZES, JobSettings
+from .worker import Worker
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
+INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
+         "before the run, memory per stage while it runs, and what each stage cost after.")
+DEFAULT_FOV = 49.1  # the reference's fallback field of view, the slider's starting point
+CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines are long: small, full width
+
+
+def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
+    """The page for ``worker``; job files go under ``outputs``."""
+    export = worker.config.export
+    textures = sorted({*TEXTURE_SIZES, export.texture_size})
+    with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
+        gr.Markdown(INTRO)
+        plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
+        with gr.Row():
+            with gr.Column(scale=2, min_width=320):
+                image = gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath", image_mode=None,
+                                 format="png", sources=["upload", "clipboard"], elem_id="image", height=300)
+                gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
+                seed = gr.Number(value=worker.config.seed, precision=0, minimum=0, label="seed", elem_id="seed")
+                with gr.Row():
+                    fov_auto = gr.Checkbox(value=True, label="automatic field of view", elem_id="fov-auto")
+                    fov = gr.Slider(10, 120, value=worker.config.camera.fov_deg or DEFAULT_FOV, step=0.1,
+                                    label="field of view (degrees)", interactive=False, elem_id="fov")
+                policy = gr.Dropdown([p.value for p in Policy], value="auto", label="memory policy",
+                                     elem_id="policy")
+                texture = gr.Dropdown(textures, value=export.texture_size, label="texture size", elem_id="texture")
+                faces = gr.Number(value=export.decimation_target, precision=0, minimum=4, label="face budget",
+                                  elem_id="faces")
+                run = gr.Button("Generate", variant="primary", elem_id="run")
+                files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
+                                interactive=False, elem_id="downloads")
+            with gr.Column(scale=3, min_width=480):
+                status = gr.Markdown("upload an image (or pick the example), then press Generate",
+                                     elem_id="status")
+                plot = gr.Plot(label="memory", elem_id="memory", format="png")
+                viewer = gr.Model3D(label="model", elem_id="viewer", height=360,
+                                    clear_color=(0.95, 0.95, 0.95, 1.0))
+        table = gr.Dataframe(headers=list(TABLE_HEADERS), label="per stage", interactive=False, elem_id="stages")
+        model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
+
+        def show_plan(policy_: str, texture_: int, faces_: Any) -> str:
+            try:
+                settings = JobSettings(policy=policy_, texture_size=int(texture_), face_budget=_int(faces_))
+            except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
+                return f"**{REFUSAL}{error_line(err)}**"
+            text = plan_or_refusal(worker, settings)
+            return f"**{text}**" if text.startswith(REFUSAL) else _plan_markdown(text)
+
+        def on_run(image_: str | None, seed_: Any, fov_auto_: bool, fov_: float, policy_: str, texture_: int,
+                   faces_: Any, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:  # noqa: B008 - Gradio's way
+            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs 
+            try:
+                settings = JobSettings(seed=_int(seed_), fov=None if fov_auto_ else float(fov_),
+                                       policy=policy_, texture_size=int(texture_), face_budget=_int(faces_))
+            except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
+                yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
+            drawn = 0
+            for update in run_job(worker, image_, settings, outputs=outputs, poll=poll):
+                progress(update.fraction, desc=update.status)
+                figure = gr.skip()
+                if len(update.records) != drawn and update.records:
+                    figure, drawn = _figure(update), len(update.records)
+                yield _final(update, figure) if update.done else (
+                    _status(update.status), figure, gr.skip(), gr.skip(), gr.skip(),
+                    _plan_markdown(update.plan) if update.plan else gr.skip())
+
+        settings_inputs = [policy, texture, faces]
+        page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
+        for component in settings_inputs:
+            component.change(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
+        fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fov, queue=False)
+        # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
+        # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
+        run.click(lambda: None, None, viewer, queue=False).then(
+            on_run, [image, seed, fov_auto, fov, policy, texture, faces], [status, plot, model, files, table, plan],
+            concurrency_limit=1, concurrency_id="models", show_progress_on=[status]).then(
+            lambda path: path, model, viewer, queue=False)
+    return page
+
+
+def _final(update: JobUpdate, figure: Any) -> tuple:
+    plan = _plan_markdown(update.plan) if update.plan else gr.skip()
+    if update.outputs is None:
+        return _status(update.status), figure, None, None, None, plan
+    out = update.outputs
+    return (_status(update.status), figure, str(out.glb), [str(out.glb), str(out.record), str(out.trace)],
+            out.table, plan)
+
+
+def _figure(update: JobUpdate) -> Any:
+    figure = trace_figure([("memory while it runs", update.records)], width=8.0, panel_height=3.2)
+    return figure
+
+
+def _plan_markdown(table: str) -> str:
+    return f"```text\n{table}\n```"
+
+
+def _status(text: str) -> str:
+    return f"**{text}**" if text.startswith("error:") else text
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None or value == "" else int(value)

@@ -1,0 +1,100 @@
+"""Worker: the app's one ``Pixal3D``, kept alive for the current plan, running one job at a time.
+
+Two cascades at once would need twice the memory the plan promised, so jobs take a lock (the page's
+queue already runs them one by one; the lock holds for any other caller too). The pipeline is kept
+between jobs, so its policy decides what stays loaded: ``resident`` and ``eager`` keep their models,
+``offload`` parks them in host memory, ``staged`` holds none after the export stage. A job whose plan
+differs (another policy, texture size or face budget, or ``auto`` choosing differently) closes the
+pipeline and builds a new one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pixal3d.config import CascadeConfig
+
+from ..pipeline import Pixal3D, RunPlan, default_device
+from ..result import Result
+from .settings import JobSettings, job_config
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Plans and runs jobs on ``config`` (the app's ``--config``) on ``device`` (default: CUDA, else MPS, else CPU)."""
+
+    def __init__(self, config: CascadeConfig, *, device: str | torch.device | None = None):
+        self.config = config
+        self.device = torch.device(device) if device is not None else default_device()
+        self._lock = threading.Lock()
+        self._pipe: Pixal3D | None = None
+
+    @property
+    def pipeline(self) -> Pixal3D | None:
+        """The pipeline kept from the last job (None before the first and after ``close``)."""
+        return self._pipe
+
+    @property
+    def busy(self) -> bool:
+        """True while a job holds the models."""
+        return self._lock.locked()
+
+    def plan(self, settings: JobSettings) -> RunPlan:
+        """The memory plan and the policy for ``settings`` (headers only; raises ``NotEnoughMemoryError``,
+        ``PolicyError``, ``WeightsError``, ``ConfigError`` as ``Pixal3D.plan`` does)."""
+        return Pixal3D.plan(job_config(self.config, settings), policy=settings.policy, device=self.device)
+
+    def run(self, image: Any, settings: JobSettings, *, name: str | None = None,
+            callback: Callable[[dict[str, Any]], None] | None = None, trace: Path | None = None,
+            on_wait: Callable[[], None] | None = None, on_start: Callable[[RunPlan], None] | None = None) -> Result:
+        """Wait for the models, plan, then run ``image`` through the cascade (see ``Pixal3D.run``).
+        ``on_wait()`` is called if another job holds the models; ``on_start(plan)`` once this one does."""
+        if not self._lock.acquire(blocking=False):
+            if on_wait is not None:
+                on_wait()
+            self._lock.acquire()
+        try:
+            plan = self.plan(settings)
+            if on_start is not None:
+                on_start(plan)
+            pipe = self._pipeline_for(plan)
+            return pipe.run(image, seed=settings.seed, fov=settings.fov, callback=callback, trace=trace, name=name,
+                            trace_meta={"app_settings": vars(settings)})
+        finally:
+            self._lock.release()
+
+    def prepare(self, settings: JobSettings) -> Pixal3D:
+        """The pipeline a job with ``settings`` would run on: the kept one if its plan is the same, else a new one
+        (the old one closed first). Fetches and verifies weights; loads no model."""
+        with self._lock:
+            return self._pipeline_for(self.plan(settings))
+
+    def _pipeline_for(self, plan: RunPlan) -> Pixal3D:
+        current = self._pipe
+        if current is not None and _same_plan(current.run_plan, plan):
+            return current
+        if current is not None:
+            logger.info("plan changed (policy %s → %s); releasing the previous pipeline's models",
+                        current.policy.value, plan.policy.value)
+            self._pipe = None
+            current.close()
+        self._pipe = Pixal3D.from_plan(plan)
+        return self._pipe
+
+    def close(self) -> None:
+        """Release every model (waits for a running job)."""
+        with self._lock:
+            if self._pipe is not None:
+                self._pipe.close()
+                self._pipe = None
+
+
+def _same_plan(a: RunPlan, b: RunPlan) -> bool:
+    """Same config, resolved policy and device: the pipeline built for ``a`` serves ``b``."""
+    return a.config == b.config and a.policy == b.policy and a.device == b.device

@@ -1,0 +1,140 @@
+"""The web app's job, without a browser or Gradio: a tiny job streams its stage, sampler step and memory trace and
+ends with a GLB, run.json and the per-stage table; bad inputs end with the library's one-line error and the worker
+goes on serving; two jobs sent at once run one after the other; the pipeline is kept while the plan is the same."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from pipelines.app.job import NO_IMAGE, REFUSAL, plan_or_refusal, run_job
+from pipelines.app.settings import JobSettings
+from pipelines.app.worker import Worker
+from pixal3d.config import ConfigError
+from pixal3d.models.preprocess import ImageError, as_image
+from pixal3d.staging import PolicyError
+from tests.cascade_fixtures import EXAMPLE, tiny, tiny_cache  # noqa: F401
+
+RESIDENT = JobSettings(policy="resident", texture_size=128, face_budget=2000)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny):
+    worker = Worker(tiny, device="cpu")
+    yield worker
+    worker.close()
+
+
+def _last(updates):
+    assert updates and updates[-1].done and all(not u.done for u in updates[:-1])
+    return updates[-1]
+
+
+def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_job(worker, tmp_path):
+    # 1. not an image: the error is the library's ImageError text, on one line
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    with pytest.raises(ImageError) as expected:
+        as_image(text)
+    bad = _last(list(run_job(worker, text, RESIDENT, outputs=tmp_path, poll=0.05)))
+    assert bad.error == " ".join(str(expected.value).split()) and bad.outputs is None
+    # 2. nothing uploaded
+    assert _last(list(run_job(worker, None, RESIDENT, outputs=tmp_path))).error == NO_IMAGE
+    # 3. an image with no object (its alpha is zero everywhere)
+    empty = np.zeros((64, 64, 4), dtype=np.uint8)
+    nothing = _last(list(run_job(worker, empty, RESIDENT, outputs=tmp_path, poll=0.05)))
+    assert nothing.error.startswith("no object found") and "\n" not in nothing.error
+    # 4. the same worker then runs a good job
+    updates = list(run_job(worker, EXAMPLE, RESIDENT, outputs=tmp_path, poll=0.05))
+    done = _last(updates)
+    assert done.error is None, done.error
+    out = done.outputs
+    assert out.glb.read_bytes()[:4] == b"glTF"
+    record = json.loads(out.record.read_text())
+    assert record["config"]["export"]["texture_size"] == 128 and record["config"]["export"]["decimation_target"] == 2000
+    assert record["app_settings"] == {"seed": 42, "fov": None, "policy": "resident", "texture_size": 128,
+                                      "face_budget": 2000}
+    stages = [s.name for s in worker.pipeline.stages]
+    assert [row[0] for row in out.table] == [*stages, "total"]
+    assert all(row[2].endswith(("MiB", "GiB")) for row in out.table[:-1]), out.table  # peak memory from the meter
+    assert {row[0]: row[4] for row in out.table}["structure"].startswith("dinov3")
+    assert float(out.table[-1][1]) == pytest.approx(sum(float(row[1]) for row in out.table[:-1]), abs=0.05)
+    # 5. while it ran: stage and sampler step in the status, the memory trace growing
+    statuses = [u.status for u in updates[:-1]]
+    assert any("· structure" in s for s in statuses) and any("sampler step" in s for s in statuses)
+    sizes = [len(u.records) for u in updates]
+    assert sizes == sorted(sizes) and 0 < min(n for n in sizes[:-1] if n) < sizes[-1]
+    assert [u.fraction for u in updates] == sorted(u.fraction for u in updates) and updates[-1].fraction == 1.0
+    # 6. resident: the models stay loaded for the next job
+    assert worker.pipeline.runner.registry.loaded()
+
+
+def test_two_jobs_sent_at_once_run_one_after_the_other(worker, tmp_path):
+    results = {}
+
+    def send(name):
+        results[name] = list(run_job(worker, EXAMPLE, RESIDENT, outputs=tmp_path / name, poll=0.05))
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    spans, waited = [], []
+    for updates in results.values():
+        out = _last(updates).outputs
+        assert out is not None, _last(updates).error
+        records = [json.loads(line) for line in out.trace.read_text().splitlines()]
+        start, end = records[0], records[-1]
+        assert start["type"] == "start" and end["type"] == "end"
+        spans.append((start["time"], start["time"] + end["t"], records))
+        waited.append(any(u.status.startswith("waiting") for u in updates))
+    (_, first_end, _), (second_start, _, second) = sorted(spans, key=lambda span: span[0])
+    assert first_end <= second_start  # no overlap in the meter's traces
+    assert sorted(waited) == [False, True]  # control: they were sent together, so one of them had to wait
+    # the policy (resident) kept the models: the later job loaded none
+    assert not [r for r in second if r["type"] == "event" and r["kind"] in ("load", "reload")]
+
+
+def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_changes(tiny):
+    worker = Worker(tiny, device="cpu")
+    try:
+        first = worker.prepare(JobSettings(policy="staged"))
+        assert worker.prepare(JobSettings(policy="staged", seed=7, fov=30.0)) is first  # run arguments only
+        bigger = worker.prepare(JobSettings(policy="staged", texture_size=512))
+        assert bigger is not first and bigger.config.export.texture_size == 512
+        assert worker.plan(JobSettings(policy="staged", texture_size=512)).memory.stages[-1].working_bytes > \
+            worker.plan(JobSettings(policy="staged", texture_size=128)).memory.stages[-1].working_bytes
+        assert worker.prepare(JobSettings(policy="resident", texture_size=512)).policy.value == "resident"
+    finally:
+        worker.close()
+
+
+def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(worker, tmp_path):
+    assert plan_or_refusal(worker, RESIDENT) == worker.plan(RESIDENT).table()  # the text --plan prints
+    offload = JobSettings(policy="offload")  # parks models in host memory: refused where memory is unified (CPU)
+    refusal = plan_or_refusal(worker, offload)
+    with pytest.raises(PolicyError) as expected:
+        worker.plan(offload)
+    assert refusal == REFUSAL + " ".join(str(expected.value).split())
+    job = _last(list(run_job(worker, EXAMPLE, offload, outputs=tmp_path, poll=0.05)))
+    assert job.error == refusal.removeprefix(REFUSAL) and job.outputs is None
+
+
+@pytest.mark.parametrize("settings, rule", [
+    ({"seed": -1}, "seed"), ({"fov": 200.0}, "field of view"), ({"policy": "fast"}, "memory policy"),
+])
+def test_settings_out_of_range_are_config_errors_naming_the_setting(settings, rule):
+    with pytest.raises(ConfigError, match=rule):
+        JobSettings(**settings)
+
+
+def test_export_settings_out_of_range_are_config_errors(tiny):
+    from pipelines.app.settings import job_config
+
+    with pytest.raises(ConfigError, match="texture_size"):
+        job_config(tiny, JobSettings(texture_size=8))
+    with pytest.raises(ConfigError, match="decimation_target"):
+        job_config(tiny, JobSettings(face_budget=2))
