@@ -34,11 +34,14 @@ setup(
         # MoGe is not on the package index: pip install "git+https://github.com/microsoft/MoGe.git"
         "moge": [],
         "dev": ["pytest>=7", "ruff"],
+        # the web app (pixal3d-app); tested with 6.31
+        "app": ["gradio>=6.31,<7"],
     },
     entry_points={
         "console_scripts": [
             "pixal3d-image-to-mesh=pipelines.cli:main",
             "pixal3d-guard=pixal3d.guard:main",
+            "pixal3d-app=pipelines.app.main:main",
         ],
     },
 )
