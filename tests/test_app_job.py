@@ -15,7 +15,7 @@ from pipelines.app.worker import Worker
 from pixal3d.config import ConfigError
 from pixal3d.models.preprocess import ImageError, as_image
 from pixal3d.staging import PolicyError
-from tests.cascade_fixtures import EXAMPLE, tiny, tiny_cache  # noqa: F401
+from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
 
 RESIDENT = JobSettings(policy="resident", texture_size=128, face_budget=2000)
 
@@ -138,3 +138,14 @@ def test_export_settings_out_of_range_are_config_errors(tiny):
         job_config(tiny, JobSettings(texture_size=8))
     with pytest.raises(ConfigError, match="decimation_target"):
         job_config(tiny, JobSettings(face_budget=2))
+
+
+def test_the_command_binds_to_loopback_and_refuses_a_bad_config_or_port_in_one_line(tmp_path, capsys):
+    from pipelines.app.main import main, parse_args
+
+    assert parse_args([]).host == "127.0.0.1"  # this machine only, unless --host says otherwise
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pixal3d-app: error: config file") and error.count("\n") == 1
+    assert main(["--config", str(TINY_CONFIG), "--port", "70000"]) == 2
+    assert "--port 70000" in capsys.readouterr().err
