@@ -1,6 +1,7 @@
 """The web app in a real browser: start ``python -m pipelines.app`` on the tiny config on a loopback port, drive
-headless Chromium (Debian's ``chromium``, through Playwright; nothing is downloaded) to upload assets/example.png
-and press Generate, wait for the 3D viewer to draw the model, read the per-stage table, save a screenshot.
+headless Chromium (Debian's ``chromium``, through Playwright; nothing is downloaded): Generate with no image and
+with a file that is not one (the error line), then upload assets/example.png and press Generate, wait for the 3D
+viewer to draw the model, read the per-stage table and the downloads, save a screenshot.
 
 Skips, saying why, only where the browser or the app's packages are missing: ``.ci/run`` installs them
 (``apt-get install chromium``, ``pip install -e ".[app]" playwright``)."""
@@ -73,7 +74,7 @@ def app(tiny_cache, tmp_path):
         log.close()
 
 
-def test_upload_generate_and_see_the_model_the_table_and_the_memory_plot(app, tmp_path):
+def test_bad_inputs_show_the_error_then_the_example_gives_the_model_the_table_and_the_downloads(app, tmp_path):
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
@@ -84,19 +85,28 @@ def test_upload_generate_and_see_the_model_the_table_and_the_memory_plot(app, tm
             page.goto(app)
             # 1. the plan is on the page before anything runs
             page.locator("#plan").get_by_text("policy:").wait_for()
-            # 2. upload the example and press Generate
+            # 2. bad inputs: the library's one-line error in the status line, and the page goes on working
+            page.locator("#run").click()
+            page.locator("#status").get_by_text("error: no image").wait_for()
+            not_an_image = tmp_path / "notes.png"
+            not_an_image.write_text("not a picture")
+            page.locator("#image input[type=file]").set_input_files(str(not_an_image))
+            page.locator("#run").click()
+            page.locator("#status").get_by_text("is not an image Pillow can read").wait_for()
+            page.locator("#image").get_by_role("button", name="Remove Image").click()
+            # 3. upload the example and press Generate
             page.locator("#image input[type=file]").set_input_files(str(EXAMPLE))
             page.locator("#image img").wait_for()
             with page.expect_response(lambda r: r.url.endswith(".glb") and r.ok, timeout=120_000) as fetched:
                 page.locator("#run").click()
                 page.locator("#status").get_by_text("done in").wait_for(timeout=120_000)
             assert fetched.value.body()[:4] == b"glTF"  # the viewer fetched the job's GLB
-            # 3. the viewer draws it: its canvas holds pixels other than the clear colour
+            # 4. the viewer draws it: its canvas holds pixels other than the clear colour
             canvas = page.locator("#viewer canvas")
             canvas.scroll_into_view_if_needed()
             drawn = _wait_for_drawing(canvas)
             assert drawn > 0.01, f"the viewer shows only its background ({drawn:.1%} of pixels differ)"
-            # 4. the per-stage table and the memory plot
+            # 5. the per-stage table and the memory plot
             table = page.locator("#stages").inner_text()
             for stage in ("preprocess", "structure", "shape_1024", "texture", "decode", "export", "total"):
                 assert stage in table

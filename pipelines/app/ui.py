@@ -37,8 +37,9 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                image = gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath", image_mode=None,
-                                 format="png", sources=["upload", "clipboard"], elem_id="image", height=300)
+                image = _lenient(gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath",
+                                          image_mode=None, format="png", sources=["upload", "clipboard"],
+                                          elem_id="image", height=300))
                 gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
                 seed = gr.Number(value=worker.config.seed, precision=0, minimum=0, label="seed", elem_id="seed")
                 with gr.Row():
@@ -72,7 +73,7 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
 
         def on_run(image_: str | None, seed_: Any, fov_auto_: bool, fov_: float, policy_: str, texture_: int,
                    faces_: Any, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:  # noqa: B008 - Gradio's way
-            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs 
+            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
             try:
                 settings = JobSettings(seed=_int(seed_), fov=None if fov_auto_ else float(fov_),
                                        policy=policy_, texture_size=int(texture_), face_budget=_int(faces_))
@@ -103,6 +104,22 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
     return page
 
 
+def _lenient(image: gr.Image) -> gr.Image:
+    """``image`` handing an upload Pillow cannot open to the job as its (cached) path, so the page shows the library's
+    one-line ``ImageError`` in the status line instead of Gradio's preprocessing error. (On the instance: a subclass
+    of a Gradio component writes a ``.pyi`` stub beside its source file when it is defined.)"""
+    preprocess = image.preprocess
+
+    def lenient(payload: Any) -> Any:
+        try:
+            return preprocess(payload)
+        except (OSError, ValueError):  # PIL.UnidentifiedImageError is an OSError
+            return str(payload.path)  # what Gradio returns for a readable file too (type="filepath")
+
+    image.preprocess = lenient
+    return image
+
+
 def _final(update: JobUpdate, figure: Any) -> tuple:
     plan = _plan_markdown(update.plan) if update.plan else gr.skip()
     if update.outputs is None:
@@ -113,8 +130,7 @@ def _final(update: JobUpdate, figure: Any) -> tuple:
 
 
 def _figure(update: JobUpdate) -> Any:
-    figure = trace_figure([("memory while it runs", update.records)], width=8.0, panel_height=3.2)
-    return figure
+    return trace_figure([("memory while it runs", update.records)], width=8.0, panel_height=3.2)
 
 
 def _plan_markdown(table: str) -> str:
