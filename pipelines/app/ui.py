@@ -1,5 +1,5 @@
-"""The Gradio page: inputs on the left; the plan, progress, live memory plot, 3D viewer, downloads and
-per-stage table on the right. The only module of the app that imports Gradio.
+"""The Gradio page: the memory plan across the top; inputs and downloads on the left; progress, the live memory
+plot and the 3D viewer on the right; the per-stage table below. The only module of the app that imports Gradio.
 
 Runs share one queue with a concurrency of 1 (``concurrency_id="models"``): a second visitor's job waits
 and the page shows its place in the queue. Showing the plan reads only file headers, so it has its own
@@ -7,6 +7,7 @@ unlimited queue and answers while a job runs.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
 INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
          "before the run, memory per stage while it runs, and what each stage cost after.")
 DEFAULT_FOV = 49.1  # the reference's fallback field of view, the slider's starting point
+PLOT_EVERY = 1.0  # seconds between redraws of the memory plot: drawing takes CPU from the run
 CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines are long: small, full width
 
 
@@ -80,12 +82,13 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
-            drawn = 0
+            drawn, drawn_at = 0, 0.0
             for update in run_job(worker, image_, settings, outputs=outputs, poll=poll):
                 progress(update.fraction, desc=update.status)
                 figure = gr.skip()
-                if len(update.records) != drawn and update.records:
-                    figure, drawn = _figure(update), len(update.records)
+                if update.records and len(update.records) != drawn and (
+                        update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
+                    figure, drawn, drawn_at = _figure(update), len(update.records), time.monotonic()
                 yield _final(update, figure) if update.done else (
                     _status(update.status), figure, gr.skip(), gr.skip(), gr.skip(),
                     _plan_markdown(update.plan) if update.plan else gr.skip())
