@@ -30,7 +30,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "wheel"],  # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it)
         # MoGe is not on the package index: pip install "git+https://github.com/microsoft/MoGe.git"
         "moge": [],
         "dev": ["pytest>=7", "ruff"],
