@@ -1,0 +1,258 @@
+"""WorkDir: every finished stage's outputs on disk, so a killed run resumes where it stopped.
+
+Layout, one folder per image (its batch name)::
+
+    DIR/pixal3d-work.json             marks the folder as a work directory (a non-empty folder without it is refused)
+    DIR/<image>/<stage>.safetensors   the stage's outputs (``state_codec``) and, if it draws from the run's
+                                      generator, the generator's state after it
+    DIR/<image>/<stage>.json          the record: its key, what the key was made of, the StageRecord, the field
+                                      descriptions; written last, so it is the commit point of the stage
+
+Each stage's *key* is a sha256 over what decides its outputs: the previous stage's key, the stage itself (its
+class and settings, i.e. its part of the config), the run inputs it reads (the input bytes, the seed, the field of
+view, the device, the latent normalizations), the files of the models it needs (path, size, modification time:
+for the Hub that is the pinned revision's snapshot) and the torch and pixal3d versions. A stored record counts
+only when its key is the one this run would make, and the safetensors file beside it carries the same key in its
+metadata and is as long as its header says. So a changed seed keeps ``preprocess`` and ``camera`` (they do not
+read the generator) and recomputes from ``structure``; a changed export setting recomputes only ``export``.
+
+Both files are written atomically (``pixal3d.files``), the safetensors first: a kill at any instant leaves
+either the complete record or none (a leftover temporary file is removed on the next open).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.staging import (
+    SafetensorsHeaderError,
+    Stage,
+    StageRecord,
+    read_safetensors_header,
+)
+
+from . import state_codec
+
+logger = logging.getLogger(__name__)
+
+MARKER = "pixal3d-work.json"
+RECORD_FORMAT = "pixal3d-stage-record/1"
+GENERATOR_KEY = "__generator__"
+"""The run's CPU generator state after a stage that draws from it (a uint8 tensor). Only such a stage stores
+it: its key covers the seed, and a stage that does not read the generator leaves it as it found it."""
+
+
+class WorkDirError(ValueError):
+    """The work directory cannot be used (not ours, not writable)."""
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """One stage's key for one image and the parts it was hashed from (kept to say why a record is stale)."""
+
+    stage: str
+    digest: str
+    parts: dict[str, Any]
+
+
+@dataclass
+class StoredStage:
+    """A stage read back: its record and its outputs (``{field: value}``), plus the generator state after it
+    (None for a stage that does not draw from the generator)."""
+
+    record: StageRecord
+    outputs: dict[str, Any]
+    generator_state: torch.Tensor | None
+
+
+# -- keys -----------------------------------------------------------------------------------------
+def stage_keys(stages: Sequence[Stage], provided: Mapping[str, Any], weights: Mapping[str, Any],
+               versions: Mapping[str, str]) -> list[StageKey]:
+    """The chained key of every stage: ``provided`` maps the run's provided fields to JSON-ready values that
+    identify them (fields absent from it, such as a progress flag, decide nothing), ``weights`` each model
+    name to what identifies its files."""
+    keys, upstream = [], ""
+    for stage in stages:
+        parts = {
+            "upstream": upstream,
+            "stage": stage_identity(stage),
+            "provided": {f: provided[f] for f in stage.inputs if f in provided},
+            "weights": {m: weights.get(m) for m in stage.needs},
+            "versions": dict(versions),
+        }
+        upstream = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        keys.append(StageKey(stage.name, upstream, parts))
+    return keys
+
+
+def stage_identity(stage: Stage) -> str:
+    """sha256 of the stage's class and its settings (its attributes as canonical JSON)."""
+    cls = type(stage)
+    data = {"class": f"{cls.__module__}.{cls.__qualname__}", "settings": _canonical(vars(stage))}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-ready form that depends only on the value (never on object addresses); callables are skipped."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"class": type(value).__qualname__,
+                **{f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items() if not callable(v)}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_canonical(v) for v in value if not callable(v)]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    return type(value).__qualname__
+
+
+def why_stale(stored: Mapping[str, Any], expected: StageKey) -> str:
+    """What differs between a stored record's key parts and this run's, in words."""
+    old = stored.get("parts", {})
+    new = expected.parts
+    reasons = []
+    for field, value in new["provided"].items():
+        before = old.get("provided", {}).get(field)
+        if before != value:
+            if field == "generator":
+                reasons.append(f"seed {before} (now {value})")
+            elif field == "input_image":
+                reasons.append("a different input image")
+            else:
+                reasons.append(f"{field} {before} (now {value})")
+    if old.get("stage") != new["stage"]:
+        reasons.append(f"other {expected.stage} settings")
+    changed = sorted(m for m, v in new["weights"].items() if old.get("weights", {}).get(m) != v)
+    if changed:
+        reasons.append(f"other weights for {', '.join(changed)}")
+    if old.get("versions") != new["versions"]:
+        reasons.append(f"other versions ({old.get('versions')})")
+    return ", ".join(reasons) or "a different earlier stage"
+
+
+# -- the directory --------------------------------------------------------------------------------
+class WorkDir:
+    """A work directory at ``root`` (created if needed); refuses a non-empty folder that is not one."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        marker = self.root / MARKER
+        try:
+            if self.root.is_dir() and not marker.exists() and any(self.root.iterdir()):
+                raise WorkDirError(f"work directory {self.root} already holds files and is not a pixal3d work "
+                                   f"directory (no {MARKER}); choose an empty or new folder")
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not marker.exists():
+                write_json_atomic(marker, {"format": RECORD_FORMAT, "layout": "<image>/<stage>.safetensors + "
+                                                                             "<image>/<stage>.json"})
+        except OSError as err:
+            raise WorkDirError(f"work directory {self.root} cannot be used ({err.strerror or err}); "
+                               f"choose another with --work-dir") from None
+
+    def folder(self, image: str) -> Path:
+        """The image's folder (its name made file-system safe)."""
+        return self.root / (re.sub(r"[^A-Za-z0-9._-]", "_", image).lstrip(".") or "_")
+
+    def _paths(self, image: str, stage: str) -> tuple[Path, Path]:
+        folder = self.folder(image)
+        return folder / f"{stage}.safetensors", folder / f"{stage}.json"
+
+    # -- writing ------------------------------------------------------------------------------
+    def save(self, image: str, key: StageKey, record: StageRecord, outputs: Mapping[str, Any],
+             generator: torch.Generator | None) -> None:
+        """Write the stage's outputs (and ``generator``'s state: pass it for a stage that reads the generator),
+        then its record; each atomically, the record last."""
+        tensors, fields = state_codec.encode(outputs)
+        if generator is not None:
+            tensors[GENERATOR_KEY] = generator.get_state()
+        data, meta = self._paths(image, key.stage)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(data) as tmp:
+            save_file(tensors, str(tmp), metadata={"key": key.digest, "format": RECORD_FORMAT})
+        write_json_atomic(meta, {"format": RECORD_FORMAT, "image": image, "stage": key.stage, "key": key.digest,
+                                 "parts": key.parts, "record": dataclasses.asdict(record), "fields": fields})
+
+    def discard(self, image: str, stages: Sequence[str]) -> None:
+        """Remove the records of ``stages`` (stale ones), record first."""
+        for stage in stages:
+            data, meta = self._paths(image, stage)
+            meta.unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
+
+    # -- reading ------------------------------------------------------------------------------
+    def scan(self, image: str, keys: Sequence[StageKey]) -> tuple[int, str | None]:
+        """How many leading stages have a valid record for these keys, and a line saying why the next stored
+        one (if any) is not used. Stale and broken records from there on are removed, with leftover temporary
+        files."""
+        folder = self.folder(image)
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+        note = None
+        done = 0
+        for key in keys:
+            stored = self._read_record(image, key.stage)
+            if stored is None:
+                break
+            if stored.get("unreadable"):
+                note = f"{image}: the stored {key.stage} record is unreadable; recomputing from {key.stage}"
+                break
+            if stored.get("key") != key.digest:
+                note = (f"{image}: the stored records from {key.stage} on were made with {why_stale(stored, key)}; "
+                        f"recomputing from {key.stage}")
+                break
+            problem = self._check_data(image, key)
+            if problem:
+                note = f"{image}: the stored {key.stage} record is unusable ({problem}); recomputing from {key.stage}"
+                break
+            done += 1
+        self.discard(image, [k.stage for k in keys[done:]])
+        return done, note
+
+    def load(self, image: str, key: StageKey, device: torch.device) -> StoredStage:
+        """Read one stage's record and outputs (``scan`` has checked them)."""
+        data, _ = self._paths(image, key.stage)
+        stored = self._read_record(image, key.stage)
+        if stored is None or stored.get("key") != key.digest:
+            raise WorkDirError(f"the {key.stage} record of {image} in {self.root} changed while the run used it")
+        tensors = load_file(str(data))
+        generator_state = tensors.pop(GENERATOR_KEY, None)
+        outputs = state_codec.decode(tensors, stored["fields"], device)
+        return StoredStage(StageRecord(**stored["record"]), outputs, generator_state)
+
+    def _read_record(self, image: str, stage: str) -> dict[str, Any] | None:
+        _, meta = self._paths(image, stage)
+        try:
+            stored = json.loads(meta.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"unreadable": True}
+        return stored if isinstance(stored, dict) and stored.get("format") == RECORD_FORMAT else {"unreadable": True}
+
+    def _check_data(self, image: str, key: StageKey) -> str | None:
+        data, _ = self._paths(image, key.stage)
+        try:
+            header = read_safetensors_header(data)
+        except SafetensorsHeaderError as err:
+            return str(err)
+        if header.metadata.get("key") != key.digest:
+            return f"{data.name} belongs to another run"
+        return None
