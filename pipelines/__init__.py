@@ -4,7 +4,8 @@
     result = Pixal3D.from_config("configs/tiny.yaml").run("assets/example.png", seed=42)
     result.save("outputs/demo.glb")
 """
+from .batch import BatchItem
 from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan
 from .result import Result
 
-__all__ = ["NotEnoughMemoryError", "Pixal3D", "Result", "RunPlan"]
+__all__ = ["BatchItem", "NotEnoughMemoryError", "Pixal3D", "Result", "RunPlan"]

@@ -26,6 +26,7 @@ from pixal3d.staging.mps_memory import MpsMemoryLimitError
 
 from .pipeline import DeviceError, NotEnoughMemoryError
 from .structure import EmptyStructureError
+from .work_dir import WorkDirError
 
 EXIT_DURING_RUN = 1
 EXIT_BEFORE_RUN = 2
@@ -38,7 +39,8 @@ class UsageError(ValueError):
 # Our own exceptions for what a user can cause, by kind. Their messages already name the value, the rule
 # and the next step.
 KINDS: tuple[tuple[type[BaseException], str], ...] = (
-    (UsageError, "usage"), (LockedError, "usage"), (DeviceError, "usage"), (ConfigError, "config"),
+    (UsageError, "usage"), (LockedError, "usage"), (DeviceError, "usage"), (WorkDirError, "usage"),
+    (ConfigError, "config"),
     (ImageError, "input"), (EmptyStructureError, "input"), (WeightsError, "weights"), (CheckpointError, "weights"),
     (NotEnoughMemoryError, "memory"), (PolicyError, "memory"), (MpsMemoryLimitError, "memory"),
     (StageGraphError, "config"), (ParallelConfigError, "config"), (PeerFailedError, "parallel"),

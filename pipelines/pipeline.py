@@ -12,16 +12,18 @@ them; the policy decides where they live between stages and between runs. ``clos
 
 Under torchrun, ``parallel=ParallelSettings(...)`` (or a runtime from ``init_parallel``) spreads the flow
 stages over the job's ranks (``parallel.py``): rank 0 runs images, every other rank calls ``follow()``.
+``run_batch`` takes several images stage by stage (each model loaded once per batch) and can resume from a
+work directory (``batch.py``; one process only).
 """
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from pixal3d.staging import (
     Machine,
     MemoryPlan,
     Policy,
+    StageRecord,
     StageRunner,
     check_stages,
     detect_machine,
@@ -48,7 +51,7 @@ from pixal3d.staging.mps_memory import (
     apply_mps_memory_limit,
     check_mps_memory_limit,
 )
-from pixal3d.staging.policy import gib
+from pixal3d.staging.policy import HEADROOM, gib
 from pixal3d.telemetry import MemoryMeter
 
 from .build import build_stages
@@ -70,6 +73,9 @@ from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage
 from .state import PROVIDED, RunState
+
+if TYPE_CHECKING:
+    from .batch import BatchItem
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +290,7 @@ class Pixal3D:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
                                f"and run images on rank 0")
         seed = self.config.seed if seed is None else check_seed(seed)
-        if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
-            raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
+        check_fov(fov)
         label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
         with self._leader.image(label) if self._leader is not None else nullcontext():  # followers join each image
             return self._run(image, seed, fov, label, events, progress, callback, trace, trace_meta)
@@ -295,39 +300,82 @@ class Pixal3D:
              trace_meta: Mapping[str, Any] | None) -> Result:
         image = as_image(image)
         self.run_plan.check_input(image)  # before the first stage loads anything
-        state = RunState(
-            input_image=image, generator=torch.Generator().manual_seed(seed), device=self.device,
-            fov_deg=fov, shape_normalization=self.weights.shape_normalization,
-            tex_normalization=self.weights.tex_normalization, progress=progress, callback=callback,
-            parallel=self._runtime)
+        state = self.new_state(image, seed=seed, fov=fov, progress=progress, callback=callback)
         stages = self._runner.stages
         bar = tqdm(total=len(stages), desc=Path(label).name, unit="stage", disable=not progress)
         meta = {"input": label, "policy": self.policy.value, "seed": seed, **(trace_meta or {})}
-        with MemoryMeter(Path(trace) if trace is not None else None, device=self.device, meta=meta) as meter:
-            self._relay.targets = [meter.on_event, *([events] if events is not None else [])]
+        with self.metered(trace, meta, events) as meter:
             try:
                 records = []
                 for index, stage in enumerate(stages):
                     bar.set_postfix_str(stage.name)
                     if callback is not None:
                         callback({"kind": "stage", "stage": stage.name, "index": index, "stages": len(stages)})
-                    if index == 0 and self._runner.registry.stage == stage.name:
-                        meter.mark(stage.name)  # a run that failed in this stage left the registry there: no event
+                    if index == 0:
+                        self.open_window(stage.name, meter)
                     records.append(self._runner.run_stage(stage, state))
                     bar.update(1)
             finally:
-                self._relay.targets = []
                 bar.close()
-        rows = meter.report()
+        return self.result(label, seed, state, records, meter)
+
+    def run_batch(self, images: Sequence[Any], **options: Any) -> Iterator[BatchItem]:
+        """Run several images, stage by stage across the batch (each model loaded once per batch) or image by
+        image, optionally resuming from a work directory; yields one ``BatchItem`` per image (its ``Result``, or
+        the error that stopped it) as it finishes. Options: see ``pipelines.batch.run_batch``."""
+        from .batch import run_batch
+
+        return run_batch(self, images, **options)
+
+    # -- what runs and batches share -------------------------------------------------------------
+    def new_state(self, image: Any, *, seed: int, fov: float | None = None, progress: bool = False,
+                  callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
+        """A fresh ``RunState`` for ``image`` (a PIL image, or None when the preprocess stage will not run):
+        the provided fields, a CPU generator seeded with ``seed``."""
+        return RunState(
+            input_image=image, generator=torch.Generator().manual_seed(seed), device=self.device, fov_deg=fov,
+            shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
+            progress=progress, callback=callback, parallel=self._runtime)
+
+    @contextmanager
+    def metered(self, trace: str | Path | None, meta: Mapping[str, Any],
+                events: Callable[[Event], None] | None = None) -> Iterator[MemoryMeter]:
+        """A memory meter (writing ``trace`` when given) that, with ``events``, hears the registry meanwhile."""
+        with MemoryMeter(Path(trace) if trace is not None else None, device=self.device, meta=dict(meta)) as meter:
+            self._relay.targets = [meter.on_event, *([events] if events is not None else [])]
+            try:
+                yield meter
+            finally:
+                self._relay.targets = []
+
+    def open_window(self, stage: str, meter: MemoryMeter) -> None:
+        """Before a meter's first stage: a run that failed in this stage left the registry there, so entering it
+        emits no stage event; open the stage's window by hand."""
+        if self._runner.registry.stage == stage:
+            meter.mark(stage)
+
+    def result(self, label: str, seed: int, state: RunState, records: list[StageRecord],
+               meter: MemoryMeter | None) -> Result:
+        """The ``Result`` of one image: its state, its stage records (peaks filled in from ``meter``'s windows of
+        the same stage names when the record has none) and the meter's rows."""
+        rows = meter.report() if meter is not None else []
         peaks = {row.stage: row for row in rows}
         for record in records:
-            if record.stage in peaks:
+            if record.stage in peaks and record.peak_process_bytes is None:
                 record.peak_process_bytes = peaks[record.stage].peak_process
                 record.peak_device_bytes = peaks[record.stage].peak_device
         parallel = self._leader.gather(rows) if self._leader is not None else None  # every rank's peaks
         return Result(input=label, seed=seed, config=self.config, device=self.device, policy=self.policy,
                       policy_reasons=self.run_plan.reasons, state=state, stages=records,
                       memory=[row.to_dict() for row in rows], parallel=parallel)
+
+    def state_budget(self) -> int:
+        """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
+        headroom) minus what the policy needs for models and the largest working set."""
+        memory = self.run_plan.memory
+        need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
+        usable = int(self.run_plan.machine.device_available * (1 - HEADROOM))
+        return max(0, usable - need)
 
     def follow(self) -> int:
         """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0
@@ -371,6 +419,12 @@ class _Relay:
     def __call__(self, event: Event) -> None:
         for target in self.targets:
             target(event)
+
+
+def check_fov(fov: float | None) -> None:
+    """A ``ValueError`` unless ``fov`` is None or a field of view in (0, 180) degrees."""
+    if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
+        raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
 
 
 def check_seed(seed: Any) -> int:
