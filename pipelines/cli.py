@@ -2,7 +2,7 @@
 
     pixal3d-image-to-mesh input.png [-o out.glb] [--config configs/1024_cascade.yaml] [--seed N]
         [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--device D]
-        [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--quiet]
+        [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--batch-order image|stage] [--work-dir DIR] [--quiet]
         [--parallel none|cfg|pipefusion|both [--pp N] [--patches M] [--warmup W] [--parallel-timeout S]]
 
 Before any weight is read the inputs, outputs and options are checked and the memory plan and the
@@ -14,6 +14,12 @@ output that cannot be written or that another run is writing, a full disk) print
 exit non-zero (2 before the run starts, 1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it).
 The GLB, its run.json and its latents appear together or not at all; no partial or temporary file is
 ever left.
+
+Several inputs (or a folder) are a batch (``pipelines.batch``): stage by stage under staged/offload, so each
+model loads once per batch. An input that is not a usable image is reported in one line and skipped, the
+others are written; a summary line and ``batch.json`` beside the outputs end it, and the exit code is 1 when
+any image failed. With ``--work-dir`` every stage's outputs are kept as they finish: the same command run
+again resumes where it stopped, also after a SIGKILL.
 
 Under torchrun, ``--parallel`` spreads the flow stages over the job's processes (``cli_parallel.py``):
 rank 0 does everything above, the other ranks join its flow stages and write nothing.
@@ -27,9 +33,10 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,15 +47,17 @@ from pixal3d.config import (
     load_config,
     shipped_config,
 )
-from pixal3d.files import folds_case
+from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
-from pixal3d.models.preprocess import probe_image
+from pixal3d.models.preprocess import ImageError, probe_image
 from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings
 from pixal3d.staging import Policy, StageRecord
+from pixal3d.staging.policy import gib
 from pixal3d.telemetry import format_bytes
 
-from .errors import Failure, UsageError, classify
+from .batch import BatchItem, default_order
+from .errors import Failure, UsageError, classify, one_line
 from .pipeline import (
     DeviceError,
     Pixal3D,
@@ -58,6 +67,7 @@ from .pipeline import (
     default_device,
 )
 from .result import run_json_path
+from .work_dir import WorkDir
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -88,6 +98,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--plan", action="store_true", help="print the memory plan and policy, then exit")
     parser.add_argument("--keep-latents", type=Path, default=None, metavar="DIR",
                         help="also save each run's coords and latents to DIR/<name>.latents.pt")
+    parser.add_argument("--batch-order", choices=("image", "stage"), default=None,
+                        help="several inputs: each image through every stage, or each stage over every image (loads "
+                             "each model once per batch); default: stage under staged/offload, image otherwise")
+    parser.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
+                        help="keep every stage's outputs in DIR as it finishes; the same command run again resumes")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, plan or table")
     group = parser.add_argument_group("several devices (under torchrun; README: Several GPUs or machines)")
     group.add_argument("--parallel", default="none", choices=["none", "cfg", "pipefusion", "both"],
@@ -134,28 +149,44 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
     started = False
     try:
         with terminate_as_exception(), ExitStack() as held:
-            plan, jobs = _prepare(args, held, parallel)
+            prepared = _prepare(args, held, parallel)
+            for path, err in prepared.rejected:
+                _skip_line(path.name, one_line(err))
             if args.plan or not args.quiet:
-                print(plan.table(), flush=True)
+                print(prepared.plan.table(), flush=True)
             if args.plan:
                 return 0
-            pipe = held.enter_context(Pixal3D.from_plan(plan))  # fetches and verifies the weights; loads nothing
+            pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
             started = True
-            for input_path, output_path in jobs:
-                _run_one(pipe, input_path, output_path, args)
+            if parallel is not None or (not _several(args) and args.work_dir is None):
+                # one image, or under --parallel (the other ranks follow image by image): Pixal3D.run
+                for input_path, output_path in prepared.jobs:
+                    _run_one(pipe, input_path, output_path, args)
+                return 0
+            return _run_batch(pipe, prepared, args)  # several images, or a run to keep in a work directory
     except BaseException as err:  # classify() decides; anything it does not know is re-raised
         failure = classify(err, started=started)
         if failure is None:
             raise
         if isinstance(parallel, ParallelRuntime):
             parallel.fail(err)  # the other ranks stop too (nothing happens if they already know)
+        if failure.kind == "interrupted" and args.work_dir is not None:
+            failure = replace(failure, message=f"{failure.message}; run the same command again to resume from "
+                                               f"{args.work_dir}")
         return _fail(failure)
-    return 0
 
 
 def _fail(failure: Failure) -> int:
     print(f"pixal3d-image-to-mesh: error: {failure.message}", file=sys.stderr)
     return failure.exit_code
+
+
+def _skip_line(name: str, message: str) -> None:
+    print(f"pixal3d-image-to-mesh: skipped {name}: {message}", file=sys.stderr, flush=True)
+
+
+def _several(args: argparse.Namespace) -> bool:
+    return len(args.inputs) > 1 or any(p.is_dir() for p in args.inputs)
 
 
 def _configure_logging(*, quiet: bool) -> None:
@@ -184,27 +215,66 @@ class _StderrHandler(logging.StreamHandler):
 
 
 # -- 1. everything that can be checked before a weight is read -------------------------------------
+class Prepared(NamedTuple):
+    """What the command found before reading a weight: the plan, (input, output) per usable input, the inputs
+    refused from their headers (a batch goes on without them) and every input in order."""
+
+    plan: RunPlan
+    jobs: list[tuple[Path, Path]]
+    rejected: list[tuple[Path, ImageError]]
+    inputs: list[Path]
+
+
 def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None
-             ) -> tuple[RunPlan, list[tuple[Path, Path]]]:
+             ) -> Prepared:
     # 1. config (with the command's overrides); ranges are the config's own (pixal3d.config)
     config = load_config(args.config)
     if args.seed is not None:
         config = _override(config, "--seed", seed=args.seed)
     if args.fov is not None:
         config = _override(config, "--fov", camera=CameraConfig(fov_deg=args.fov))
-    # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover)
-    inputs = collect_inputs(args.inputs)
-    check_inputs(config, inputs)
-    # 3. outputs: not folders, writable, not colliding, not being written by another run
+    if parallel is not None and (args.work_dir is not None or args.batch_order == "stage"):
+        raise UsageError("--work-dir and --batch-order stage need one process; under --parallel the other ranks "
+                         "follow rank 0 image by image: drop them, or run without --parallel")
+    # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
+    #    batch (one process) a bad one costs only itself: reported, skipped, counted in the summary
+    inputs = everything = collect_inputs(args.inputs)
+    rejected: list[tuple[Path, ImageError]] = []
+    if _several(args) and parallel is None:
+        rejected = [(path, err) for path in inputs if (err := _unusable(config, path)) is not None]
+        if len(rejected) == len(inputs):
+            raise UsageError(f"none of the {len(inputs)} inputs is a usable image; the first: "
+                             f"{one_line(rejected[0][1])}")
+        inputs = [path for path in inputs if path not in dict(rejected)]
+    else:
+        for path in inputs:
+            probe_image(path)  # not an image, or too small: from the header, before any weight is read
+        check_inputs(config, inputs)
+    # 3. outputs: not folders, writable, not colliding, not being written by another run; the work directory
     jobs = list(zip(inputs, plan_outputs(inputs, args.output)))
     check_outputs(jobs, args)
+    if args.work_dir is not None:
+        WorkDir(args.work_dir)  # a folder that is not a work directory is refused before any weight is read
     if not args.plan:
         for _, output in jobs:
             held.enter_context(exclusive_lock(output.with_name(f".{output.name}.lock"), wait=False,
                                               what=str(output), owner="another run"))
+        if args.work_dir is not None:
+            held.enter_context(exclusive_lock(args.work_dir / ".pixal3d-work.lock", wait=False,
+                                              what=str(args.work_dir), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
-    return Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel), jobs
+    plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel)
+    return Prepared(plan, jobs, rejected, everything)
+
+
+def _unusable(config: CascadeConfig, path: Path) -> ImageError | None:
+    try:
+        probe_image(path)
+        check_inputs(config, [path])
+    except ImageError as err:
+        return err
+    return None
 
 
 def launch_rank(env: dict[str, str] | None = None) -> int:
@@ -262,7 +332,8 @@ def parse_device(text: str) -> torch.device:
 
 def collect_inputs(paths: Sequence[Path]) -> list[Path]:
     """Image files named directly, plus the images inside named folders (sorted; hidden files such as macOS's
-    ``._cup.png`` AppleDouble companions and ``.DS_Store`` are not images and are skipped); checked to exist."""
+    ``._cup.png`` AppleDouble companions and ``.DS_Store`` are not images and are skipped); checked to exist.
+    (Whether each is a usable image is checked from its header by the caller.)"""
     found: list[Path] = []
     for path in paths:
         if path.is_dir():
@@ -275,8 +346,6 @@ def collect_inputs(paths: Sequence[Path]) -> list[Path]:
             found.append(path)
         else:
             raise UsageError(f"input {path} does not exist")
-    for path in found:
-        probe_image(path)  # not an image, or too small: found here from the header, before any weight is read
     stems = [p.stem for p in found]
     duplicates = sorted({s for s in stems if stems.count(s) > 1})
     if duplicates:
@@ -305,9 +374,8 @@ def check_outputs(jobs: Sequence[tuple[Path, Path]], args: argparse.Namespace) -
         if args.keep_latents is not None:
             check_writable(args.keep_latents, "--keep-latents")
             check_file_path(args.keep_latents / f"{input_path.stem}.latents.pt", "--keep-latents")
-        trace = _trace_path(args.trace, input_path, several=several)
-        if trace is not None:
-            check_file_path(trace, "--trace")
+        for trace in {args.trace, _trace_path(args.trace, input_path, several=several)} - {None}:
+            check_file_path(trace, "--trace")  # one trace for a stage-ordered batch, one per image otherwise
             check_writable(trace.parent, "--trace")
     outputs = [output for _, output in jobs]
     if len(outputs) > 1 and any(folds_case(folder) for folder in {o.parent for o in outputs}):
@@ -339,6 +407,7 @@ def check_writable(folder: Path, option: str = "-o") -> None:
 
 # -- 2. the run ----------------------------------------------------------------------------------
 def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> None:
+    """One image with ``Pixal3D.run``: a single input, or each image under --parallel."""
     trace = _trace_path(args.trace, input_path, several=len(args.inputs) > 1 or args.inputs[0].is_dir())
     result = pipe.run(input_path, progress=not args.quiet, trace=trace)
     latents = args.keep_latents / f"{input_path.stem}.latents.pt" if args.keep_latents is not None else None
@@ -348,6 +417,79 @@ def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.
         print(stage_table(result.stages))
         print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}); "
               f"run record {run_json_path(output_path)}", flush=True)
+
+
+def _run_batch(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
+    """Every usable input through ``Pixal3D.run_batch``; each result written as it comes. One input: its error
+    is the command's. Several: a failed image is one line and the others go on; the summary ends it."""
+    several = _several(args)
+    order = args.batch_order or default_order(prepared.plan.policy)
+    outputs = dict(prepared.jobs)
+    if several and not args.quiet:
+        how = (f"stage by stage, image states kept in memory up to {gib(pipe.state_budget())} between stages "
+               f"(more wait on disk)" if order == "stage" else "image by image")
+        print(f"batch: {len(outputs)} images, {how}" + (f"; records in {args.work_dir}" if args.work_dir else ""),
+              flush=True)
+    items: list[BatchItem] = []
+    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], order=order, work_dir=args.work_dir,
+                                progress=not args.quiet, trace=args.trace)) as batch:
+        for item in batch:
+            items.append(item)
+            if item.ok:
+                _write(item, outputs[Path(item.input)], args)
+            elif not several:
+                raise item.error
+            else:
+                _skip_line(item.name, item.message)
+    return _summary(args, items, prepared, order) if several else 0
+
+
+def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None:
+    result = item.result
+    latents = args.keep_latents / f"{item.name}.latents.pt" if args.keep_latents is not None else None
+    result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
+                        command=["pixal3d-image-to-mesh", *args.argv])
+    if not args.quiet:
+        print(stage_table(result.stages))
+        resumed = f", {len(item.resumed)} stages from {args.work_dir}" if item.resumed else ""
+        print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}{resumed}); "
+              f"run record {run_json_path(output_path)}", flush=True)
+
+
+def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Prepared, order: str) -> int:
+    """The batch's last line and ``batch.json`` beside the outputs; 1 when any image failed."""
+    outputs = dict(prepared.jobs)
+    rows = [{"input": str(path), "name": path.stem, "status": "failed", "kind": "input", "stage": None,
+             "error": one_line(err)} for path, err in prepared.rejected]
+    for item in items:
+        output = outputs[Path(item.input)]
+        row = {"input": item.input, "name": item.name, "status": "written" if item.ok else "failed",
+               "kind": item.failure.kind if item.failure else None, "stage": item.stage,
+               "error": item.message or None, "resumed": list(item.resumed), "notes": list(item.notes)}
+        if item.ok:
+            row |= {"output": str(output), "run_record": str(run_json_path(output)),
+                    "seconds": round(item.result.seconds, 4)}
+        rows.append(row)
+    position = {str(path): i for i, path in enumerate(prepared.inputs)}
+    rows.sort(key=lambda row: position[row["input"]])
+    written = sum(row["status"] == "written" for row in rows)
+    failures = [f"{Path(row['input']).name}: {_reason(row)}" for row in rows if row["status"] == "failed"]
+    line = f"{written} written, {len(failures)} failed" + (": " + "; ".join(failures) if failures else "")
+    folder = next(iter(outputs.values())).parent
+    write_json_atomic(folder / "batch.json", {
+        "command": ["pixal3d-image-to-mesh", *args.argv], "order": order,
+        "work_dir": None if args.work_dir is None else str(args.work_dir),
+        "written": written, "failed": len(failures), "summary": line, "images": rows})
+    print(line, file=sys.stderr if failures else sys.stdout, flush=True)
+    return 1 if failures else 0
+
+
+def _reason(row: dict) -> str:
+    """A failure's first clause without its path (``not an image Pillow can read``)."""
+    text = row["error"].split(";")[0]
+    for spelling in (row["input"], Path(row["input"]).name):
+        text = text.replace(spelling, "")
+    return " ".join(text.split()).removeprefix("is ")
 
 
 def _trace_path(trace: Path | None, input_path: Path, *, several: bool) -> Path | None:

@@ -117,7 +117,7 @@ def test_a_folder_of_inputs_gives_one_glb_each_and_resident_models_load_once(tin
     code, _, err = _run(capsys, inputs, "--config", _fast_config(tmp_path), "-o", tmp_path / "out", "--quiet",
                         "--memory-policy", "resident", "--trace", trace, "--keep-latents", tmp_path / "lat")
     assert code == 0, err
-    assert _files(tmp_path / "out") == ["a.glb", "a.run.json", "b.glb", "b.run.json"]
+    assert _files(tmp_path / "out") == ["a.glb", "a.run.json", "b.glb", "b.run.json", "batch.json"]
     assert _files(tmp_path / "lat") == ["a.latents.pt", "b.latents.pt"]
 
     def loads(name: str) -> int:
