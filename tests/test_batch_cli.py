@@ -1,0 +1,76 @@
+"""The command on several inputs: a bad file is reported in one line and skipped, the others are written, a
+summary line and batch.json end the batch and the exit code says whether anything failed; what can be refused
+before the run still is, before any weight is read."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pipelines import cli, loaders
+from tests.batch_fixtures import batch_images, fast_config, singles  # noqa: F401
+from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("no weight may be read")
+    monkeypatch.setattr(loaders, "load_model", forbidden)
+    monkeypatch.setattr("pixal3d.models.dinov3.load_dinov3", forbidden)
+
+
+def test_a_batch_with_one_bad_file_writes_the_others_exits_1_with_the_summary_and_batch_json(
+        fast_config, batch_images, singles, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(batch_images[1], folder / batch_images[1].name)
+    (folder / "photo7.png").write_bytes(b"\x89PNG\r\n\x1a\n half a photo")
+    out = tmp_path / "out"
+    code, _, err = _run(capsys, folder, "--config", fast_config, "-o", out, "--memory-policy", "staged",
+                             "--quiet")
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("pixal3d-image-to-mesh: skipped photo7.png: ") and "not an image" in lines[0]
+    assert lines[-1] == "1 written, 1 failed: photo7.png: not an image Pillow can read"
+    assert sorted(p.name for p in out.iterdir()) == ["b.glb", "b.run.json", "batch.json"]
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["order"] == "stage" and (batch["written"], batch["failed"]) == (1, 1)
+    assert [(i["name"], i["status"]) for i in batch["images"]] == [("b", "written"), ("photo7", "failed")]
+    assert batch["images"][0]["output"] == str(out / "b.glb") and batch["summary"] == lines[-1]
+    assert "not an image" in batch["images"][1]["error"]
+    record = json.loads((out / "b.run.json").read_text())
+    assert {s["stage"]: s["fingerprints"] for s in record["stages"]} == singles["prints"]["b"]
+
+
+def test_a_single_bad_input_exits_2_before_any_weight_is_read(tiny_cache, tmp_path, capsys, no_weights):
+    bad = tmp_path / "photo7.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n half a photo")
+    code, _, err = _run(capsys, bad, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    assert code == 2 and "photo7.png is not an image" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_batch_without_a_usable_image_exits_2_before_any_weight_is_read(tiny_cache, tmp_path, capsys, no_weights):
+    for name in ("x.png", "y.jpg"):
+        (tmp_path / name).write_bytes(b"not an image")
+    code, _, err = _run(capsys, tmp_path / "x.png", tmp_path / "y.jpg", "--config", TINY_CONFIG, "-o",
+                        tmp_path / "out")
+    assert code == 2 and "none of the 2 inputs is a usable image" in err.splitlines()[-1]
+    assert not (tmp_path / "out" / "batch.json").exists()
+
+
+def test_a_work_dir_that_holds_other_files_is_refused_before_any_weight_is_read(tiny_cache, tmp_path, capsys,
+                                                                                 no_weights):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "thesis.tex").write_text("precious")
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--work-dir",
+                        tmp_path / "docs")
+    assert code == 2 and "not a pixal3d work directory" in err
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["thesis.tex"]
