@@ -67,6 +67,7 @@ from .pipeline import (
     default_device,
 )
 from .result import run_json_path
+from .work_dir import LOCK as WORK_DIR_LOCK
 from .work_dir import WorkDir
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
@@ -260,7 +261,7 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
             held.enter_context(exclusive_lock(output.with_name(f".{output.name}.lock"), wait=False,
                                               what=str(output), owner="another run"))
         if args.work_dir is not None:
-            held.enter_context(exclusive_lock(args.work_dir / ".pixal3d-work.lock", wait=False,
+            held.enter_context(exclusive_lock(args.work_dir / WORK_DIR_LOCK, wait=False,
                                               what=str(args.work_dir), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)

@@ -48,6 +48,8 @@ from . import state_codec
 logger = logging.getLogger(__name__)
 
 MARKER = "pixal3d-work.json"
+LOCK = ".pixal3d-work.lock"
+"""Held (``pixal3d.locks``) by the command while it uses the directory: one run at a time."""
 RECORD_FORMAT = "pixal3d-stage-record/1"
 GENERATOR_KEY = "__generator__"
 """The run's CPU generator state after a stage that draws from it (a uint8 tensor). Only such a stage stores

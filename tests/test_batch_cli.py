@@ -9,6 +9,8 @@ import shutil
 import pytest
 
 from pipelines import cli, loaders
+from pipelines.work_dir import LOCK, WorkDir
+from pixal3d.locks import exclusive_lock
 from tests.batch_fixtures import batch_images, fast_config, singles  # noqa: F401
 from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 
@@ -74,3 +76,13 @@ def test_a_work_dir_that_holds_other_files_is_refused_before_any_weight_is_read(
                         tmp_path / "docs")
     assert code == 2 and "not a pixal3d work directory" in err
     assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["thesis.tex"]
+
+
+def test_a_work_dir_in_use_by_another_run_is_refused_before_any_weight_is_read(tiny_cache, tmp_path, capsys,
+                                                                               no_weights):
+    work = tmp_path / "work"
+    WorkDir(work)
+    with exclusive_lock(work / LOCK, wait=False):  # as a run using it holds it
+        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--work-dir", work)
+    assert code == 2 and "another run" in err and str(work) in err
+    assert not (tmp_path / "o.glb").exists()
