@@ -134,3 +134,28 @@ def test_sparse_index_matches_dict_and_rejects_out_of_bounds_and_duplicates(rand
         SparseIndex(np.concatenate([coords, coords[:1]]), 10)
     with pytest.raises(ValueError, match=r"\[0, 10\)"):
         SparseIndex(coords + 1, 10)
+
+
+# ---- vertex positions: the reference's float32 expression, bit for bit ----------------------
+
+def _reference_vertices(coords: np.ndarray, offsets: np.ndarray, resolution: int) -> torch.Tensor:
+    """TRELLIS.2's inference path in torch float32: voxel_size = (aabb_max − aabb_min) / grid_size,
+    then ``(coords + dual) * voxel_size + aabb_min``."""
+    aabb = torch.tensor([[-0.5] * 3, [0.5] * 3], dtype=torch.float32)
+    voxel_size = (aabb[1] - aabb[0]) / torch.tensor([resolution] * 3, dtype=torch.int32).float()
+    return (torch.from_numpy(coords).float() + torch.from_numpy(offsets)) * voxel_size + aabb[0]
+
+
+@pytest.mark.parametrize("resolution", [48, 1536])
+def test_vertices_equal_the_reference_float32_expression_bitwise(resolution):
+    from pixal3d.mesh.dual_grid import dual_grid_vertices
+
+    rng = np.random.default_rng(resolution)
+    coords = rng.integers(0, resolution, (200_000, 3)).astype(np.int32)
+    offsets = rng.uniform(-0.5, 1.5, (200_000, 3)).astype(np.float32)
+    ours = dual_grid_vertices(coords, offsets, resolution)
+    assert ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.int32), _reference_vertices(coords, offsets, resolution).numpy().view(np.int32))
+    # control: dividing by R and subtracting 0.5 (the old formula) is off by an ulp somewhere
+    divided = (coords.astype(np.float32) + offsets) / np.float32(resolution) - np.float32(0.5)
+    assert not np.array_equal(divided, ours)

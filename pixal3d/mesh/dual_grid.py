@@ -1,6 +1,7 @@
 """Flexible dual grid → triangle mesh (TRELLIS.2 ``flexible_dual_grid_to_mesh``, inference path).
 
-One vertex per voxel at ``(coord + offset) / R − 0.5``. Voxel ``(i, j, k)`` owns, for each axis a,
+One vertex per voxel at ``(coord + offset) · fl32(1/R) + aabb_min`` (aabb_min = −0.5), the reference's
+float32 expression bit for bit. Voxel ``(i, j, k)`` owns, for each axis a,
 the grid edge along a through its max corner in the other two axes; a set flag emits one quad
 through the 4 voxels around that edge (owner + its +1 neighbours in the other two axes), kept only
 when all 4 exist. The quad is split along diagonal 0–2 when ``w0·w2 > w1·w3``, else along 1–3.
@@ -22,6 +23,7 @@ QUAD_OFFSETS = np.array(
     ],
     dtype=np.int64,
 )
+AABB_MIN = np.float32(-0.5)  # the grid's corner in world units (the object spans [-0.5, 0.5]³)
 SPLIT_02 = np.array([[0, 1, 2], [0, 2, 3]])
 SPLIT_13 = np.array([[0, 1, 3], [3, 1, 2]])
 
@@ -31,8 +33,14 @@ def _as_numpy(t) -> np.ndarray:
 
 
 def dual_grid_vertices(coords: np.ndarray, offsets: np.ndarray, resolution: int) -> np.ndarray:
-    """World positions ``(coord + offset) / R − 0.5`` in float32 (float16 is too coarse at R = 1024)."""
-    return ((coords.astype(np.float32) + offsets.astype(np.float32)) / np.float32(resolution) - np.float32(0.5))
+    """World positions in float32 (float16 is too coarse at R = 1024), as the reference computes them:
+    ``(coord + offset) * voxel_size + aabb_min`` with ``voxel_size = float32(1) / float32(R)``.
+
+    Multiplying by the rounded ``1/R`` is not the same as dividing by R where R is not a power of two
+    (the 1536 cascade's sizes): the results differ by an ulp on some vertices.
+    """
+    voxel_size = np.float32(1.0) / np.float32(resolution)  # float32 division: the correctly rounded 1/R
+    return (coords.astype(np.float32) + offsets.astype(np.float32)) * voxel_size + AABB_MIN
 
 
 def quads_for_axis(
