@@ -126,7 +126,9 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"remesh": True}, "remesh"), ({"texture_format": "jpg"}, "texture_format"),
+    [({"exterior_only": True}, "exterior_only"), ({"remesh": True, "remesh_resolution": 768}, "remesh_resolution"),
+     ({"remesh_band": 0}, "remesh_band"), ({"quality_samples": -1}, "quality_samples"),
+     ({"texture_format": "jpg"}, "texture_format"),
      ({"decimation_target": 0}, "decimation_target"), ({"projection": "bvh"}, "projection")],
 )
 def test_settings_reject_bad_values_with_a_clear_message(kwargs, match):

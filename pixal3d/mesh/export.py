@@ -3,8 +3,10 @@
 ``export_mesh`` keeps everything in memory (``ExportedMesh``: the textured mesh, its GLB bytes, the
 report); ``export_glb`` also writes the file. Steps (each timed, with its peak RSS): 1. dual grid → raw
 mesh; 2. reference surface (degenerate and duplicate faces out, small holes filled) — the surface every
-texel is projected onto; 3. simplify to the face budget; 4. cleanup + outward orientation; 5. normals +
-UV atlas; 6. bake; 7. GLB encoding.
+texel is projected onto; 3. optional remesh (narrow-band UDF dual contouring, the reference's release
+setting); 4. simplify to the face budget; 5. cleanup (+ outward orientation without remesh; the remesh is
+oriented already); 6. normals + UV atlas; 7. bake; 8. quality metrics against the reference surface;
+9. GLB encoding.
 """
 from __future__ import annotations
 
@@ -29,9 +31,13 @@ from .cleanup import (
     remove_duplicate_faces,
     remove_unreferenced_vertices,
 )
+from .distance import SurfaceDistance
 from .dual_grid import dual_grid_to_mesh
 from .fields import DualGridFields, PbrVoxels
 from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, encode_glb, vertex_normals
+from .narrow_band import RemeshGrid
+from .quality import mesh_quality
+from .remesh import remesh
 from .rss import PeakRss
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
@@ -39,7 +45,7 @@ from .uv import UvMesh, uv_unwrap
 
 log = logging.getLogger(__name__)
 
-STEPS = ("extract", "reference", "simplify", "cleanup", "uv", "bake", "glb")
+STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "bake", "quality", "glb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +55,19 @@ class ExportSettings:
     max_hole_perimeter / min_component_area are in world units (the object spans [-0.5, 0.5]³);
     chart_cell_edges sizes the UV clusters in mean edge lengths of the simplified mesh.
     projection: how texels reach the reference surface ("tangent", "exact", or None = not at all).
+    remesh: narrow-band UDF dual contouring of the reference surface at ``remesh_resolution``³ cells,
+    ``remesh_band`` cells out (the reference's release call: band 1, project 0, at the decode
+    resolution); ``exterior_only`` keeps only the outer sheet of the thickened shell.
+    quality_samples: points per surface for the Hausdorff/Chamfer metrics (0: no quality step work).
     """
 
     decimation_target: int = 1_000_000
     texture_size: int = 4096
     remesh: bool = False
+    remesh_resolution: int = 1024
+    remesh_band: float = 1.0
+    exterior_only: bool = False
+    quality_samples: int = 100_000
     texture_format: str = "png"
     alpha_mode: str = "auto"
     max_hole_perimeter: float = 3e-2
@@ -71,11 +85,16 @@ class ExportSettings:
             raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {self.texture_format!r}")
         if self.alpha_mode not in ALPHA_MODES:
             raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        if self.remesh:
-            raise ValueError(
-                "remesh=True is not available in the CPU exporter (the narrow-band dual-contouring remesh "
-                "is not implemented); use remesh=False, which fills holes and orients faces instead"
-            )
+        r = self.remesh_resolution
+        if r < 16 or r > 2048 or r & (r - 1):
+            raise ValueError(f"remesh_resolution must be a power of two in [16, 2048] (512 or 1024 for real "
+                             f"decodes), got {r}")
+        if not 0 < self.remesh_band <= 4:
+            raise ValueError(f"remesh_band must be in (0, 4] cells (the reference uses 1), got {self.remesh_band}")
+        if self.exterior_only and not self.remesh:
+            raise ValueError("exterior_only=True selects the remesh's outer sheet; it needs remesh=True")
+        if self.quality_samples < 0:
+            raise ValueError(f"quality_samples must be >= 0 (0 skips the metrics), got {self.quality_samples}")
         if self.projection not in (*PROJECTIONS, None):
             raise ValueError(f"projection must be one of {PROJECTIONS} or None, got {self.projection!r}")
         if self.chart_cell_edges <= 0 or self.uv_padding < 0:
@@ -104,6 +123,7 @@ class ExportReport:
     texture_size: int = 0
     coverage: float = 0.0
     file_bytes: int = 0
+    quality: dict = field(default_factory=dict)
 
     @property
     def peak_rss(self) -> int:
@@ -177,14 +197,29 @@ def _reference(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
     return (v, f), {"vertices": len(v), "faces": len(f)}
 
 
+def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+    if not settings.remesh:
+        return (v, f), {"enabled": False}
+    v, f = remesh(v, f, resolution=settings.remesh_resolution, band=settings.remesh_band,
+                  exterior_only=settings.exterior_only)
+    if len(f) == 0:
+        raise ValueError("the remesh found no surface: the decoded shape is empty or degenerate")
+    return (v, f), {"vertices": len(v), "faces": len(f), "resolution": settings.remesh_resolution,
+                    "exterior_only": settings.exterior_only}
+
+
 def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution: int):
     v, f = simplify_mesh(v, f, settings.decimation_target, voxel_size=1.0 / resolution)
     return (v, f), {"faces": len(f)}
 
 
 def _cleanup(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
-    v, f = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
-                      min_component_area=settings.min_component_area)
+    if settings.remesh:  # as the reference: the contour is closed and oriented; only drop what QEM broke
+        f = remove_duplicate_faces(remove_degenerate_faces(v, f))
+        v, f, _ = remove_unreferenced_vertices(v, f)
+    else:
+        v, f = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
+                          min_component_area=settings.min_component_area)
     if len(f) == 0:
         raise ValueError("no faces left after cleanup: the decoded shape is only tiny fragments")
     return (v, f), {"vertices": len(v), "faces": len(f)}
@@ -201,12 +236,23 @@ def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: 
           settings: ExportSettings):
     projector = None
     if settings.projection is not None:
-        projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution)
+        # The remesh sits remesh_band cells off the reference surface: let the projection cover that too.
+        offset = RemeshGrid(settings.remesh_resolution, settings.remesh_band).eps if settings.remesh else 0.0
+        projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution + offset)
     index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
     tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
                         settings.texture_size)
     return tex, {"coverage": round(tex.coverage, 3)}
+
+
+def _quality(v: np.ndarray, f: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, resolution: int,
+             settings: ExportSettings):
+    if settings.quality_samples == 0:
+        return {}, {"enabled": False}
+    quality = mesh_quality(v, f, uv.faces, len(uv.uvs), SurfaceDistance(ref_v, ref_f), resolution,
+                           samples=settings.quality_samples).to_dict()
+    return quality, quality
 
 
 def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, settings: ExportSettings):
@@ -264,15 +310,18 @@ def export_mesh(
     # 1-2. raw dual-grid mesh → the reference surface that texels are projected onto
     ref_v, ref_f = steps.run("extract", _extract, fields)
     ref_v, ref_f = steps.run("reference", _reference, ref_v, ref_f, settings)
-    # 3-4. the output mesh
-    v, f = steps.run("simplify", _simplify, ref_v, ref_f, settings, fields.resolution)
+    # 3-5. the output mesh
+    v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings)
+    v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)
     v, f = steps.run("cleanup", _cleanup, v, f, settings)
-    # 5-7. atlas, textures, file
+    # 6-9. atlas, textures, metrics, file
     normals, uv = steps.run("uv", _unwrap, v, f, settings)
     tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, settings)
+    quality = steps.run("quality", _quality, v, f, uv, ref_v, ref_f, fields.resolution, settings)
     del ref_v, ref_f
     mesh, data = steps.run("glb", _glb, v, normals, uv, tex, settings)
     steps.bar.close()
     report = ExportReport(steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
-                          texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=len(data))
+                          texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=len(data),
+                          quality=quality)
     return ExportedMesh(mesh, data, report)
