@@ -12,8 +12,10 @@ from pixal3d.models.conditioning import (
     FeatureCache,
     backbone_features,
     condition,
+    naf_peak_bytes,
     negative_condition,
     scaled_extractors,
+    select_naf_mode,
 )
 from pixal3d.models.dinov3 import (
     extract_tokens,
@@ -181,3 +183,38 @@ def test_tiny_folder_round_trip_is_deterministic_and_keeps_the_rng(tmp_path, ima
         assert torch.equal(extract_tokens(from_folder, pixels), extract_tokens(from_config, pixels))
         assert not torch.equal(extract_tokens(other_seed, pixels), extract_tokens(from_config, pixels))
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_full_mode_is_the_reference_algorithm_bitwise(backbone, naf, image, run):
+    """``naf_mode='full'`` == the reference: low-res bilinear, then the whole T×T NAF map, bilinear."""
+    from pixal3d.models.projection import coords_points, project, sample_map
+
+    _, cache, _ = run
+    extractor = TINY["tex_1024"]
+    camera = camera_from_fov(FALLBACK_FOV)
+    coords = random_coords(extractor.grid_resolution, 500, 7)
+    full = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="full")
+    features = cache.features(backbone, image, extractor.image_size)
+    grid = project(coords_points(coords, extractor.grid_resolution), camera, extractor.image_size)
+    size = (extractor.naf_size, extractor.naf_size)
+    with torch.no_grad():
+        whole_map = naf(features.image, features.patch_map(), size)  # [1, C, T, T]
+        reference = torch.cat([sample_map(features.patch_map(), grid), sample_map(whole_map, grid)], dim=-1)
+    assert torch.equal(full["proj"].feats, reference)
+    frugal = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="frugal")
+    assert not torch.equal(frugal["proj"].feats, reference)  # control: the banded encoder is not bit-exact
+
+
+def test_auto_naf_mode_picks_frugal_only_when_full_does_not_fit():
+    full = naf_peak_bytes("full", 1024, 1024, points=20_000)
+    frugal = naf_peak_bytes("frugal", 1024, 1024, points=20_000)
+    assert frugal < full
+    assert select_naf_mode("auto", budget_bytes=full, full_bytes=full) == "full"
+    assert select_naf_mode("auto", budget_bytes=full - 1, full_bytes=full) == "frugal"
+    assert select_naf_mode("full", budget_bytes=0, full_bytes=full) == "full"  # an explicit mode is kept
+    assert select_naf_mode("frugal", budget_bytes=1 << 60, full_bytes=full) == "frugal"
+    with pytest.raises(ValueError, match="auto"):
+        select_naf_mode("fast", budget_bytes=0, full_bytes=0)
+    with pytest.raises(ValueError, match="naf_mode"):
+        condition(TINY["ss"], Image.new("RGB", (8, 8)), camera_from_fov(FALLBACK_FOV), backbone=None,
+                  naf_mode="auto")

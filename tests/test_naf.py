@@ -187,3 +187,49 @@ def test_tiny_naf_round_trips_through_the_registry_loader(tmp_path):
         torch.manual_seed(5)
         reference = NAF(dim=16, heads_attn=4, heads_rope=4)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+# ---- `full` mode: the reference algorithm (whole map, then bilinear) bit for bit, without the map ----
+
+def _probe_grid(side: int, gen) -> torch.Tensor:
+    """Random points (some outside the view: border padding) plus points exactly on pixel-centre lines."""
+    grid = torch.rand(1500, 2, generator=gen) * 2.4 - 1.2
+    centres = (torch.arange(side) + 0.5) / side * 2 - 1
+    grid[:side, 0] = centres
+    grid[side:2 * side, 1] = centres
+    grid[2 * side] = torch.tensor([1.0, -1.0])
+    return grid
+
+
+@pytest.mark.parametrize("image_side, side, patches, channels", [(144, 72, 9, 8), (160, 80, 10, 24)])
+def test_sample_equals_the_full_map_then_bilinear_bitwise(monkeypatch, image_side, side, patches, channels):
+    from pixal3d.models.projection import sample_map, sample_pointwise
+
+    monkeypatch.setattr(naf_module, "_SAMPLE_MAP_BYTES", side * side * 4 * 5)  # 5 channels per chunk
+    naf = tiny_naf(4)
+    gen = torch.Generator().manual_seed(side)
+    image = torch.rand(1, 3, image_side, image_side, generator=gen)
+    features = torch.randn(1, channels, patches, patches, generator=gen)
+    grid = _probe_grid(side, gen)
+    with torch.no_grad():
+        reference = sample_map(naf(image, features, (side, side)), grid)
+        exact = naf.sample(image, features, (side, side), grid)
+        frugal = sample_pointwise(lambda p: naf.features_at(image, features, (side, side), p), grid, side, side)
+    assert torch.equal(exact, reference)
+    # control: the banded encoder's merged GroupNorm statistics land ~1e-7 away
+    assert not torch.equal(frugal, reference)
+    torch.testing.assert_close(frugal, reference, rtol=0, atol=1e-5)
+
+
+def test_read_pixels_include_every_pixel_grid_sample_reads():
+    """A map that is NaN outside ``read_pixels`` samples without NaN: nothing else is read (0·NaN = NaN)."""
+    from pixal3d.models.projection import read_pixels, sample_map
+
+    side = 40
+    grid = _probe_grid(side, torch.Generator().manual_seed(5))
+    pixels = read_pixels(grid, side, side)
+    poisoned = torch.full((1, 2, side, side), float("nan"))
+    poisoned[0, :, pixels[:, 0], pixels[:, 1]] = 1.0
+    assert not sample_map(poisoned, grid).isnan().any()
+    poisoned[0, :, pixels[7, 0], pixels[7, 1]] = float("nan")  # control: one pixel fewer is seen
+    assert sample_map(poisoned, grid).isnan().any()

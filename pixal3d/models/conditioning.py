@@ -8,9 +8,13 @@ the models), and a ``FeatureCache`` that lives for one run makes the backbone ru
 Output per extractor: ``{'global': [1, 5, 1024] f32, 'proj': ...}`` where ``proj`` is dense ``[1, G³, C]`` when
 no coords are given (the sparse-structure stage) or a ``SparseTensor [N, C]`` on the given coords, rows in
 coords order. ``C`` is the backbone width, doubled (low-res first, NAF second) for the NAF extractors.
-The sparse path projects only the N requested points and, with ``naf_mode='frugal'`` (default), evaluates
-NAF only at the pixels their bilinear taps read; ``naf_mode='full'`` materialises the T×T map as the
-reference does. Both agree to fp32 rounding.
+The sparse path projects only the N requested points, and NAF runs only at the pixels their bilinear
+taps read, in one of two modes (``NAF_MODES``):
+* ``full``: bit for bit the reference algorithm (the whole T×T NAF map, then bilinear sampling), without
+  holding that map (``NAF.sample``); the guidance map is still computed whole. Peak ≈ ``naf_peak_bytes``.
+* ``frugal``: the guidance map in bands of rows (``NAF.features_at``); within ~1e-7 of ``full`` (fp32),
+  which can round a few bf16 condition values differently; peak a fraction of ``full``'s.
+``select_naf_mode`` resolves ``auto``: ``full`` when its peak fits the memory budget, else ``frugal``.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from .projection import (
 logger = logging.getLogger(__name__)
 
 NafMode = Literal["frugal", "full"]
+NAF_MODES = ("full", "frugal")
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,8 @@ def condition(extractor: ExtractorConfig, image: Image.Image, camera: Camera, co
     SparseTensor [N, C'] on ``coords [N, 4]`` int32}`` (C' = 2C with NAF)."""
     if extractor.naf_size is not None and naf is None:
         raise ValueError(f"extractor {extractor.name!r} upsamples with NAF (T={extractor.naf_size}); pass naf=")
-    if naf_mode not in ("frugal", "full"):
-        raise ValueError(f"naf_mode must be 'frugal' or 'full'; got {naf_mode!r}")
+    if naf_mode not in NAF_MODES:
+        raise ValueError(f"naf_mode must be one of {NAF_MODES}; got {naf_mode!r} (resolve 'auto' with select_naf_mode)")
     features = (cache or FeatureCache()).features(backbone, image, extractor.image_size)
     device = features.tokens.device
     if coords is None:
@@ -166,8 +171,37 @@ def _project_features(extractor: ExtractorConfig, features: BackboneFeatures, gr
         return low_res
     size = (extractor.naf_size, extractor.naf_size)
     if naf_mode == "full":
-        high_res = sample_map(naf(features.image, patch_map, size), grid)
+        high_res = naf.sample(features.image, patch_map, size, grid)
     else:
         high_res = sample_pointwise(lambda pixels: naf.features_at(features.image, patch_map, size, pixels),
                                     grid, *size)
     return torch.cat([low_res, high_res], dim=-1)
+
+
+def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 256, channels: int = 1024,
+                   points: int = 0) -> int:
+    """Working memory (bytes, fp32) of one NAF projection at input size S = ``image_size`` and output T.
+
+    ``full``: the guidance map at the encoder's resolution (min(S, 4T))², ``dim / 2`` channels per conv
+    stack, about 6 such maps at once (a stack's input, GroupNorm output and conv output, the other
+    stack's output, their concatenation) plus the pooled T² × dim map, and one 256 MiB channel chunk of
+    the sparse sampling map. ``frugal``: 3 band-sized activations (``_BAND_BYTES`` each) and the pooled
+    keys. Both add the sampled values, about 4 pixels × C per point.
+    """
+    side = min(image_size, 4 * naf_size)
+    values = 4 * points * channels * 4
+    if mode == "full":
+        return 6 * side * side * (dim // 2) * 4 + naf_size * naf_size * dim * 4 + (256 << 20) + values
+    if mode == "frugal":
+        return 3 * (64 << 20) + values
+    raise ValueError(f"naf mode must be one of {NAF_MODES}; got {mode!r}")
+
+
+def select_naf_mode(requested: str, *, budget_bytes: int, full_bytes: int) -> NafMode:
+    """``auto`` → ``full`` (reference-exact) when its peak ``full_bytes`` fits ``budget_bytes``, else ``frugal``;
+    ``full`` and ``frugal`` are returned as given."""
+    if requested in NAF_MODES:
+        return requested  # type: ignore[return-value]
+    if requested != "auto":
+        raise ValueError(f"naf mode must be 'auto', 'full' or 'frugal'; got {requested!r}")
+    return "full" if full_bytes <= budget_bytes else "frugal"

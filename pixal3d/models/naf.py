@@ -13,10 +13,16 @@ Pure PyTorch, key-compatible with the published ``naf_release.pth`` (no ``natten
    attends to the same 9×9 block of patches, starting at ``clamp(patch − 4, 0, h − 9)`` per axis — which is
    what ``_attend`` computes, on the small maps, for any set of pixels.
 
-``forward`` returns the full ``[1, C, T, T]`` map; ``features_at`` returns ``[P, C]`` for chosen pixels only,
-so the projection can read the few pixels it needs without the T×T×C map (4 GiB at T=1024, C=1024). It also
-never holds the T×T×dim guidance map: the encoder runs over bands of rows (``BandedEncoder``), with each
-GroupNorm's statistics gathered over the whole map in an earlier pass, so its peak is one band.
+Three entry points:
+* ``forward``: the full ``[1, C, T, T]`` map (4 GiB at T=1024, C=1024), as the reference.
+* ``sample``: ``sample_map(forward(...), grid)`` bit for bit without that map: attention only at the pixels
+  the bilinear taps read (a pixel's value does not depend on which other pixels are computed), then
+  ``grid_sample`` itself on a zero map holding those pixels, a chunk of channels at a time. The guidance
+  map is still computed whole, as ``forward`` does (its GroupNorms need whole-map statistics).
+* ``features_at``: ``[P, C]`` at chosen pixels with the encoder run over bands of rows (``BandedEncoder``),
+  each GroupNorm's statistics gathered in an earlier pass: peak one band, values within ~1e-7 of the
+  full map (the statistics are reduced in another order; that order cannot be reproduced in bands, since
+  PyTorch's GroupNorm reduces a whole group at once in a kernel- and ISA-specific order).
 """
 from __future__ import annotations
 
@@ -31,9 +37,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .loading import CheckpointError, register_model
+from .projection import read_pixels, sample_map
 
 _CHUNK_ELEMENTS = 1 << 23  # gathered value elements per attention chunk (32 MiB in fp32)
 _BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
+_SAMPLE_MAP_BYTES = 256 << 20  # one channel chunk of the sparse map ``NAF.sample`` bilinear-samples
 
 
 class EncBlock(nn.Module):
@@ -141,6 +149,32 @@ class NAF(nn.Module):
         queries, keys = self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
         out = self._attend(queries, rows, cols, keys, features, output_size)  # [T*T, C]
         return out.view(1, height, width, -1).permute(0, 3, 1, 2)  # channels-last view: no second T×T×C copy
+
+    def sample(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
+               grid: torch.Tensor) -> torch.Tensor:
+        """``sample_map(self(image, features, output_size), grid)`` bit for bit, ``[K, C]``, without the map.
+
+        grid_sample treats channels independently and reads only the 2×2 taps of each point, so a map that
+        is zero except at those pixels (``read_pixels``) gives the same result, chunk of channels by chunk.
+        """
+        self._check(image, features, output_size)
+        height, width = output_size
+        pixels = read_pixels(grid, height, width)
+        rows, cols = pixels[:, 0], pixels[:, 1]
+        queries, keys = self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
+        values = self._attend(queries, rows, cols, keys, features, output_size)  # [P, C]
+        del queries, keys
+        channels = values.shape[1]
+        step = max(1, min(channels, _SAMPLE_MAP_BYTES // (height * width * values.element_size())))
+        buffer = values.new_zeros(1, step, height, width)
+        flat = rows * width + cols
+        out = values.new_empty(grid.shape[0], channels)
+        for first in range(0, channels, step):
+            n = min(step, channels - first)
+            part = buffer[:, :n]  # a prefix of the channels: still contiguous
+            part.view(n, -1)[:, flat] = values[:, first:first + n].T
+            out[:, first:first + n] = sample_map(part, grid)
+        return out
 
     def features_at(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
                     pixels: torch.Tensor) -> torch.Tensor:

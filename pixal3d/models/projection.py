@@ -88,6 +88,30 @@ def bilinear_taps(grid: torch.Tensor, height: int, width: int) -> tuple[torch.Te
     return pixels, weights
 
 
+def read_pixels(grid: torch.Tensor, height: int, width: int, *, slack: float = 1e-3) -> torch.Tensor:
+    """Every pixel ``[P, 2]`` (row, col), sorted and unique, that ``sample_map`` can read for ``grid``.
+
+    The 2×2 taps of each point, plus the neighbouring row/column where the point is within ``slack``
+    pixels of a pixel centre: grid_sample's own float32 unnormalisation (its formula differs between
+    kernels) may floor to that neighbour there. Computed in float64, so the set is a superset of the
+    kernel's reads.
+    """
+    def span(coord: torch.Tensor, size: int) -> torch.Tensor:  # [K, 4] candidate indices, -1 where none
+        index = (((coord.double() + 1) * size - 1) / 2).clamp(0, size - 1)
+        low = index.floor()
+        frac = index - low
+        cand = torch.stack([low - 1, low, low + 1, low + 2], dim=-1)
+        cand[:, 0] = torch.where(frac < slack, cand[:, 0], -1)
+        cand[:, 3] = torch.where(frac > 1 - slack, cand[:, 3], -1)
+        return torch.where((cand >= 0) & (cand < size), cand, -1).long()
+
+    cols, rows = span(grid[:, 0], width), span(grid[:, 1], height)
+    flat = (rows[:, :, None] * width + cols[:, None, :]).reshape(-1)  # [K·16]
+    valid = (rows[:, :, None] >= 0) & (cols[:, None, :] >= 0)
+    unique = torch.unique(flat[valid.reshape(-1)])
+    return torch.stack([unique // width, unique % width], dim=-1)
+
+
 def sample_pointwise(features_at: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor,
                      height: int, width: int) -> torch.Tensor:
     """``sample_map`` without the map: ``features_at(pixels [P, 2] (row, col)) -> [P, C]`` is asked only for the
