@@ -76,23 +76,25 @@ def contour_cells(band: NarrowBand, values: np.ndarray) -> DualCells:
     return DualCells(np.concatenate(coords), np.concatenate(offsets), np.concatenate(signs))
 
 
-def quads_to_triangles(vertices: np.ndarray, quads: np.ndarray) -> np.ndarray:
+def quads_to_triangles(vertices: np.ndarray, quads: np.ndarray, *, chunk: int = 1 << 20) -> np.ndarray:
     """``[2Q, 3]`` int32: each quad split along the diagonal whose two triangles' normals agree best."""
-    p = vertices.astype(np.float64)[quads]  # [Q, 4, 3]
+    out = np.empty((2 * len(quads), 3), np.int32)
+    for s in range(0, len(quads), chunk):
+        q = quads[s : s + chunk]
+        p = vertices[q].astype(np.float64)  # [n, 4, 3]
 
-    def unit_normal(i: int, j: int, k: int) -> np.ndarray:
-        n = np.cross(p[:, j] - p[:, i], p[:, k] - p[:, i])
-        return n / np.maximum(np.linalg.norm(n, axis=1, keepdims=True), 1e-30)
+        def unit_normal(i: int, j: int, k: int) -> np.ndarray:
+            n = np.cross(p[:, j] - p[:, i], p[:, k] - p[:, i])
+            return n / np.maximum(np.linalg.norm(n, axis=1, keepdims=True), 1e-30)
 
-    agree_02 = np.einsum("ij,ij->i", unit_normal(0, 1, 2), unit_normal(0, 2, 3))
-    agree_13 = np.einsum("ij,ij->i", unit_normal(0, 1, 3), unit_normal(1, 2, 3))
-    split_02 = quads[:, [0, 1, 2, 0, 2, 3]]
-    split_13 = quads[:, [0, 1, 3, 1, 2, 3]]
-    tris = np.where((agree_02 >= agree_13)[:, None], split_02, split_13)
-    return tris.reshape(-1, 3).astype(np.int32)
+        agree_02 = np.einsum("ij,ij->i", unit_normal(0, 1, 2), unit_normal(0, 2, 3))
+        agree_13 = np.einsum("ij,ij->i", unit_normal(0, 1, 3), unit_normal(1, 2, 3))
+        tris = np.where((agree_02 >= agree_13)[:, None], q[:, [0, 1, 2, 0, 2, 3]], q[:, [0, 1, 3, 1, 2, 3]])
+        out[2 * s : 2 * (s + len(q))] = tris.reshape(-1, 3)
+    return out
 
 
-def dual_mesh(cells: DualCells, grid: RemeshGrid) -> tuple[np.ndarray, np.ndarray]:
+def dual_mesh(cells: DualCells, grid: RemeshGrid, *, chunk: int = 1 << 21) -> tuple[np.ndarray, np.ndarray]:
     """Quads through the 4 cells around every crossed owned edge (kept when all 4 exist), oriented by
     the sign, triangulated; returns float32 vertices and int32 faces without unreferenced vertices."""
     vertices = grid.to_world(cells.coords + cells.offsets).astype(np.float32)
@@ -102,13 +104,15 @@ def dual_mesh(cells: DualCells, grid: RemeshGrid) -> tuple[np.ndarray, np.ndarra
     faces = []
     for axis in range(3):
         rows = np.flatnonzero(cells.signs[:, axis])
-        base = cells.coords[rows].astype(np.int64)
-        quad = np.stack([index.lookup(base + QUAD_OFFSETS[axis, k]) for k in range(4)], axis=1)
-        complete = np.all(quad >= 0, axis=1)
-        quad, sign = quad[complete], cells.signs[rows[complete], axis]
-        # The cyclic order of QUAD_OFFSETS has its normal along −axis: reverse it where d grows along +axis.
-        quad = np.where((sign > 0)[:, None], quad[:, [0, 3, 2, 1]], quad)
-        faces.append(quads_to_triangles(vertices, quad))
+        for s in range(0, len(rows), chunk):
+            r = rows[s : s + chunk]
+            base = cells.coords[r].astype(np.int64)
+            quad = np.stack([index.lookup(base + QUAD_OFFSETS[axis, k]) for k in range(4)], axis=1)
+            complete = np.all(quad >= 0, axis=1)
+            quad, sign = quad[complete], cells.signs[r[complete], axis]
+            # QUAD_OFFSETS' cyclic order has its normal along −axis: reverse it where d grows along +axis.
+            quad = np.where((sign > 0)[:, None], quad[:, [0, 3, 2, 1]], quad)
+            faces.append(quads_to_triangles(vertices, quad))
     del index
     v, f, _ = remove_unreferenced_vertices(vertices, np.concatenate(faces))
     return v, f

@@ -156,3 +156,117 @@ def pbr_from_function(fields: DualGridFields, color: Callable[[np.ndarray], np.n
     centre = (coords + 0.5) / fields.resolution - 0.5
     attrs = np.concatenate([color(centre[s : s + (1 << 20)]) for s in range(0, len(coords), 1 << 20)])
     return PbrVoxels(coords=fields.coords, attrs=torch.from_numpy(attrs.astype(np.float32)), resolution=fields.resolution)
+
+
+# -- shapes that look like real decodes: holes, thin walls, a handle, slits, several parts ------------
+
+def torus_sdf(center: tuple[float, float, float], big: float, small: float, axis: int = 2) -> Sdf:
+    """Signed distance to a torus of radii ``big`` (ring) and ``small`` (tube) around ``axis``."""
+    c = np.asarray(center, np.float64)
+
+    def sdf(p: np.ndarray) -> np.ndarray:
+        q = p - c
+        ring = np.linalg.norm(np.delete(q, axis, axis=-1), axis=-1) - big
+        return np.hypot(ring, q[..., axis]) - small
+
+    return sdf
+
+
+def capped_cylinder_sdf(center: tuple[float, float, float], radius: float, half_height: float) -> Sdf:
+    """Signed distance to a z-aligned cylinder with flat caps."""
+    c = np.asarray(center, np.float64)
+
+    def sdf(p: np.ndarray) -> np.ndarray:
+        q = p - c
+        d = np.stack([np.linalg.norm(q[..., :2], axis=-1) - radius, np.abs(q[..., 2]) - half_height], -1)
+        return np.minimum(d.max(-1), 0.0) + np.linalg.norm(np.maximum(d, 0.0), axis=-1)
+
+    return sdf
+
+
+def union(*sdfs: Sdf) -> Sdf:
+    """Sharp union (the minimum): the sum of several parts."""
+    return lambda p: np.min(np.stack([s(p) for s in sdfs], -1), axis=-1)
+
+
+def thin_wall_sdf(resolution: int, thickness_vox: tuple[float, float] = (1.0, 2.0)) -> Sdf:
+    """An open bowl (sphere shell r = 0.3, cut above z = 0.12) whose wall is ``thickness_vox[0]`` voxels
+    thick for x < 0 and ``thickness_vox[1]`` for x ≥ 0: both of its surfaces fall in the same voxels."""
+
+    def sdf(p: np.ndarray) -> np.ndarray:
+        half = np.where(p[..., 0] < 0, thickness_vox[0], thickness_vox[1]) / (2 * resolution)
+        return np.maximum(np.abs(np.linalg.norm(p, axis=-1) - 0.3) - half, p[..., 2] - 0.12)
+
+    return sdf
+
+
+def slit_box_sdf(resolution: int, widths_vox: tuple[float, ...] = (0.8, 1.3, 1.8, 3.0)) -> Sdf:
+    """A box (half side 0.28) with slots cut from the top down to its middle, ``widths_vox`` voxels wide,
+    across the whole box in y: slits narrower than two voxels close in a one-voxel offset."""
+    box = box_sdf(0.28)
+    centres = np.linspace(-0.18, 0.18, len(widths_vox))
+
+    def sdf(p: np.ndarray) -> np.ndarray:
+        d = box(p)
+        for x, w in zip(centres, widths_vox):
+            slot = np.maximum(np.abs(p[..., 0] - x) - w / (2 * resolution), -p[..., 2])
+            d = np.maximum(d, -slot)
+        return d
+
+    return sdf
+
+
+def handle_sdf() -> Sdf:
+    """A mug: a capped cylinder with a torus handle on its side (genus one)."""
+    return union(capped_cylinder_sdf((-0.05, 0, 0), 0.2, 0.25), torus_sdf((0.2, 0, 0), 0.12, 0.035, axis=1))
+
+
+def components_sdf(resolution: int) -> Sdf:
+    """Seven separate spheres from r = 0.15 down to 1.5 voxels (a speck a decoder leaves behind)."""
+    radii = [0.15, 0.1, 0.07, 0.045, 0.03, 0.02, 1.5 / resolution]
+    centres = [(-0.25, -0.2, 0.0), (0.2, -0.2, 0.05), (0.25, 0.2, -0.1), (-0.2, 0.22, 0.15),
+               (0.0, 0.05, -0.3), (0.0, 0.0, 0.3), (0.05, -0.3, 0.3)]
+    return union(*[sphere_sdf(c, r) for c, r in zip(centres, radii)])
+
+
+def drop_voxels(fields: DualGridFields, keep: np.ndarray) -> DualGridFields:
+    """The fields without the voxels where ``keep`` is False: the quads through them disappear, which is
+    how a decoder's missing voxels turn into holes."""
+    keep_t = torch.from_numpy(np.asarray(keep, bool))
+    return DualGridFields(coords=fields.coords[keep_t], dual_vertices=fields.dual_vertices[keep_t],
+                          intersected=fields.intersected[keep_t], split_weight=fields.split_weight[keep_t],
+                          resolution=fields.resolution)
+
+
+def punch_holes(fields: DualGridFields, centres: np.ndarray, radii_vox: np.ndarray, *, dropout: float = 0.0,
+                seed: int = 0) -> DualGridFields:
+    """Drop the voxels within ``radii_vox`` voxels of each world ``centres [k, 3]``, and a random
+    ``dropout`` fraction of all voxels (pinprick holes, as decoders leave)."""
+    coords = fields.coords.numpy()
+    centre_vox = (np.asarray(centres, np.float64) + 0.5) * fields.resolution
+    keep = np.ones(len(coords), bool)
+    for c, r in zip(centre_vox, radii_vox):
+        keep &= np.linalg.norm(coords + 0.5 - c, axis=1) > r
+    if dropout > 0:
+        keep &= np.random.default_rng(seed).uniform(size=len(coords)) >= dropout
+    return drop_voxels(fields, keep)
+
+
+def holey_sphere_fields(resolution: int, *, radii_vox: tuple[float, ...] = (0.75, 1.5, 3.0, 6.0, 12.0),
+                        dropout: float = 0.002, seed: int = 0) -> DualGridFields:
+    """A sphere (r = 0.3) with holes of ``radii_vox`` voxels around it plus random pinpricks."""
+    fields = sdf_dual_grid(sphere_sdf((0.0, 0.0, 0.0), 0.3), resolution, project=False, seed=seed)
+    angles = np.linspace(0, 2 * np.pi, len(radii_vox), endpoint=False)
+    centres = 0.3 * np.stack([np.cos(angles) * np.cos(0.4), np.sin(angles) * np.cos(0.4),
+                              np.full_like(angles, np.sin(0.4))], -1)
+    return punch_holes(fields, centres, np.asarray(radii_vox), dropout=dropout, seed=seed)
+
+
+DECODE_LIKE_SHAPES: dict[str, Callable[[int], DualGridFields]] = {
+    "holes": holey_sphere_fields,
+    "thin_walls": lambda r: sdf_dual_grid(thin_wall_sdf(r), r, project=False),
+    "handle": lambda r: sdf_dual_grid(handle_sdf(), r, project=False),
+    "slits": lambda r: sdf_dual_grid(slit_box_sdf(r), r, project=False),
+    "components": lambda r: sdf_dual_grid(components_sdf(r), r, project=False),
+}
+"""Decoded fields at resolution R that have what real decodes have and closed test shapes lack."""

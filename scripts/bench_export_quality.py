@@ -1,0 +1,131 @@
+"""Export quality on decode-like shapes, per branch: no remesh / remesh / remesh exterior-only.
+
+    python scripts/bench_export_quality.py [--resolution 512] [--target 200000] [--texture-size 2048]
+        [--shapes holes thin_walls handle slits components] [--branches none remesh exterior]
+        [--big-voxels 8000000 --big-branches remesh] [--out benchmarks/export_quality.md]
+
+Each (shape, branch) runs ``export_glb`` in a fresh process (so that one run's memory does not count in
+the next) with exact per-step peak RSS. Shapes: ``pixal3d.mesh.synthetic.DECODE_LIKE_SHAPES`` at
+``--resolution`` (holes of 0.75–12 voxels plus pinpricks, 1–2-voxel walls, a handle, slits under
+2 voxels, seven parts). The remesh runs at the decode resolution, as the reference's release call.
+``--big-voxels`` adds one run per ``--big-branches`` on scripts/bench_export.py's blobby shape at
+R = 1024 with about that many voxels (the peak-memory check; the fields are cached in /tmp). Prints the table and writes it as
+markdown (and the raw reports as JSON beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BRANCHES = {
+    "none": {"remesh": False},
+    "remesh": {"remesh": True},
+    "exterior": {"remesh": True, "exterior_only": True},
+}
+COLUMNS = ("faces", "boundary_edges", "non_manifold_edges", "components", "uv_charts", "hausdorff_vox",
+           "chamfer_vox")
+
+
+def _color(p):
+    import numpy as np
+
+    out = np.empty((len(p), 6), np.float32)
+    out[:, 0:3] = 0.5 + 0.45 * np.sin(p * np.array([17.0, 23.0, 29.0]))
+    out[:, 3], out[:, 4], out[:, 5] = 0.2, 0.6, 1.0
+    return out
+
+
+def run_one(args) -> None:
+    """Child process: build the fields, export once, print the report as JSON on the last line."""
+    from pixal3d.mesh.export import ExportSettings, export_glb
+    from pixal3d.mesh.synthetic import DECODE_LIKE_SHAPES, pbr_from_function
+
+    start = time.perf_counter()
+    if args.shape.startswith("big"):
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_export import load_or_make
+
+        fields = load_or_make(argparse.Namespace(voxels=int(args.shape[3:]), resolution=1024, seed=0,
+                                                 cache=f"/tmp/bench_quality_{args.shape}.npz"))
+    else:
+        fields = DECODE_LIKE_SHAPES[args.shape](args.resolution)
+    pbr = pbr_from_function(fields, _color)
+    made = time.perf_counter() - start
+    settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size,
+                              remesh_resolution=fields.resolution, **BRANCHES[args.branch])
+    report = export_glb(fields, pbr, f"/tmp/bench_quality_{args.shape}_{args.branch}.glb", settings=settings,
+                        progress=False, exact_peak_rss=True)
+    print(report.table(), file=sys.stderr)
+    print(json.dumps(report.to_dict() | {"voxels": len(fields.coords), "resolution": fields.resolution,
+                                         "fields_seconds": made}))
+
+
+def run_child(shape: str, branch: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--one", shape, branch, "--resolution", str(args.resolution),
+           "--target", str(args.target), "--texture-size", str(args.texture_size)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shape}/{branch} failed:\n{done.stderr[-3000:]}")
+    print(done.stderr.strip(), flush=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row(shape: str, branch: str, report: dict) -> list[str]:
+    q = report["quality"]
+    remesh_s = next(s["seconds"] for s in report["steps"] if s["name"] == "remesh")
+    quality_s = next(s["seconds"] for s in report["steps"] if s["name"] == "quality")
+    return [shape, f"{report['voxels']:,}", branch, *[f"{q[c]:,}" if isinstance(q[c], int) else f"{q[c]:.3f}"
+                                                     for c in COLUMNS],
+            f"{report['seconds'] - quality_s:.1f}", f"{remesh_s:.1f}", f"{report['peak_rss'] / 2**30:.2f}"]
+
+
+HEADER = ["shape", "voxels", "branch", "faces", "boundary edges", "non-manifold edges", "components",
+          "UV charts", "Hausdorff (vox)", "Chamfer (vox)", "export s", "of which remesh s", "peak RSS GiB"]
+
+
+def table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--resolution", type=int, default=512)
+    parser.add_argument("--target", type=int, default=200_000)
+    parser.add_argument("--texture-size", type=int, default=2048)
+    parser.add_argument("--shapes", nargs="*", default=["holes", "thin_walls", "handle", "slits", "components"])
+    parser.add_argument("--branches", nargs="+", default=list(BRANCHES), choices=list(BRANCHES))
+    parser.add_argument("--big-voxels", type=int, default=0)
+    parser.add_argument("--big-branches", nargs="+", default=["remesh"], choices=list(BRANCHES))
+    parser.add_argument("--out", default="benchmarks/export_quality.md")
+    parser.add_argument("--one", nargs=2, metavar=("SHAPE", "BRANCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        args.shape, args.branch = args.one
+        run_one(args)
+        return
+    rows, reports = [], {}
+    runs = [(s, b) for s in args.shapes for b in args.branches]
+    runs += [(f"big{args.big_voxels}", b) for b in args.big_branches] if args.big_voxels else []
+    for shape, branch in runs:
+        report = run_child(shape, branch, args)
+        reports[f"{shape}/{branch}"] = report
+        rows.append(row(shape, branch, report))
+        print(table(rows[-1:]), flush=True)
+    text = table(rows)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_export_quality.py " + " ".join(sys.argv[1:])
+    out.write_text(f"# Export quality per branch\n\n`{command}`\n\nDecode resolution {args.resolution} "
+                   f"(big run: 1024), target {args.target:,} faces, texture {args.texture_size}². "
+                   f"Distances in decode voxels; export seconds exclude the quality step.\n\n{text}\n")
+    out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+
+
+if __name__ == "__main__":
+    main()
