@@ -104,3 +104,13 @@ def test_xatlas_binding_maps_normals_and_uvs_keywords_to_the_right_slots():
     assert atlas.atlas_count == 1 and atlas.width / atlas.height == pytest.approx(2, rel=0.05)
     with pytest.raises(ValueError, match="Nx3"):  # control: swapped arrays are rejected
         xatlas.Atlas().add_mesh(positions=p, indices=i, normals=uv, uvs=n)
+
+
+def test_remove_face_pairs_drops_both_sides_of_a_flattened_bubble():
+    from pixal3d.mesh.cleanup import edge_statistics, remove_duplicate_faces, remove_face_pairs
+
+    tetra = np.array([[0, 2, 1], [0, 1, 3], [1, 2, 3], [0, 3, 2]])
+    bubble = np.array([[4, 5, 6], [4, 6, 5]])  # a closed component squeezed to two opposite faces
+    faces = np.concatenate([tetra, bubble])
+    assert np.array_equal(remove_face_pairs(faces), tetra)
+    assert edge_statistics(remove_duplicate_faces(faces))["boundary"] == 3  # control: one side left open

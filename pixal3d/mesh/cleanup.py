@@ -106,6 +106,23 @@ def remove_duplicate_faces(faces: np.ndarray) -> np.ndarray:
     return faces[~dup]
 
 
+def remove_face_pairs(faces: np.ndarray) -> np.ndarray:
+    """Drop *every* face whose three vertices another face also uses (either winding).
+
+    After simplification these are the two sides of a collapsed, zero-volume bubble (a tiny closed
+    component squeezed flat); dropping only one of them, as ``remove_duplicate_faces`` does, would
+    leave the other as a hole's border.
+    """
+    s = np.sort(faces, axis=1)
+    order = np.lexsort((s[:, 2], s[:, 1], s[:, 0]))
+    s = s[order]
+    same = np.all(s[1:] == s[:-1], axis=1)
+    paired = np.zeros(len(faces), bool)
+    paired[order[1:][same]] = True
+    paired[order[:-1][same]] = True
+    return faces[~paired]
+
+
 def remove_unreferenced_vertices(vertices: np.ndarray, faces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Compact the vertex array; returns ``(vertices, faces, kept_vertex_ids)``."""
     used = np.zeros(len(vertices), bool)

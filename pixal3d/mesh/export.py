@@ -28,6 +28,7 @@ from .cleanup import (
     clean_mesh,
     fill_small_holes,
     remove_degenerate_faces,
+    remove_face_pairs,
     remove_duplicate_faces,
     remove_unreferenced_vertices,
 )
@@ -214,8 +215,8 @@ def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution
 
 
 def _cleanup(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
-    if settings.remesh:  # as the reference: the contour is closed and oriented; only drop what QEM broke
-        f = remove_duplicate_faces(remove_degenerate_faces(v, f))
+    if settings.remesh:  # the contour is closed and oriented (the reference does nothing here)
+        f = remove_face_pairs(f)  # bubbles QEM squeezed flat; removing one side would open a hole
         v, f, _ = remove_unreferenced_vertices(v, f)
     else:
         v, f = clean_mesh(v, f, max_hole_perimeter=settings.max_hole_perimeter,
