@@ -126,7 +126,8 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"exterior_only": True}, "exterior_only"), ({"remesh": True, "remesh_resolution": 768}, "remesh_resolution"),
+    [({"exterior_only": True}, "exterior_only"), ({"remesh": True, "remesh_resolution": 8}, "remesh_resolution"),
+     ({"remesh": True, "remesh_resolution": 66}, "halve evenly"),
      ({"remesh_band": 0}, "remesh_band"), ({"quality_samples": -1}, "quality_samples"),
      ({"texture_format": "jpg"}, "texture_format"),
      ({"decimation_target": 0}, "decimation_target"), ({"projection": "bvh"}, "projection")],
@@ -166,3 +167,55 @@ def test_written_glb_has_an_ordinary_file_mode_not_the_temporary_files_0600(tmp_
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+@pytest.fixture(scope="module")
+def remeshed(cube_fields, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("remesh")
+    out = {}
+    for name, extra in (("both", {}), ("exterior", {"exterior_only": True})):
+        settings = ExportSettings(decimation_target=3000, texture_size=256, remesh=True, remesh_resolution=RES,
+                                  quality_samples=20_000, **extra)
+        out[name] = (folder / f"{name}.glb", export_glb(*cube_fields, folder / f"{name}.glb", settings=settings,
+                                                        progress=False))
+    return out
+
+
+def test_remesh_export_is_closed_and_reports_its_quality(remeshed):
+    for name, shells in (("both", 2), ("exterior", 1)):
+        path, report = remeshed[name]
+        quality = report.to_dict()["quality"]  # what run.json receives
+        assert quality["boundary_edges"] == 0 and quality["non_manifold_edges"] == 0
+        assert quality["components"] == shells and quality["uv_charts"] >= 6
+        assert 0.5 < quality["chamfer_vox"] < 1.5  # the contour sits one cell off the decoded surface
+        assert [s.name for s in report.steps] == list(STEPS) and report.steps[2].detail["faces"] > 3000
+
+
+def test_remesh_exterior_shell_faces_outward_and_keeps_the_cube_colours(remeshed):
+    path, _ = remeshed["exterior"]
+    mesh = trimesh.load(path, force="mesh")
+    assert (np.einsum("ij,ij->i", mesh.face_normals, mesh.triangles_center) > 0).mean() > 0.99
+    image = np.asarray(mesh.visual.material.baseColorTexture)[..., :3].astype(int)
+    centre = mesh.triangles_center @ INTERNAL_TO_GLB
+    axis = np.abs(centre).argmax(1)
+    interior = np.sort(np.abs(centre), axis=1)[:, 1] < HALF - 4 / RES
+    uv = mesh.visual.uv[mesh.faces].mean(1)
+    x = np.clip((uv[:, 0] * 256).astype(int), 0, 255)
+    y = np.clip(((1 - uv[:, 1]) * 256).astype(int), 0, 255)
+    sign = np.sign(centre[np.arange(len(centre)), axis]).astype(int)
+    expected = np.array([FACE_COLOURS[(a, s)] for a, s in zip(axis, sign)]) * 255
+    assert interior.sum() > 500 and np.mean(np.abs(image[y, x] - expected).max(1)[interior] <= 3) > 0.98
+
+
+def test_remesh_texels_are_projected_onto_the_pre_remesh_surface(cube_fields, tmp_path):
+    """Two cells out (band 2), texels find the PBR voxels only through the projection onto the decoded
+    surface: without it no texel has trilinear support."""
+    settings = ExportSettings(decimation_target=1500, texture_size=128, remesh=True, remesh_resolution=RES,
+                              remesh_band=2, exterior_only=True, quality_samples=0)
+    projected = export_glb(*cube_fields, tmp_path / "p.glb", settings=settings, progress=False)
+    assert projected.coverage > 0.5 and projected.quality == {}
+    import dataclasses
+
+    unprojected = export_glb(*cube_fields, tmp_path / "u.glb", settings=dataclasses.replace(settings, projection=None),
+                             progress=False)
+    assert unprojected.coverage == 0.0  # control

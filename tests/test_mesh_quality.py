@@ -75,18 +75,19 @@ def sphere():
     return mesh.vertices.astype(np.float32), mesh.faces.astype(np.int32)
 
 
-def test_surface_distance_equals_brute_force_near_the_surface_and_respects_the_upper_bound(sphere):
-    v, f = sphere
+def test_surface_distance_equals_brute_force_near_the_surface_and_respects_the_upper_bound():
+    mesh = trimesh.creation.icosphere(subdivisions=3, radius=0.3)
+    v, f = mesh.vertices.astype(np.float32), mesh.faces.astype(np.int32)
     rng = np.random.default_rng(1)
-    direction = rng.normal(size=(2000, 3))
-    p = direction / np.linalg.norm(direction, axis=1, keepdims=True) * rng.uniform(0.26, 0.34, (2000, 1))
+    direction = rng.normal(size=(600, 3))
+    p = direction / np.linalg.norm(direction, axis=1, keepdims=True) * rng.uniform(0.24, 0.36, (600, 1))
     exact = _brute_force_distance(p, v, f)
     dist = SurfaceDistance(v, f)
     np.testing.assert_allclose(dist.distance(p), exact, atol=1e-6)
-    bounded = dist.distance(p, upper_bound=0.01)
-    near = exact < 0.01
+    bounded = dist.distance(p, upper_bound=0.02)
+    near = exact < 0.02
     np.testing.assert_allclose(bounded[near], exact[near], atol=1e-6)
-    assert np.all(bounded[~near] >= 0.01) and near.any() and (~near).any()
+    assert np.all(bounded[~near] >= 0.02) and near.any() and (~near).any()
 
 
 def test_hausdorff_and_chamfer_between_concentric_spheres(sphere):

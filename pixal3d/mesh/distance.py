@@ -5,9 +5,13 @@ closest point is then taken over every face incident to those vertices (any vale
 faces are kept as a CSR list, not a fixed-width table). On a dense mesh (the decoded surface has about
 one vertex per voxel) the true closest face is incident to the nearest vertex except in rare
 configurations, where the error is a fraction of an edge length. The remesh uses it as its UDF,
-the quality metrics for point-to-surface distances.
+the quality metrics for point-to-surface distances. Chunks of queries run on a few threads (the
+KD-tree and numpy release the GIL); the result does not depend on how many.
 """
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from scipy.spatial import cKDTree
@@ -73,14 +77,16 @@ def _edge_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) 
 class SurfaceDistance:
     """Unsigned distance from query points to the surface ``(vertices, faces)``."""
 
-    def __init__(self, vertices: np.ndarray, faces: np.ndarray, *, neighbours: int = 1) -> None:
+    def __init__(self, vertices: np.ndarray, faces: np.ndarray, *, neighbours: int = 1,
+                 threads: int | None = None) -> None:
         if len(faces) == 0:
             raise ValueError("SurfaceDistance needs a mesh with at least one face")
         if neighbours < 1:
             raise ValueError(f"neighbours must be >= 1, got {neighbours}")
-        self.vertices = np.ascontiguousarray(vertices, dtype=np.float32)
+        self.vertices_t = np.ascontiguousarray(np.asarray(vertices, dtype=np.float32).T)  # [3, V] coordinate-major
         self.faces = faces = np.ascontiguousarray(faces, dtype=np.int32)
         self.neighbours = int(neighbours)
+        self.threads = threads if threads is not None else min(8, os.cpu_count() or 1)
         used = np.zeros(len(self.vertices), bool)
         used[faces.reshape(-1)] = True
         self.tree_ids = np.flatnonzero(used)  # vertices of no face stay out of the tree
@@ -90,11 +96,15 @@ class SurfaceDistance:
         self.incident = (np.argsort(corner_owner, kind="stable") // 3).astype(np.int32)
         self.start = np.zeros(len(self.vertices) + 1, np.int64)
         np.cumsum(np.bincount(corner_owner, minlength=len(self.vertices)), out=self.start[1:])
-        self.vertices_t = np.ascontiguousarray(self.vertices.T)  # [3, V] coordinate-major
         self.longest_edge = max(
             float(np.sqrt(((self.vertices[f[:, [1, 2, 0]]] - self.vertices[f]).astype(np.float64) ** 2).sum(-1).max()))
             for f in (faces[s : s + (1 << 20)] for s in range(0, len(faces), 1 << 20))
         )
+
+    @property
+    def vertices(self) -> np.ndarray:
+        """``[V, 3]`` float32 (a view of the coordinate-major copy)."""
+        return self.vertices_t.T
 
     def distance(self, points: np.ndarray, *, upper_bound: float = np.inf, chunk: int = 1 << 16) -> np.ndarray:
         """Unsigned distance ``[N]`` (float64) of ``points [N, 3]`` to the surface.
@@ -105,13 +115,22 @@ class SurfaceDistance:
         points = np.asarray(points, dtype=np.float64).reshape(-1, 3)
         out = np.empty(len(points))
         reach = upper_bound + self.longest_edge
-        for s in range(0, len(points), chunk):
+        starts = range(0, len(points), chunk)
+
+        def one(s: int) -> None:
             out[s : s + chunk] = self._distance(points[s : s + chunk], reach)
+
+        if len(starts) > 1 and self.threads > 1:  # numpy and the KD-tree release the GIL
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(one, starts))
+        else:
+            for s in starts:
+                one(s)
         return out
 
     def _distance(self, p: np.ndarray, reach: float) -> np.ndarray:
         out = np.full(len(p), np.inf)
-        _, nearest = self.tree.query(p, k=self.neighbours, workers=-1, distance_upper_bound=reach)
+        _, nearest = self.tree.query(p, k=self.neighbours, distance_upper_bound=reach)
         nearest = np.asarray(nearest).reshape(len(p), -1)
         found = np.flatnonzero(nearest[:, 0] < len(self.tree_ids))
         if len(found) == 0:

@@ -86,12 +86,12 @@ class ExportSettings:
             raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {self.texture_format!r}")
         if self.alpha_mode not in ALPHA_MODES:
             raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        r = self.remesh_resolution
-        if r < 16 or r > 2048 or r & (r - 1):
-            raise ValueError(f"remesh_resolution must be a power of two in [16, 2048] (512 or 1024 for real "
-                             f"decodes), got {r}")
+        if not 16 <= self.remesh_resolution <= 2048:
+            raise ValueError(f"remesh_resolution must be in [16, 2048] cells per axis (the decode resolution, "
+                             f"512 or 1024), got {self.remesh_resolution}")
         if not 0 < self.remesh_band <= 4:
             raise ValueError(f"remesh_band must be in (0, 4] cells (the reference uses 1), got {self.remesh_band}")
+        RemeshGrid(self.remesh_resolution, self.remesh_band)  # even, halving evenly to <= 32 cells
         if self.exterior_only and not self.remesh:
             raise ValueError("exterior_only=True selects the remesh's outer sheet; it needs remesh=True")
         if self.quality_samples < 0:

@@ -86,12 +86,8 @@ class RemeshGrid:
         """Corners per axis (R + 1); corner key = ``(x·(R+1) + y)·(R+1) + z``."""
         return self.resolution + 1
 
-    def corner_key(self, g: np.ndarray) -> np.ndarray:
-        n = self.corner_side
-        g = np.asarray(g, np.int64)
-        return (g[..., 0] * n + g[..., 1]) * n + g[..., 2]
-
     def corner_coords(self, key: np.ndarray) -> np.ndarray:
+        """Integer corner coordinates ``[..., 3]`` of corner keys."""
         n = self.corner_side
         return np.stack([key // (n * n), (key // n) % n, key % n], axis=-1)
 
