@@ -184,14 +184,15 @@ def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 
 
     ``full``: the guidance map at the encoder's resolution (min(S, 4T))², ``dim / 2`` channels per conv
     stack, about 6 such maps at once (a stack's input, GroupNorm output and conv output, the other
-    stack's output, their concatenation) plus the pooled T² × dim map, and one 256 MiB channel chunk of
-    the sparse sampling map. ``frugal``: 3 band-sized activations (``_BAND_BYTES`` each) and the pooled
-    keys. Both add the sampled values, about 4 pixels × C per point.
+    stack's output, their concatenation) plus the pooled T² × dim map, and one channel chunk (at most
+    256 MiB) of the sparse sampling map. ``frugal``: 3 band-sized activations (64 MiB each). Both add
+    the sampled values, about 4 pixels × C per point.
     """
     side = min(image_size, 4 * naf_size)
     values = 4 * points * channels * 4
     if mode == "full":
-        return 6 * side * side * (dim // 2) * 4 + naf_size * naf_size * dim * 4 + (256 << 20) + values
+        chunk = min(256 << 20, channels * naf_size * naf_size * 4)
+        return 6 * side * side * (dim // 2) * 4 + naf_size * naf_size * dim * 4 + chunk + values
     if mode == "frugal":
         return 3 * (64 << 20) + values
     raise ValueError(f"naf mode must be one of {NAF_MODES}; got {mode!r}")
