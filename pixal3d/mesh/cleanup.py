@@ -128,9 +128,9 @@ def remove_unreferenced_vertices(vertices: np.ndarray, faces: np.ndarray) -> tup
     used = np.zeros(len(vertices), bool)
     used[faces.reshape(-1)] = True
     kept = np.flatnonzero(used)
-    remap = np.full(len(vertices), -1, np.int64)
-    remap[kept] = np.arange(len(kept))
-    return vertices[kept], remap[faces].astype(np.int32), kept
+    remap = np.full(len(vertices), -1, np.int32)  # int32 throughout: one face-sized copy, not three
+    remap[kept] = np.arange(len(kept), dtype=np.int32)
+    return vertices[kept], remap[faces], kept
 
 
 def fill_small_holes(vertices: np.ndarray, faces: np.ndarray, max_perimeter: float) -> tuple[np.ndarray, np.ndarray]:

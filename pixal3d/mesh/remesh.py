@@ -114,7 +114,10 @@ def dual_mesh(cells: DualCells, grid: RemeshGrid, *, chunk: int = 1 << 21) -> tu
             quad = np.where((sign > 0)[:, None], quad[:, [0, 3, 2, 1]], quad)
             faces.append(quads_to_triangles(vertices, quad))
     del index
-    v, f, _ = remove_unreferenced_vertices(vertices, np.concatenate(faces))
+    faces = np.concatenate(faces)  # the chunks are freed as the name is rebound
+    if len(faces) and np.bincount(faces.reshape(-1), minlength=len(vertices)).all():
+        return vertices, faces  # every dual vertex is used (the usual case): no copy
+    v, f, _ = remove_unreferenced_vertices(vertices, faces)
     return v, f
 
 
@@ -133,9 +136,8 @@ def remesh(
     input: two sheets around a closed part, or only the outer one with ``exterior_only``.
     """
     grid = RemeshGrid(resolution, band)
-    udf = udf if udf is not None else SurfaceDistance(vertices, faces)
-    nb = narrow_band(udf, grid, keep_free=exterior_only)
-    values = nb.values
+    nb = narrow_band(udf if udf is not None else SurfaceDistance(vertices, faces), grid, keep_free=exterior_only)
+    values = nb.values  # the distance structure is gone from here on (unless the caller holds it)
     if exterior_only:
         outside = exterior_corners(nb)
         values = np.where((values >= 0) & ~outside, np.float32(-grid.cell), values)
