@@ -55,8 +55,7 @@ def run_one(args) -> None:
         fields = DECODE_LIKE_SHAPES[args.shape](args.resolution)
     pbr = pbr_from_function(fields, _color)
     made = time.perf_counter() - start
-    settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size,
-                              remesh_resolution=fields.resolution, **BRANCHES[args.branch])
+    settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size, **BRANCHES[args.branch])
     cpu = time.process_time()
     report = export_glb(fields, pbr, f"/tmp/bench_quality_{args.shape}_{args.branch}.glb", settings=settings,
                         progress=False, exact_peak_rss=True)

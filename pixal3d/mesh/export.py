@@ -56,16 +56,16 @@ class ExportSettings:
     max_hole_perimeter / min_component_area are in world units (the object spans [-0.5, 0.5]³);
     chart_cell_edges sizes the UV clusters in mean edge lengths of the simplified mesh.
     projection: how texels reach the reference surface ("tangent", "exact", or None = not at all).
-    remesh: narrow-band UDF dual contouring of the reference surface at ``remesh_resolution``³ cells,
-    ``remesh_band`` cells out (the reference's release call: band 1, project 0, at the decode
-    resolution); ``exterior_only`` keeps only the outer sheet of the thickened shell.
+    remesh: narrow-band UDF dual contouring of the reference surface at ``remesh_resolution``³ cells
+    (None: the decode resolution, as the reference's release call), ``remesh_band`` cells out (band 1,
+    project 0 in that call); ``exterior_only`` keeps only the outer sheet of the thickened shell.
     quality_samples: points per surface for the Hausdorff/Chamfer metrics (0: no quality step work).
     """
 
     decimation_target: int = 1_000_000
     texture_size: int = 4096
     remesh: bool = False
-    remesh_resolution: int = 1024
+    remesh_resolution: int | None = None
     remesh_band: float = 1.0
     exterior_only: bool = False
     quality_samples: int = 100_000
@@ -86,12 +86,13 @@ class ExportSettings:
             raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {self.texture_format!r}")
         if self.alpha_mode not in ALPHA_MODES:
             raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        if not 16 <= self.remesh_resolution <= 2048:
-            raise ValueError(f"remesh_resolution must be in [16, 2048] cells per axis (the decode resolution, "
-                             f"512 or 1024), got {self.remesh_resolution}")
         if not 0 < self.remesh_band <= 4:
             raise ValueError(f"remesh_band must be in (0, 4] cells (the reference uses 1), got {self.remesh_band}")
-        RemeshGrid(self.remesh_resolution, self.remesh_band)  # even, halving evenly to <= 32 cells
+        if self.remesh_resolution is not None:
+            if not 16 <= self.remesh_resolution <= 2048:
+                raise ValueError(f"remesh_resolution must be in [16, 2048] cells per axis (512 or 1024; None: the "
+                                 f"decode resolution), got {self.remesh_resolution}")
+            RemeshGrid(self.remesh_resolution, self.remesh_band)  # even, halving evenly to <= 32 cells
         if self.exterior_only and not self.remesh:
             raise ValueError("exterior_only=True selects the remesh's outer sheet; it needs remesh=True")
         if self.quality_samples < 0:
@@ -198,14 +199,18 @@ def _reference(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
     return (v, f), {"vertices": len(v), "faces": len(f)}
 
 
-def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+def _remesh_grid(settings: ExportSettings, decode_resolution: int) -> RemeshGrid:
+    return RemeshGrid(settings.remesh_resolution or decode_resolution, settings.remesh_band)
+
+
+def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings, decode_resolution: int):
     if not settings.remesh:
         return (v, f), {"enabled": False}
-    v, f = remesh(v, f, resolution=settings.remesh_resolution, band=settings.remesh_band,
-                  exterior_only=settings.exterior_only)
+    grid = _remesh_grid(settings, decode_resolution)
+    v, f = remesh(v, f, resolution=grid.resolution, band=grid.band, exterior_only=settings.exterior_only)
     if len(f) == 0:
         raise ValueError("the remesh found no surface: the decoded shape is empty or degenerate")
-    return (v, f), {"vertices": len(v), "faces": len(f), "resolution": settings.remesh_resolution,
+    return (v, f), {"vertices": len(v), "faces": len(f), "resolution": grid.resolution,
                     "exterior_only": settings.exterior_only}
 
 
@@ -238,7 +243,7 @@ def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: 
     projector = None
     if settings.projection is not None:
         # The remesh sits remesh_band cells off the reference surface: let the projection cover that too.
-        offset = RemeshGrid(settings.remesh_resolution, settings.remesh_band).eps if settings.remesh else 0.0
+        offset = _remesh_grid(settings, pbr.resolution).eps if settings.remesh else 0.0
         projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution + offset)
     index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
@@ -312,7 +317,7 @@ def export_mesh(
     ref_v, ref_f = steps.run("extract", _extract, fields)
     ref_v, ref_f = steps.run("reference", _reference, ref_v, ref_f, settings)
     # 3-5. the output mesh
-    v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings)
+    v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings, fields.resolution)
     v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)
     v, f = steps.run("cleanup", _cleanup, v, f, settings)
     # 6-9. atlas, textures, metrics, file
