@@ -5,7 +5,12 @@ import trimesh
 
 from pixal3d.mesh.bake import closest_point_on_triangles
 from pixal3d.mesh.distance import SurfaceDistance, point_triangle_distance2
-from pixal3d.mesh.quality import count_components, count_uv_charts, edge_counts, surface_distances
+from pixal3d.mesh.quality import (
+    count_components,
+    count_uv_charts,
+    edge_counts,
+    surface_distances,
+)
 
 TETRA = np.array([[0, 2, 1], [0, 1, 3], [1, 2, 3], [0, 3, 2]])
 

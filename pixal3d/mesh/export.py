@@ -28,8 +28,8 @@ from .cleanup import (
     clean_mesh,
     fill_small_holes,
     remove_degenerate_faces,
-    remove_face_pairs,
     remove_duplicate_faces,
+    remove_face_pairs,
     remove_unreferenced_vertices,
 )
 from .distance import SurfaceDistance

@@ -30,10 +30,19 @@ from .cleanup import remove_unreferenced_vertices
 from .distance import SurfaceDistance
 from .dual_grid import QUAD_OFFSETS
 from .exterior import exterior_corners
-from .narrow_band import CORNERS, EDGES, OWNED, NarrowBand, RemeshGrid, children, narrow_band
+from .narrow_band import (
+    CORNERS,
+    EDGES,
+    OWNED,
+    NarrowBand,
+    RemeshGrid,
+    children,
+    narrow_band,
+)
 from .sparse_index import SparseIndex
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DualCells:
@@ -78,17 +87,16 @@ def contour_cells(band: NarrowBand, values: np.ndarray) -> DualCells:
 
 def quads_to_triangles(vertices: np.ndarray, quads: np.ndarray, *, chunk: int = 1 << 20) -> np.ndarray:
     """``[2Q, 3]`` int32: each quad split along the diagonal whose two triangles' normals agree best."""
+    def unit_normal(p: np.ndarray, i: int, j: int, k: int) -> np.ndarray:
+        n = np.cross(p[:, j] - p[:, i], p[:, k] - p[:, i])
+        return n / np.maximum(np.linalg.norm(n, axis=1, keepdims=True), 1e-30)
+
     out = np.empty((2 * len(quads), 3), np.int32)
     for s in range(0, len(quads), chunk):
         q = quads[s : s + chunk]
         p = vertices[q].astype(np.float64)  # [n, 4, 3]
-
-        def unit_normal(i: int, j: int, k: int) -> np.ndarray:
-            n = np.cross(p[:, j] - p[:, i], p[:, k] - p[:, i])
-            return n / np.maximum(np.linalg.norm(n, axis=1, keepdims=True), 1e-30)
-
-        agree_02 = np.einsum("ij,ij->i", unit_normal(0, 1, 2), unit_normal(0, 2, 3))
-        agree_13 = np.einsum("ij,ij->i", unit_normal(0, 1, 3), unit_normal(1, 2, 3))
+        agree_02 = np.einsum("ij,ij->i", unit_normal(p, 0, 1, 2), unit_normal(p, 0, 2, 3))
+        agree_13 = np.einsum("ij,ij->i", unit_normal(p, 0, 1, 3), unit_normal(p, 1, 2, 3))
         tris = np.where((agree_02 >= agree_13)[:, None], q[:, [0, 1, 2, 0, 2, 3]], q[:, [0, 1, 3, 1, 2, 3]])
         out[2 * s : 2 * (s + len(q))] = tris.reshape(-1, 3)
     return out
