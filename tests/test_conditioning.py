@@ -190,7 +190,7 @@ def test_full_mode_is_the_reference_algorithm_bitwise(backbone, naf, image, run)
     from pixal3d.models.projection import coords_points, project, sample_map
 
     _, cache, _ = run
-    extractor = TINY["tex_1024"]
+    extractor = TINY["shape_512"]  # NAF at T = 128
     camera = camera_from_fov(FALLBACK_FOV)
     coords = random_coords(extractor.grid_resolution, 500, 7)
     full = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="full")
