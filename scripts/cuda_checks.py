@@ -141,6 +141,35 @@ def check_naf(device: torch.device) -> None:
             f"full {results['full'][2] / 2**30:.2f} GiB {results['full'][1] * 1e3:.0f} ms | max diff {diff:.1e}")
 
 
+def check_naf_sample(device: torch.device) -> None:
+    """``NAF.sample`` (naf_mode 'full') against the reference algorithm, the whole map then grid_sample:
+    bitwise on the CPU; on CUDA a batch-size-dependent matmul kernel could change the last bits."""
+    from pixal3d.models.projection import sample_map
+
+    torch.manual_seed(3)
+    naf = NAF().to(device).eval()
+    for size, patches, target in ((512, 32, 512), (1024, 64, 1024)):
+        image = torch.rand(1, 3, size, size, device=device)
+        feats = torch.randn(1, 1024, patches, patches, device=device)
+        grid = torch.rand(20000, 2, device=device) * 2 - 1
+        peaks = {}
+        for mode in ("map", "sample"):
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            with torch.no_grad():
+                out = sample_map(naf(image, feats, (target, target)), grid) if mode == "map" else \
+                    naf.sample(image, feats, (target, target), grid)
+            torch.cuda.synchronize(device)
+            peaks[mode] = (out, torch.cuda.max_memory_allocated(device) - base)
+        same = torch.equal(peaks["map"][0], peaks["sample"][0])
+        diff = float((peaks["map"][0] - peaks["sample"][0]).abs().max())
+        row(f"NAF sample == map+grid_sample S={size} T={target}", "PASS" if diff < 1e-6 else "FAIL",
+            f"bitwise {same}, max diff {diff:.1e} | map {peaks['map'][1] / 2**30:.2f} GiB, "
+            f"sample {peaks['sample'][1] / 2**30:.2f} GiB")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/cuda_checks"))
@@ -152,7 +181,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}", flush=True)
     for check in (lambda: check_cascade(args.out), lambda: check_flow(device), lambda: check_conv(device),
-                  lambda: check_naf(device)):
+                  lambda: check_naf(device), lambda: check_naf_sample(device)):
         try:
             check()
         except Exception as err:  # report every check, even after one breaks
