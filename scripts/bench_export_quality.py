@@ -2,15 +2,18 @@
 
     python scripts/bench_export_quality.py [--resolution 512] [--target 200000] [--texture-size 2048]
         [--shapes holes thin_walls handle slits components] [--branches none remesh exterior]
-        [--big-voxels 8000000 --big-branches remesh] [--out benchmarks/export_quality.md]
+        [--big-voxels 8000000 --big-branches remesh] [--big-target 1000000] [--big-texture-size 4096]
+        [--out benchmarks/export_quality.md]
 
 Each (shape, branch) runs ``export_glb`` in a fresh process (so that one run's memory does not count in
 the next) with exact per-step peak RSS. Shapes: ``pixal3d.mesh.synthetic.DECODE_LIKE_SHAPES`` at
 ``--resolution`` (holes of 0.75–12 voxels plus pinpricks, 1–2-voxel walls, a handle, slits under
 2 voxels, seven parts). The remesh runs at the decode resolution, as the reference's release call.
 ``--big-voxels`` adds one run per ``--big-branches`` on scripts/bench_export.py's blobby shape at
-R = 1024 with about that many voxels (the peak-memory check; the fields are cached in /tmp). Prints the table and writes it as
-markdown (and the raw reports as JSON beside it).
+R = 1024 with about that many voxels at the release face budget and texture size (the peak-memory
+check; the fields are cached in /tmp). Prints each row as it comes; the raw reports accumulate in the
+JSON beside ``--out`` (a later invocation adds or replaces rows), and the markdown is rewritten from it
+after every run.
 """
 from __future__ import annotations
 
@@ -66,8 +69,10 @@ def run_one(args) -> None:
 
 
 def run_child(shape: str, branch: str, args) -> dict:
+    big = shape.startswith("big")
     cmd = [sys.executable, __file__, "--one", shape, branch, "--resolution", str(args.resolution),
-           "--target", str(args.target), "--texture-size", str(args.texture_size)]
+           "--target", str(args.big_target if big else args.target),
+           "--texture-size", str(args.big_texture_size if big else args.texture_size)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{shape}/{branch} failed:\n{done.stderr[-3000:]}")
@@ -79,13 +84,13 @@ def row(shape: str, branch: str, report: dict) -> list[str]:
     q = report["quality"]
     remesh_s = next(s["seconds"] for s in report["steps"] if s["name"] == "remesh")
     quality_s = next(s["seconds"] for s in report["steps"] if s["name"] == "quality")
-    return [shape, f"{report['voxels']:,}", branch, *[f"{q[c]:,}" if isinstance(q[c], int) else f"{q[c]:.3f}"
+    return [shape, f"{report['voxels']:,}", str(report["resolution"]), str(report["texture_size"]), branch, *[f"{q[c]:,}" if isinstance(q[c], int) else f"{q[c]:.3f}"
                                                      for c in COLUMNS],
             f"{report['seconds'] - quality_s:.1f}", f"{report['cpu_seconds']:.1f}", f"{remesh_s:.1f}",
             f"{report['peak_rss'] / 2**30:.2f}"]
 
 
-HEADER = ["shape", "voxels", "branch", "faces", "boundary edges", "non-manifold edges", "components",
+HEADER = ["shape", "voxels", "R", "texture", "branch", "faces", "boundary edges", "non-manifold edges", "components",
           "UV charts", "Hausdorff (vox)", "Chamfer (vox)", "export s", "CPU s", "of which remesh s", "peak RSS GiB"]
 
 
@@ -103,6 +108,8 @@ def main() -> None:
     parser.add_argument("--branches", nargs="+", default=list(BRANCHES), choices=list(BRANCHES))
     parser.add_argument("--big-voxels", type=int, default=0)
     parser.add_argument("--big-branches", nargs="+", default=["remesh"], choices=list(BRANCHES))
+    parser.add_argument("--big-target", type=int, default=1_000_000)
+    parser.add_argument("--big-texture-size", type=int, default=4096)
     parser.add_argument("--out", default="benchmarks/export_quality.md")
     parser.add_argument("--one", nargs=2, metavar=("SHAPE", "BRANCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,25 +117,30 @@ def main() -> None:
         args.shape, args.branch = args.one
         run_one(args)
         return
-    rows, reports = [], {}
+    out = Path(args.out)
+    store = out.with_suffix(".json")
+    saved = json.loads(store.read_text()) if store.exists() else {"commands": [], "reports": {}}
+    saved["commands"].append("python scripts/bench_export_quality.py " + " ".join(sys.argv[1:]))
     runs = [(s, b) for s in args.shapes for b in args.branches]
     runs += [(f"big{args.big_voxels}", b) for b in args.big_branches] if args.big_voxels else []
     for shape, branch in runs:
         report = run_child(shape, branch, args)
-        reports[f"{shape}/{branch}"] = report
-        rows.append(row(shape, branch, report))
-        print(table(rows[-1:]), flush=True)
-    text = table(rows)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_export_quality.py " + " ".join(sys.argv[1:])
-    out.write_text(f"# Export quality per branch\n\n`{command}`\n\nDecode resolution {args.resolution} "
-                   f"(big run: 1024), target {args.target:,} faces, texture {args.texture_size}². "
-                   f"Distances in decode voxels; export seconds (wall) exclude the quality step, CPU seconds "
-                   f"(all threads, quality step included) are less sensitive to other load on the machine."
-                   f"\n\n{text}\n")
-    out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+        saved["reports"][f"{shape}/{branch}"] = report
+        print(table([row(shape, branch, report)]), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        store.write_text(json.dumps(saved, indent=1))
+        out.write_text(markdown(saved))
+    print(markdown(saved))
+
+
+def markdown(saved: dict) -> str:
+    rows = [row(*key.split("/"), report) for key, report in saved["reports"].items()]
+    commands = "\n".join(f"    {c}" for c in saved["commands"])
+    return ("# Export quality per branch: no remesh / remesh / remesh exterior-only\n\n"
+            f"Commands (rows from later runs replace earlier ones):\n\n{commands}\n\n"
+            "Distances in decode voxels (two-sided, 100k samples per surface); export seconds (wall) exclude the "
+            "quality step; CPU seconds (all threads, quality step included) are less sensitive to other load on "
+            "the machine; peak RSS is the largest per-step kernel high-water mark.\n\n" + table(rows) + "\n")
 
 
 if __name__ == "__main__":
