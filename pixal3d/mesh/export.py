@@ -58,7 +58,9 @@ class ExportSettings:
     projection: how texels reach the reference surface ("tangent", "exact", or None = not at all).
     remesh: narrow-band UDF dual contouring of the reference surface at ``remesh_resolution``³ cells
     (None: the decode resolution, as the reference's release call), ``remesh_band`` cells out (band 1,
-    project 0 in that call); ``exterior_only`` keeps only the outer sheet of the thickened shell.
+    project 0 in that call); ``exterior_only`` keeps only the outer sheet of the thickened shell. Off
+    by default here (surface-faithful, half the time); the release setting is on, and
+    ``configs/1024_cascade.yaml`` turns it on (benchmarks/export_quality.md compares the branches).
     quality_samples: points per surface for the Hausdorff/Chamfer metrics (0: no quality step work).
     """
 
