@@ -23,6 +23,20 @@ from torch import nn
 from .sparse_tensor import SparseTensor
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # im2col scratch per GEMM: 64 MiB keeps GEMMs large and memory flat
+# Fewest rows of one GEMM: a chunk tail shorter than this joins the chunk before it. BLAS kernels for
+# a few rows may sum in another order than for many (MKL fp32: 1-3, 5-7, 9-11 rows do), so with short
+# tails a voxel's result would depend on where the chunk boundaries fall; with none it depends only on
+# the voxel's neighbourhood, which is what lets a tiled decode equal the untiled one bit for bit.
+MIN_GEMM_ROWS = 16
+
+
+def chunk_starts(n: int, rows: int) -> list[int]:
+    """Row offsets of the chunks of ``rows`` rows over ``n`` rows; a tail under ``MIN_GEMM_ROWS`` rows is
+    merged into the chunk before it (the last chunk is then up to ``rows + MIN_GEMM_ROWS - 1`` rows)."""
+    starts = list(range(0, n, max(1, rows)))
+    if len(starts) > 1 and n - starts[-1] < MIN_GEMM_ROWS:
+        starts.pop()
+    return starts
 
 
 def _kernel_offsets(kernel_size: tuple[int, int, int], dilation: int, device: torch.device) -> torch.Tensor:
@@ -101,9 +115,10 @@ def sparse_conv3d(x: SparseTensor, weight: torch.Tensor, bias: torch.Tensor | No
     # Inference writes each chunk straight into the output; autograd needs out-of-place chunks.
     out = None if track_grad else torch.empty(n, cout, dtype=weight.dtype, device=feats.device)
     parts = []
-    for start in range(0, n, rows):  # the gathered chunk is a temporary: freed before the next is gathered
-        target = None if out is None else out[start:start + rows]
-        cols = _gather_neighbours(feats, nbr[start:start + rows])
+    starts = chunk_starts(n, rows)
+    for start, stop in zip(starts, [*starts[1:], n]):  # each gathered chunk is freed before the next
+        target = None if out is None else out[start:stop]
+        cols = _gather_neighbours(feats, nbr[start:stop])
         part = torch.mm(cols, w, out=target) if bias is None else torch.addmm(bias, cols, w, out=target)
         del cols
         if out is None:
