@@ -151,12 +151,17 @@ class SparseUnetVaeDecoder(nn.Module):
     def _stage(self, i: int, h: SparseTensor, subdiv: SparseTensor | None = None
                ) -> tuple[SparseTensor, SparseTensor | None]:
         """Run stage ``i``: its ConvNeXt blocks, then (except the last stage) its C2S block."""
+        h = self.stage_blocks(i, h)
+        if i < self.num_upsamplings:
+            return self.blocks[i][-1](h, subdiv)
+        return h, None
+
+    def stage_blocks(self, i: int, h: SparseTensor) -> SparseTensor:
+        """The ConvNeXt blocks of stage ``i`` (not its C2S block) on ``h``."""
         stage = self.blocks[i]
         for block in stage[:-1] if i < self.num_upsamplings else stage:
             h = block(h)
-        if i < self.num_upsamplings:
-            return stage[-1](h, subdiv)
-        return h, None
+        return h
 
     def forward(self, latent: SparseTensor, guide_subs: Sequence[SparseTensor] | None = None,
                 return_subs: bool = False) -> SparseTensor | tuple[SparseTensor, list[SparseTensor]]:
@@ -169,15 +174,29 @@ class SparseUnetVaeDecoder(nn.Module):
         if guide_subs is not None and len(guide_subs) != self.num_upsamplings:
             raise ValueError(f"guide_subs has {len(guide_subs)} entries; this decoder has {self.num_upsamplings} "
                              f"upsampling stages")
-        h = self.from_latent(latent.type(self.from_latent.weight.dtype)).type(self.dtype)
+        h, subs = self.run_stages(self.embed(latent), 0, len(self.blocks), guide_subs)
+        h = self.head(h)
+        return (h, subs) if return_subs else h
+
+    def embed(self, latent: SparseTensor) -> SparseTensor:
+        """``from_latent`` (fp32) and the cast to the torso dtype: ``[N, latent_channels]`` -> ``[N, C0]``."""
+        return self.from_latent(latent.type(self.from_latent.weight.dtype)).type(self.dtype)
+
+    def run_stages(self, h: SparseTensor, start: int, stop: int,
+                   guide_subs: Sequence[SparseTensor] | None = None) -> tuple[SparseTensor, list[SparseTensor]]:
+        """Stages ``start .. stop-1`` on ``h`` (the input of stage ``start``) -> (input of stage ``stop`` or the
+        last stage's output, the subdivision logits of the C2S blocks run). ``guide_subs`` is indexed by stage."""
         subs = []
-        for i in range(len(self.blocks)):
+        for i in range(start, stop):
             h, sub = self._stage(i, h, guide_subs[i] if guide_subs is not None and i < self.num_upsamplings else None)
             if sub is not None:
                 subs.append(sub)
+        return h, subs
+
+    def head(self, h: SparseTensor) -> SparseTensor:
+        """Per-voxel output: fp32, non-affine layer norm, ``output_layer`` -> ``[M, out_channels]``."""
         h = h.type(torch.float32)
-        h = self.output_layer(h.replace(F.layer_norm(h.feats, h.feats.shape[-1:])))
-        return (h, subs) if return_subs else h
+        return self.output_layer(h.replace(F.layer_norm(h.feats, h.feats.shape[-1:])))
 
     @torch.no_grad()
     def upsample(self, latent: SparseTensor, times: int) -> torch.Tensor:
@@ -192,7 +211,7 @@ class SparseUnetVaeDecoder(nn.Module):
             raise ValueError(f"upsample times={times} must be in [0, {self.num_upsamplings}]")
         if times == 0:
             return latent.coords
-        h = self.from_latent(latent.type(self.from_latent.weight.dtype)).type(self.dtype)
+        h = self.embed(latent)
         for i in range(times - 1):
             h, _ = self._stage(i, h)
         for block in self.blocks[times - 1][:-1]:
