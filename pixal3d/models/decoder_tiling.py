@@ -320,3 +320,18 @@ def decode_tiled(shape_decoder: FlexiDualGridVaeDecoder, latent: SparseTensor, p
     logger.info("tiled decode: %d tiles (%d splits) from level %d, %d voxels decoded, %.3f computed per kept",
                 report.tiles, report.splits, start, report.decoded_voxels, report.halo_overhead)
     return fields, pbr, report
+
+
+@torch.no_grad()
+def decode_shape_and_texture(shape_decoder: FlexiDualGridVaeDecoder, tex_decoder: SparseUnetVaeDecoder,
+                             shape_latent: SparseTensor, tex_latent: SparseTensor, resolution: int,
+                             plan: TilePlan | None = None) -> tuple[DualGridFields, PbrVoxels]:
+    """The decode stage's work: shape fields, then PBR voxels guided by its subdivisions — in one pass
+    when ``plan`` is None (the decoders' own methods), else over the plan's tiles (same result)."""
+    shape_decoder.set_resolution(resolution)
+    if plan is None:
+        fields, subs = shape_decoder.decode_fields(shape_latent)
+        return fields, tex_decoder.decode_pbr(tex_latent, subs, resolution)
+    fields, pbr, _ = decode_tiled(shape_decoder, shape_latent, plan, tex_decoder=tex_decoder,
+                                  tex_latent=tex_latent, resolution=resolution)
+    return fields, pbr
