@@ -1,0 +1,269 @@
+"""A memory budget per stage: what each stage's work needs at real widths, and the tile and chunk sizes
+that keep it within a budget of process memory — or one clear error, before any load, when nothing can.
+
+Everything here is a pure function of numbers (bytes, token and voxel counts) and of constants measured
+at the released models' widths on the CPU (``scripts/bench_full_work.py``, benchmarks/full_work.md):
+
+- ``working_sets(counts)``: per-stage bytes beyond the weights, at the given counts (for the plan);
+- ``plan_decode(budget, ...)``: untiled when the decode fits, else the ``TilePlan`` (start level, voxels
+  per tile) that does; ``MemoryBudgetError`` when even the smallest tile cannot;
+- ``attention_score_elements`` / ``naf_chunk_elements``: chunk sizes of the two chunked kernels for the
+  bytes left, applied with ``chunk_sizes(...)``;
+- ``parse_budget("8G")``: binary units (G = GiB).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+GIB = 2**30
+MIB = 2**20
+
+# -- measured constants (benchmarks/full_work.md; CPU, torch 2.13, real widths) -----------------------------
+
+PROCESS_BYTES = 450 * MIB  # interpreter + torch + transformers before any load (0.39-0.45 GiB measured)
+REFERENCE_GROWTH = 4.6  # decoded voxels per voxel per decoder level: ~20k latent tokens -> ~9M voxels
+
+# Flow forward (any depth: blocks free their activations), per token, with the query-chunked attention.
+FLOW_BYTES_PER_TOKEN = 36_000
+FLOW_FIXED_BYTES = 210_000_000
+COND_BYTES_PER_CHANNEL = 2 * 4  # the proj condition and its CFG negative, fp32, held while sampling
+DINOV3_BYTES_PER_PATCH = 95_000  # ViT-L/16 forward
+NAF_BYTES_PER_TOKEN = 22_700  # frugal NAF + projection
+NAF_FIXED_BYTES = 355_000_000
+SS_DECODER_BYTES = 300_000_000  # dense SS decoder to 64³ (bf16 torso)
+
+
+@dataclass(frozen=True)
+class DecodeCosts:
+    """Memory of the two decoders (shape + texture, released widths), per voxel.
+
+    ``voxel_bytes``: working set per final-level voxel computed at once (the last C2S block and the head,
+    both decoders, the shape output held while the texture decoder runs); ``fixed_bytes``: its intercept;
+    ``output_bytes``: per decoded voxel kept (fields + PBR, and the raw outputs while they are reordered);
+    ``level_bytes``: peak of untiled stage ``i`` per voxel it produces (level ``i+1``); ``channels``: the
+    width of each level (the prefix's output is held as ``channels[s]`` bf16 values per voxel per decoder).
+    """
+
+    voxel_bytes: float = 1_030.0
+    fixed_bytes: int = 375_000_000
+    output_bytes: float = 140.0
+    level_bytes: tuple[float, ...] = (9_000.0, 4_700.0, 2_400.0, 1_030.0)
+    channels: tuple[int, ...] = (1024, 512, 256, 128, 64)
+
+
+DECODE_COSTS = DecodeCosts()
+EXPORT_BYTES_PER_VOXEL = 360  # CPU exporter, fields + PBR voxels in
+EXPORT_BYTES_PER_FACE = 200
+EXPORT_BYTES_PER_TEXEL = 32
+
+
+class MemoryBudgetError(ValueError):
+    """A stage cannot run within the memory budget, whatever its tiles or chunks."""
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBudgetError:
+    """The one-line refusal: the stage, what it needs at least, the budget, and what to change."""
+    return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(need)} ({detail}) but the memory "
+                             f"budget is {format_bytes(budget)}; raise --memory-budget or use a smaller config")
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": MIB, "MB": MIB, "MIB": MIB,
+          "G": GIB, "GB": GIB, "GIB": GIB, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_budget(text: str | int) -> int:
+    """``"8G"``, ``"8GiB"``, ``"7.5G"``, ``"6000M"`` or a byte count -> bytes (binary units: G = 2**30)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"memory budget {text!r} is not a size; write e.g. 8G, 7.5GiB or 6000M")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory budget {text!r} must be positive")
+    return value
+
+
+def auto_budget(available_bytes: int, headroom: float = 0.15) -> int:
+    """``auto``: the memory available now less ``headroom`` (the system and other programs keep running)."""
+    return int(available_bytes * (1 - headroom))
+
+
+# -- the decode -------------------------------------------------------------------------------------
+
+def decoded_voxels(latent_tokens: int, levels: int = 4, growth: float = REFERENCE_GROWTH) -> float:
+    return latent_tokens * growth ** levels
+
+
+def _prefix_held(start: int, voxels_at: list[float], costs: DecodeCosts) -> float:
+    """The untiled prefix's output, held for the tiles: level-``start`` features of both decoders, bf16."""
+    return 0.0 if start == 0 else 2 * 2 * costs.channels[start] * voxels_at[start]
+
+
+def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: int = 4,
+                growth: float = REFERENCE_GROWTH, costs: DecodeCosts = DECODE_COSTS,
+                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64):
+    """The decode's ``TilePlan`` within ``budget`` bytes of process memory, or None when untiled fits.
+
+    The deepest start level whose untiled prefix fits is chosen (the halo then costs least), and the
+    largest tile that fits beside the weights, the outputs and the prefix's held features.
+    Raises ``MemoryBudgetError`` when no start level leaves room for a tile of ``min_tile_voxels``
+    start-level voxels.
+    """
+    from .models.decoder_tiling import TilePlan
+
+    voxels_at = [latent_tokens * growth ** i for i in range(levels + 1)]
+    held = process_bytes + weight_bytes + costs.output_bytes * voxels_at[levels]
+    if held + costs.fixed_bytes + costs.voxel_bytes * voxels_at[levels] <= budget:
+        return None
+    smallest_need = math.inf
+    for start in range(levels - 1, -1, -1):
+        prefix_peak = max((costs.level_bytes[i] * voxels_at[i + 1] for i in range(start)), default=0.0)
+        keep = _prefix_held(start, voxels_at, costs)
+        room = budget - held - keep - costs.fixed_bytes
+        smallest = min_tile_voxels * growth ** (levels - start)
+        smallest_need = min(smallest_need, held + keep + costs.fixed_bytes + costs.voxel_bytes * smallest,
+                            process_bytes + weight_bytes + prefix_peak if start else math.inf)
+        if process_bytes + weight_bytes + prefix_peak > budget or room < costs.voxel_bytes * smallest:
+            continue
+        return TilePlan(start_level=start, tile_voxels=int(room / costs.voxel_bytes), growth=growth)
+    raise budget_error("decode", smallest_need, budget,
+                       f"decoder weights {format_bytes(weight_bytes)}, ~{voxels_at[levels] / 1e6:.1f}M decoded voxels "
+                       f"held at {costs.output_bytes:.0f} B each, and the smallest tile")
+
+
+# -- chunked kernels ----------------------------------------------------------------------------------
+
+ATTENTION_SCORE_COPIES = 3  # scores, softmax output, and the fp32 upcast on CPU/MPS math paths
+NAF_CHUNK_COPIES = 3  # gathered keys and values, and the product
+
+
+def attention_score_elements(free_bytes: float, *, element_size: int = 4, default: int = 1 << 26,
+                             floor: int = 1 << 20) -> int:
+    """Score elements per attention query chunk for ``free_bytes`` of working memory (default when it fits)."""
+    if free_bytes >= default * ATTENTION_SCORE_COPIES * element_size:
+        return default
+    return max(floor, int(free_bytes // (ATTENTION_SCORE_COPIES * element_size)))
+
+
+def naf_chunk_elements(free_bytes: float, *, element_size: int = 4, default: int = 1 << 23,
+                       floor: int = 1 << 18) -> int:
+    """Gathered value elements per NAF attention chunk for ``free_bytes`` of working memory."""
+    if free_bytes >= default * NAF_CHUNK_COPIES * element_size:
+        return default
+    return max(floor, int(free_bytes // (NAF_CHUNK_COPIES * element_size)))
+
+
+@contextlib.contextmanager
+def chunk_sizes(*, attention_scores: int | None = None, naf_elements: int | None = None) -> Iterator[None]:
+    """Run a block with other chunk sizes for the query-chunked attention and NAF (restored on exit)."""
+    from .models import naf
+    from .nn import attention
+
+    saved = attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS
+    try:
+        if attention_scores is not None:
+            attention.SCORE_BUDGET = attention_scores
+        if naf_elements is not None:
+            naf._CHUNK_ELEMENTS = naf_elements
+        yield
+    finally:
+        attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS = saved
+
+
+@dataclass(frozen=True)
+class FlowChunks:
+    """Chunk sizes of a flow stage's two chunked kernels (pass them to ``chunk_sizes``)."""
+
+    attention_scores: int
+    naf_elements: int
+
+
+def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int, proj_channels: int = 2048,
+                    naf: bool = True, process_bytes: int = PROCESS_BYTES) -> FlowChunks:
+    """Chunk sizes that keep a flow stage (conditioning, then sampling, the CFG branches one after the
+    other) within ``budget``; ``MemoryBudgetError`` when even the smallest chunks do not fit.
+
+    The measured working sets include the default chunks; when they do not fit, the chunks shrink by what
+    is missing (the per-token activations of a forward are not chunked: they set the floor).
+    """
+    default_scores, default_naf = attention_score_elements(math.inf), naf_chunk_elements(math.inf)
+    per_token = FLOW_BYTES_PER_TOKEN + proj_channels * COND_BYTES_PER_CHANNEL
+    held = process_bytes + weight_bytes
+    sampling_left = budget - held - tokens * per_token - FLOW_FIXED_BYTES
+    scores = attention_score_elements(ATTENTION_SCORE_COPIES * 2 * default_scores + sampling_left, element_size=2)
+    naf_left = budget - held - tokens * NAF_BYTES_PER_TOKEN - NAF_FIXED_BYTES if naf else math.inf
+    elements = naf_chunk_elements(NAF_CHUNK_COPIES * 4 * default_naf + naf_left)
+    short_scores = ATTENTION_SCORE_COPIES * 2 * (default_scores - attention_score_elements(0, element_size=2))
+    short_naf = NAF_CHUNK_COPIES * 4 * (default_naf - naf_chunk_elements(0))
+    if sampling_left + short_scores < 0 or naf_left + short_naf < 0:
+        need = held + max(tokens * per_token + FLOW_FIXED_BYTES - short_scores,
+                          tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES - short_naf if naf else 0)
+        raise budget_error(stage, need, budget, f"weights {format_bytes(weight_bytes)} and {tokens} tokens at "
+                                                f"{per_token / 1e3:.0f} kB each with the smallest chunks")
+    return FlowChunks(attention_scores=scores, naf_elements=elements)
+
+
+# -- per-stage estimates --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageCounts:
+    """The sizes a cascade config implies (reference 1024 cascade by default)."""
+
+    ss_tokens: int = 16**3
+    lr_tokens: int = 4000
+    hr_tokens: int = 20_000
+    decoder_levels: int = 4
+    structure_image: int = 512
+    shape_512_image: int = 512
+    shape_1024_image: int = 1024
+    texture_image: int = 1024
+    export_faces: int = 1_000_000
+    texture_size: int = 4096
+
+    @property
+    def decoded_voxels(self) -> float:
+        return decoded_voxels(self.hr_tokens, self.decoder_levels)
+
+
+def _flow_stage(tokens: float, image_size: int, proj_channels: int, naf: bool) -> float:
+    sampling = tokens * (FLOW_BYTES_PER_TOKEN + proj_channels * COND_BYTES_PER_CHANNEL) + FLOW_FIXED_BYTES
+    backbone = (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH
+    upsampler = tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES if naf else 0
+    return max(sampling, backbone, upsampler)
+
+
+def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = None,
+                 decoder_weight_bytes: int = 0) -> dict[str, int]:
+    """Stage -> bytes of working memory beyond its weights, at ``counts``. With ``budget`` the decode's
+    figure is that of its tiled plan (at most what is left of the budget after the weights)."""
+    voxels = counts.decoded_voxels
+    upsample_voxels = counts.lr_tokens * REFERENCE_GROWTH ** counts.decoder_levels
+    decode = DECODE_COSTS.fixed_bytes + (DECODE_COSTS.voxel_bytes + DECODE_COSTS.output_bytes) * voxels
+    if budget is not None:
+        plan = plan_decode(budget, latent_tokens=counts.hr_tokens, weight_bytes=decoder_weight_bytes,
+                           levels=counts.decoder_levels)
+        if plan is not None:
+            decode = budget - decoder_weight_bytes - PROCESS_BYTES
+    export = (voxels * EXPORT_BYTES_PER_VOXEL + counts.export_faces * EXPORT_BYTES_PER_FACE
+              + counts.texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
+    return {
+        "structure": int(max(_flow_stage(counts.ss_tokens, counts.structure_image, 1024, naf=False),
+                             SS_DECODER_BYTES)),
+        "shape_512": int(_flow_stage(counts.lr_tokens, counts.shape_512_image, 2048, naf=True)),
+        "upsample": int(DECODE_COSTS.level_bytes[-1] * upsample_voxels / REFERENCE_GROWTH),
+        "shape_1024": int(_flow_stage(counts.hr_tokens, counts.shape_1024_image, 2048, naf=True)),
+        "texture": int(_flow_stage(counts.hr_tokens, counts.texture_image, 2048, naf=True)),
+        "decode": int(decode),
+        "export": int(export),
+    }
