@@ -198,8 +198,11 @@ def _run_tile(decoder: SparseUnetVaeDecoder, h: SparseTensor, box: Box, start: i
     the shape decoder would make) is exceeded, checked before the last C2S block."""
     last = decoder.num_upsamplings
     subs: list[SparseTensor | None] = [None] * last
+    computed = len(h)
     for i in range(start, last + 1):
         if i > start:
+            if i == last:
+                computed = len(h)  # the last C2S's output, before the crop: what the tile computed
             h = _crop(h, box.distance(h.coords[:, 1:], 2 ** (i - start)) <= radii[i])
         h = decoder.stage_blocks(i, h)
         if i == last:
@@ -209,7 +212,6 @@ def _run_tile(decoder: SparseUnetVaeDecoder, h: SparseTensor, box: Box, start: i
             if int((c2s.subdiv_logits(h).feats > 0).sum()) > limit:
                 return None
         h, subs[i] = c2s(h, guide[i] if guide is not None else None)
-    computed = len(h)
     h = _crop(h, box.distance(h.coords[:, 1:], 2 ** (last - start)) == 0)
     return _TileOutput(decoder.head(h), subs, computed)
 
