@@ -27,31 +27,37 @@ MIB = 2**20
 PROCESS_BYTES = 450 * MIB  # interpreter + torch + transformers before any load (0.39-0.45 GiB measured)
 REFERENCE_GROWTH = 4.6  # decoded voxels per voxel per decoder level: ~20k latent tokens -> ~9M voxels
 
-# Flow forward (any depth: blocks free their activations), per token, with the query-chunked attention.
-FLOW_BYTES_PER_TOKEN = 36_000
-FLOW_FIXED_BYTES = 210_000_000
+# Flow stages, whole stage (backbone, NAF + projection, then sampling with the condition and its CFG
+# negative held): linear in tokens through shape_512 at 4000 tokens (0.56 GiB) and shape_1024 at 20000
+# (1.53 GiB; texture 1.37 GiB). The forward alone (any depth) is ~36 kB/token + 210 MB.
+FLOW_BYTES_PER_TOKEN = 65_000
+FLOW_FIXED_BYTES = 345_000_000
+FLOW_FORWARD_BYTES_PER_TOKEN = 36_000  # one forward (the part the attention chunks sit in)
+FLOW_FORWARD_FIXED_BYTES = 210_000_000
 COND_BYTES_PER_CHANNEL = 2 * 4  # the proj condition and its CFG negative, fp32, held while sampling
 DINOV3_BYTES_PER_PATCH = 95_000  # ViT-L/16 forward
 NAF_BYTES_PER_TOKEN = 22_700  # frugal NAF + projection
 NAF_FIXED_BYTES = 355_000_000
-SS_DECODER_BYTES = 300_000_000  # dense SS decoder to 64³ (bf16 torso)
+STRUCTURE_BYTES = 600_000_000  # structure stage at 16³ dense tokens: 0.42 GiB measured (DINOv3 512, SS flow, SS decoder)
+UPSAMPLE_BYTES_PER_VOXEL = 3_300  # per level-3 voxel: the 128-channel blocks of the last level it runs
 
 
 @dataclass(frozen=True)
 class DecodeCosts:
-    """Memory of the two decoders (shape + texture, released widths), per voxel.
+    """Memory of the two decoders (shape + texture, released widths), per voxel; 9M-voxel decode measured.
 
     ``voxel_bytes``: working set per final-level voxel computed at once (the last C2S block and the head,
-    both decoders, the shape output held while the texture decoder runs); ``fixed_bytes``: its intercept;
-    ``output_bytes``: per decoded voxel kept (fields + PBR, and the raw outputs while they are reordered);
-    ``level_bytes``: peak of untiled stage ``i`` per voxel it produces (level ``i+1``); ``channels``: the
-    width of each level (the prefix's output is held as ``channels[s]`` bf16 values per voxel per decoder).
+    both decoders, the shape output held while the texture decoder runs; 8.15 / 8.61 GiB at 8.96M voxels);
+    ``fixed_bytes``: its intercept; ``output_bytes``: per decoded voxel kept (fields + PBR, and the raw
+    outputs while a tiled decode reorders them); ``level_bytes``: peak of untiled stage ``i`` per voxel it
+    produces (level ``i+1``; measured 7.7 / 3.7 / 1.9 / 0.98 kB, rounded up); ``channels``: the width of
+    each level (the prefix's output is held as ``channels[s]`` bf16 values per voxel per decoder).
     """
 
     voxel_bytes: float = 1_030.0
-    fixed_bytes: int = 375_000_000
+    fixed_bytes: int = 200_000_000
     output_bytes: float = 140.0
-    level_bytes: tuple[float, ...] = (9_000.0, 4_700.0, 2_400.0, 1_030.0)
+    level_bytes: tuple[float, ...] = (9_300.0, 4_500.0, 2_300.0, 1_030.0)
     channels: tuple[int, ...] = (1024, 512, 256, 128, 64)
 
 
@@ -189,7 +195,7 @@ class FlowChunks:
     naf_elements: int
 
 
-def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int, proj_channels: int = 2048,
+def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int,
                     naf: bool = True, process_bytes: int = PROCESS_BYTES) -> FlowChunks:
     """Chunk sizes that keep a flow stage (conditioning, then sampling, the CFG branches one after the
     other) within ``budget``; ``MemoryBudgetError`` when even the smallest chunks do not fit.
@@ -198,7 +204,7 @@ def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int, 
     is missing (the per-token activations of a forward are not chunked: they set the floor).
     """
     default_scores, default_naf = attention_score_elements(math.inf), naf_chunk_elements(math.inf)
-    per_token = FLOW_BYTES_PER_TOKEN + proj_channels * COND_BYTES_PER_CHANNEL
+    per_token = FLOW_BYTES_PER_TOKEN  # the whole stage's line (the condition and its negative included)
     held = process_bytes + weight_bytes
     sampling_left = budget - held - tokens * per_token - FLOW_FIXED_BYTES
     scores = attention_score_elements(ATTENTION_SCORE_COPIES * 2 * default_scores + sampling_left, element_size=2)
@@ -236,11 +242,9 @@ class StageCounts:
         return decoded_voxels(self.hr_tokens, self.decoder_levels)
 
 
-def _flow_stage(tokens: float, image_size: int, proj_channels: int, naf: bool) -> float:
-    sampling = tokens * (FLOW_BYTES_PER_TOKEN + proj_channels * COND_BYTES_PER_CHANNEL) + FLOW_FIXED_BYTES
-    backbone = (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH
-    upsampler = tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES if naf else 0
-    return max(sampling, backbone, upsampler)
+def _flow_stage(tokens: float, image_size: int) -> float:
+    """A sparse flow stage: the measured whole-stage line, or the backbone forward if larger."""
+    return max(tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES, (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH)
 
 
 def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = None,
@@ -258,12 +262,11 @@ def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = No
     export = (voxels * EXPORT_BYTES_PER_VOXEL + counts.export_faces * EXPORT_BYTES_PER_FACE
               + counts.texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
     return {
-        "structure": int(max(_flow_stage(counts.ss_tokens, counts.structure_image, 1024, naf=False),
-                             SS_DECODER_BYTES)),
-        "shape_512": int(_flow_stage(counts.lr_tokens, counts.shape_512_image, 2048, naf=True)),
-        "upsample": int(DECODE_COSTS.level_bytes[-1] * upsample_voxels / REFERENCE_GROWTH),
-        "shape_1024": int(_flow_stage(counts.hr_tokens, counts.shape_1024_image, 2048, naf=True)),
-        "texture": int(_flow_stage(counts.hr_tokens, counts.texture_image, 2048, naf=True)),
+        "structure": int(STRUCTURE_BYTES * max(1.0, counts.ss_tokens / 16**3)),
+        "shape_512": int(_flow_stage(counts.lr_tokens, counts.shape_512_image)),
+        "upsample": int(UPSAMPLE_BYTES_PER_VOXEL * upsample_voxels / REFERENCE_GROWTH),
+        "shape_1024": int(_flow_stage(counts.hr_tokens, counts.shape_1024_image)),
+        "texture": int(_flow_stage(counts.hr_tokens, counts.texture_image)),
         "decode": int(decode),
         "export": int(export),
     }

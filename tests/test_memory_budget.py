@@ -78,7 +78,7 @@ def test_flow_stage_chunks_default_when_they_fit_shrink_when_short_and_refuse_wh
     roomy = mb.plan_flow_stage("texture", 8 * GIB, weight_bytes=weights, tokens=20_000)
     assert roomy == mb.FlowChunks(attention_scores=1 << 26, naf_elements=1 << 23)
     # just below what the default chunks need: smaller chunks, still a plan
-    need = mb.PROCESS_BYTES + weights + 20_000 * (mb.FLOW_BYTES_PER_TOKEN + 2048 * mb.COND_BYTES_PER_CHANNEL) \
+    need = mb.PROCESS_BYTES + weights + 20_000 * mb.FLOW_BYTES_PER_TOKEN \
         + mb.FLOW_FIXED_BYTES
     tight = mb.plan_flow_stage("texture", need - 100 * 2**20, weight_bytes=weights, tokens=20_000)
     assert tight.attention_scores < roomy.attention_scores
