@@ -198,3 +198,38 @@ def test_no_intermediate_exceeds_the_chunk_budget():
     with LargestAllocation() as mode:  # control: without chunking the im2col buffer is V·N·Cin
         sparse_conv3d(x, weight, None, chunk_bytes=2**40)
     assert mode.largest >= 27 * len(x) * 8 * 4
+
+
+def test_chunk_tails_under_min_gemm_rows_join_the_chunk_before():
+    from pixal3d.nn.sparse_conv import MIN_GEMM_ROWS, chunk_starts
+
+    assert chunk_starts(35, 16) == [0, 16]  # 16 + 19: the 3-row tail joined
+    assert chunk_starts(48, 16) == [0, 16, 32]
+    assert chunk_starts(10, 16) == [0]
+    assert all(n - chunk_starts(n, 16)[-1] >= MIN_GEMM_ROWS for n in range(MIN_GEMM_ROWS, 200))
+
+
+def test_a_voxel_does_not_depend_on_where_the_chunks_split(monkeypatch):
+    """fp32: rows computed in a short tail chunk equal the same rows computed in one large chunk (the
+    merged tail); control: with the merge off, short tails take the small-row GEMM kernel and differ
+    (skipped where this machine's BLAS gives short calls the same bits)."""
+    from pixal3d.nn import sparse_conv
+
+    gen = torch.Generator().manual_seed(0)
+    coords = torch.unique(torch.randint(0, 6, (300, 3), generator=gen, dtype=torch.int32), dim=0)
+    coords = torch.cat([torch.zeros(len(coords), 1, dtype=torch.int32), coords], dim=1)
+    n, cin = len(coords), 16
+    x = SparseTensor(torch.randn(n, cin, generator=gen), coords)
+    weight = torch.randn(16, 3, 3, 3, cin, generator=gen)
+    rows = (n - 3) // 3  # 162 voxels: chunks of 53, 53, 53 and a 3-row tail
+    assert n - 3 * rows == 3
+    chunk = rows * 27 * cin * 4
+    whole = sparse_conv3d(x, weight, chunk_bytes=1 << 30).feats
+    assert torch.equal(sparse_conv3d(x, weight, chunk_bytes=chunk).feats, whole)
+    monkeypatch.setattr(sparse_conv, "MIN_GEMM_ROWS", 0)
+    tail = n - n % rows
+    probe = torch.randn(n % rows, 27 * cin, generator=gen)
+    w = torch.randn(27 * cin, 16, generator=gen)
+    if torch.equal(torch.mm(probe, w), torch.mm(torch.cat([probe, probe, probe, probe, probe]), w)[:len(probe)]):
+        pytest.skip("this BLAS gives a short GEMM the bits of a long one: nothing to control")
+    assert not torch.equal(sparse_conv3d(x, weight, chunk_bytes=chunk).feats[tail:], whole[tail:])
