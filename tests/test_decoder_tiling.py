@@ -179,3 +179,13 @@ def test_the_texture_latent_must_share_the_shape_coords(tiny_decoders):
     other, _ = _latents(_tiny_hr_coords(seed=2))
     with pytest.raises(ValueError, match="tex_latent"):
         decode_tiled(shape, latent, TilePlan(), tex_decoder=tex, tex_latent=other)
+
+
+def test_decode_shape_and_texture_is_the_stage_work_with_or_without_a_plan(tiny_decoders, tiny_case):
+    from pixal3d.models.decoder_tiling import decode_shape_and_texture
+
+    shape, tex = tiny_decoders
+    latent, tex_latent, untiled = tiny_case
+    assert _same(decode_shape_and_texture(shape, tex, latent, tex_latent, 48), untiled)
+    assert _same(decode_shape_and_texture(shape, tex, latent, tex_latent, 48, plan=TilePlan(tile_voxels=1200)),
+                 untiled)
