@@ -18,6 +18,10 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .models.decoder_tiling import TilePlan
 
 GIB = 2**30
 MIB = 2**20
@@ -118,7 +122,7 @@ def _prefix_held(start: int, voxels_at: list[float], costs: DecodeCosts) -> floa
 
 def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: int = 4,
                 growth: float = REFERENCE_GROWTH, costs: DecodeCosts = DECODE_COSTS,
-                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64):
+                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64) -> TilePlan | None:
     """The decode's ``TilePlan`` within ``budget`` bytes of process memory, or None when untiled fits.
 
     The deepest start level whose untiled prefix fits is chosen (the halo then costs least), and the
@@ -138,8 +142,9 @@ def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: i
         keep = _prefix_held(start, voxels_at, costs)
         room = budget - held - keep - costs.fixed_bytes
         smallest = min_tile_voxels * growth ** (levels - start)
-        smallest_need = min(smallest_need, held + keep + costs.fixed_bytes + costs.voxel_bytes * smallest,
-                            process_bytes + weight_bytes + prefix_peak if start else math.inf)
+        need = max(held + keep + costs.fixed_bytes + costs.voxel_bytes * smallest,
+                   process_bytes + weight_bytes + prefix_peak)
+        smallest_need = min(smallest_need, need)
         if process_bytes + weight_bytes + prefix_peak > budget or room < costs.voxel_bytes * smallest:
             continue
         return TilePlan(start_level=start, tile_voxels=int(room / costs.voxel_bytes), growth=growth)
