@@ -169,16 +169,26 @@ class WeightsConfig:
 
 # -- stages --------------------------------------------------------------------------------------
 
+DEFAULT_SIGMA_MIN = 1e-5  # FlowEulerGuidanceIntervalSampler(sigma_min=1e-5): every published pipeline.json's
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Flow-matching Euler sampler parameters (reference §4)."""
+    """Flow-matching Euler sampler parameters (reference §4).
+
+    ``steps``, ``guidance_strength``, ``guidance_rescale`` and ``rescale_t`` are the reference's explicit
+    arguments (they override ``pipeline.json``). ``guidance_interval`` comes from the checkpoint folder's
+    ``pipeline.json`` as in the reference unless the config sets it; so does ``sigma_min`` unless the config
+    changes it from the sampler's default (``pixal3d.pipeline_json.resolve_samplers``; a difference between
+    the two is logged once).
+    """
 
     steps: int = ranged(COUNT)
     guidance_strength: float = ranged(Range(0.0))
     guidance_rescale: float = ranged(Range(0.0, 1.0))
-    guidance_interval: tuple[float, float]  # [lo, hi] with 0 <= lo <= hi <= 1 (_check_config)
     rescale_t: float = ranged(Range(0.0, low_open=True))
-    sigma_min: float = ranged(Range(0.0, 1.0, high_open=True), 1e-5)
+    guidance_interval: tuple[float, float] | None = None  # [lo, hi] with 0 <= lo <= hi <= 1 (_check_config)
+    sigma_min: float = ranged(Range(0.0, 1.0, high_open=True), DEFAULT_SIGMA_MIN)
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,7 @@ class ConditionConfig:
     image_size: int = ranged(Range(16, integer=True))  # at least one DINOv3 patch
     grid_resolution: int | None = ranged(COUNT, None)  # None: the stage's token grid
     naf_size: int | None = ranged(COUNT, None)         # None: no NAF branch (sparse structure)
+    naf_mode: str = "auto"  # full (the reference's values), frugal (less memory, ~1e-7 off) or auto (the plan picks)
 
 
 @dataclass(frozen=True)
@@ -461,10 +472,14 @@ def _check_config(config: CascadeConfig, where: str) -> None:
             raise ConfigError(f"{where}: key 'weights.{name}.generate' must be 'tiny', got {src.generate!r}")
     for stage in ("structure", "shape_512", "shape_1024", "texture"):
         sampler = getattr(config, stage).sampler
-        lo, hi = sampler.guidance_interval
-        if not 0.0 <= lo <= hi <= 1.0:
-            raise ConfigError(f"{where}: key '{stage}.sampler.guidance_interval' must be [lo, hi] with "
-                              f"0 <= lo <= hi <= 1, got {list(sampler.guidance_interval)}")
+        if sampler.guidance_interval is not None:
+            lo, hi = sampler.guidance_interval
+            if not 0.0 <= lo <= hi <= 1.0:
+                raise ConfigError(f"{where}: key '{stage}.sampler.guidance_interval' must be [lo, hi] with "
+                                  f"0 <= lo <= hi <= 1, got {list(sampler.guidance_interval)}")
+        mode = getattr(config, stage).condition.naf_mode
+        if mode not in ("auto", "full", "frugal"):
+            raise ConfigError(f"{where}: key '{stage}.condition.naf_mode' must be auto, full or frugal, got {mode!r}")
     up = config.upsample
     factor = 2 ** up.times
     if up.hr_resolution % factor or up.min_resolution % factor or up.resolution_step % factor:

@@ -7,6 +7,7 @@ normalizations, and every weight a config names resolved to local paths (``pixal
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pixal3d.config import WeightsConfig
+from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, ConfigError, WeightsConfig
 
 from .hub import (
     CorruptWeightsError,
@@ -197,3 +198,91 @@ def read_normalization(pipeline: Mapping[str, Any], key: str, path: Path) -> Nor
     if len(mean) != len(std) or not mean:
         raise CorruptWeightsError(f"{path}: args.{key} mean ({len(mean)}) and std ({len(std)}) differ in length")
     return Normalization(mean=mean, std=std)
+
+
+# -- sampler settings ----------------------------------------------------------------------------
+
+SAMPLER_SECTIONS = {"structure": "sparse_structure_sampler", "shape_512": "shape_slat_sampler",
+                    "shape_1024": "shape_slat_sampler", "texture": "tex_slat_sampler"}
+"""Cascade config stage → the ``pipeline.json`` sampler it uses (the two shape stages share one)."""
+
+PUBLISHED_INTERVALS = {"sparse_structure_sampler": (0.6, 1.0), "shape_slat_sampler": (0.6, 1.0),
+                       "tex_slat_sampler": (0.6, 0.9)}
+"""The guidance intervals the published pipeline.json gives (reference §4), for files and benchmarks that stand
+in for it (``published_samplers()``); a run reads the real file."""
+
+_reported: set[tuple[str, ...]] = set()  # differences already logged (once per process)
+
+
+def published_samplers() -> dict[str, Any]:
+    """The sampler sections of the published ``pipeline.json`` (``args.<section>``: name, sigma_min, interval)."""
+    return {section: {"name": "FlowEulerGuidanceIntervalSampler", "args": {"sigma_min": DEFAULT_SIGMA_MIN},
+                      "params": {"guidance_interval": list(interval)}} for section, interval in PUBLISHED_INTERVALS.items()}
+
+
+def sampler_settings(pipeline: Mapping[str, Any], section: str) -> dict[str, Any]:
+    """``{"guidance_interval": (lo, hi), "sigma_min": s}`` as ``pipeline.json`` gives them for one sampler
+    (``args.<section>.params.guidance_interval``, ``args.<section>.args.sigma_min``); absent keys left out."""
+    entry = pipeline.get("args", {}).get(section)
+    entry = entry if isinstance(entry, Mapping) else {}
+    params, args = entry.get("params"), entry.get("args")
+    out: dict[str, Any] = {}
+    if isinstance(params, Mapping) and params.get("guidance_interval") is not None:
+        out["guidance_interval"] = tuple(float(v) for v in params["guidance_interval"])
+    if isinstance(args, Mapping) and args.get("sigma_min") is not None:
+        out["sigma_min"] = float(args["sigma_min"])
+    return out
+
+
+def resolve_samplers(config: CascadeConfig, pipeline: Mapping[str, Any] | None) -> CascadeConfig:
+    """``config`` with each flow stage's ``guidance_interval`` and ``sigma_min`` as the reference reads them:
+    from ``pipeline.json``, unless the config sets the interval or changes ``sigma_min`` from the sampler's
+    default. Where the two differ, a warning names both and which is used (once per value and process). An
+    interval set by neither is a ``ConfigError``."""
+    changes = {}
+    for stage, section in SAMPLER_SECTIONS.items():
+        stage_config = getattr(config, stage)
+        sampler = stage_config.sampler
+        given = sampler_settings(pipeline, section) if pipeline is not None else {}
+        values: dict[str, Any] = {}
+        if sampler.guidance_interval is None:
+            if "guidance_interval" not in given:
+                raise ConfigError(f"{config.source or 'the config'}: key '{stage}.sampler.guidance_interval' is set "
+                                  f"neither there nor in pipeline.json (args.{section}.params.guidance_interval); "
+                                  f"set it in the config, e.g. [0.6, 1.0]")
+            values["guidance_interval"] = given["guidance_interval"]
+        elif "guidance_interval" in given and tuple(sampler.guidance_interval) != given["guidance_interval"]:
+            _report(config, stage, section, "guidance_interval", sampler.guidance_interval, given, "the config's")
+        if "sigma_min" in given and sampler.sigma_min != given["sigma_min"]:
+            explicit = sampler.sigma_min != DEFAULT_SIGMA_MIN
+            _report(config, stage, section, "sigma_min", sampler.sigma_min, given,
+                    "the config's" if explicit else "pipeline.json's")
+            if not explicit:
+                values["sigma_min"] = given["sigma_min"]
+        if values:
+            changes[stage] = dataclasses.replace(stage_config, sampler=dataclasses.replace(sampler, **values))
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _report(config: CascadeConfig, stage: str, section: str, key: str, own: Any, given: Mapping[str, Any],
+            used: str) -> None:
+    report = (config.source, stage, key, repr(own), repr(given[key]))
+    if report not in _reported:
+        _reported.add(report)
+        logger.warning("%s.sampler.%s: the config says %s, pipeline.json's %s says %s; using %s", stage, key,
+                       _show(own), section, _show(given[key]), used)
+
+
+def _show(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else f"{value:g}"
+
+
+def planned_pipeline_json(weights: WeightsConfig, *, offline: bool | None = None,
+                          generate: Callable[[Path], Path] | None = None) -> dict[str, Any] | None:
+    """``pipeline.json`` for planning (fetched alone, like ``planned_sizes`` does), or None when it cannot be
+    had now: ``planned_sizes`` then names it with every other missing file."""
+    fetch = Fetcher(offline=hub_offline() if offline is None else offline, generate=generate)
+    folder = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    if folder is None or fetch.missing:
+        return None
+    return read_pipeline_json(folder / "pipeline.json")

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -169,8 +168,10 @@ def _camera():
 
 def _sampler(stage: str) -> dict[str, Any]:
     from pixal3d.config import load_config
+    from pixal3d.pipeline_json import published_samplers, resolve_samplers
 
-    config = load_config(REPO / "configs" / "1024_cascade.yaml")
+    # 1024_cascade reads its guidance intervals from pipeline.json: here, the published ones
+    config = resolve_samplers(load_config(REPO / "configs" / "1024_cascade.yaml"), {"args": published_samplers()})
     params = dataclasses.asdict(getattr(config, stage).sampler)
     params.update(steps=1, guidance_interval=tuple(params["guidance_interval"]))
     return params

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pixal3d.config import load_config
+from pixal3d.pipeline_json import published_samplers, resolve_samplers
 from pixal3d.models import load_model
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.parallel import emulate_pipefusion
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    real = load_config(REPO / "configs" / "1024_cascade.yaml")
+    real = resolve_samplers(load_config(REPO / "configs" / "1024_cascade.yaml"), {"args": published_samplers()})
     stems = tiny_flow_stems()
     rows = []
     for stage, (name, tokens) in STAGES.items():

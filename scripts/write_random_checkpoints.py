@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pixal3d.files import atomic_path  # noqa: E402
+from pixal3d.pipeline_json import published_samplers  # noqa: E402
 
 logger = logging.getLogger("write_random_checkpoints")
 
@@ -221,12 +222,14 @@ def write_naf(cache: Path) -> Path:
 
 
 def write_pipeline_json(cache: Path, manifest: Path = DEFAULT_MANIFEST, channels: int = 32) -> Path:
-    """``<cache>/pipeline.json`` naming the manifest's checkpoints, with identity latent normalization."""
+    """``<cache>/pipeline.json`` naming the manifest's checkpoints, with identity latent normalization and the
+    reference's sampler intervals."""
     models = json.loads(Path(manifest).read_text())["models"]
     identity = {"mean": [0.0] * channels, "std": [1.0] * channels}
     pipeline = {"name": "Pixal3DImageTo3DPipeline", "args": {
         "models": {key: entry["file"] for key, entry in models.items()},
-        "shape_slat_normalization": identity, "tex_slat_normalization": identity}}
+        "shape_slat_normalization": identity, "tex_slat_normalization": identity,
+        **published_samplers()}}
     path = cache / "pipeline.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(pipeline, indent=1) + "\n")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pixal3d.config import load_config
+from pixal3d.pipeline_json import published_samplers, resolve_samplers
 from pixal3d.models import load_model
 from scripts.parallel_error_table import REPO, STAGES, relative_errors, tiny_flow_stems
 from tests.cascade_fixtures import tiny_cache  # noqa: F401  (the tiny weights, generated once per session)
@@ -30,7 +31,8 @@ def one_thread():
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_deviation_falls_with_warmup_and_vanishes_when_every_step_is_warm(stems, stage, one_thread):
-    sampler = getattr(load_config(REPO / "configs" / "1024_cascade.yaml"), stage).sampler
+    config = resolve_samplers(load_config(REPO / "configs" / "1024_cascade.yaml"), {"args": published_samplers()})
+    sampler = getattr(config, stage).sampler
     sampler = dataclasses.replace(sampler, steps=12)
     model = load_model(stems[STAGES[stage][0]])
     errors = relative_errors(model, TOKENS[stage], sampler, 4, [0, 1, 2, 4, 12], range(4))
