@@ -93,11 +93,11 @@ def read_pixels(grid: torch.Tensor, height: int, width: int, *, slack: float = 1
 
     The 2×2 taps of each point, plus the neighbouring row/column where the point is within ``slack``
     pixels of a pixel centre: grid_sample's own float32 unnormalisation (its formula differs between
-    kernels) may floor to that neighbour there. Computed in float64, so the set is a superset of the
-    kernel's reads.
+    kernels) may floor to that neighbour there. Computed in float64 on the host (mps has no float64; these
+    are indices, a few per point), so the set is a superset of the kernel's reads; returned on ``grid``'s device.
     """
     def span(coord: torch.Tensor, size: int) -> torch.Tensor:  # [K, 4] candidate indices, -1 where none
-        index = (((coord.double() + 1) * size - 1) / 2).clamp(0, size - 1)
+        index = (((coord.detach().cpu().double() + 1) * size - 1) / 2).clamp(0, size - 1)
         low = index.floor()
         frac = index - low
         cand = torch.stack([low - 1, low, low + 1, low + 2], dim=-1)
@@ -109,7 +109,7 @@ def read_pixels(grid: torch.Tensor, height: int, width: int, *, slack: float = 1
     flat = (rows[:, :, None] * width + cols[:, None, :]).reshape(-1)  # [K·16]
     valid = (rows[:, :, None] >= 0) & (cols[:, None, :] >= 0)
     unique = torch.unique(flat[valid.reshape(-1)])
-    return torch.stack([unique // width, unique % width], dim=-1)
+    return torch.stack([unique // width, unique % width], dim=-1).to(grid.device)
 
 
 def sample_pointwise(features_at: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor,
