@@ -50,6 +50,7 @@ from pixal3d.config import (
 from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
+from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import ImageError, probe_image
 from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings
 from pixal3d.staging import Policy, StageRecord
@@ -94,6 +95,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="horizontal field of view in degrees (default: the config's, else MoGe-2)")
     parser.add_argument("--memory-policy", default="auto", choices=[p.value for p in Policy],
                         help="where idle models live (default: auto, chosen from the memory plan)")
+    parser.add_argument("--memory-budget", default=None, metavar="SIZE",
+                        help="bound every stage's work to this much process memory (e.g. 8G; auto: the memory "
+                             "available now less 15 %%): the decode runs in tiles, the flow stages in smaller "
+                             "chunks, and a config that cannot fit is refused before any weight is read")
     parser.add_argument("--device", default=None, help="torch device (default: cuda, else mps, else cpu)")
     parser.add_argument("--trace", type=Path, default=None, help="write the memory trace (JSONL) here")
     parser.add_argument("--plan", action="store_true", help="print the memory plan and policy, then exit")
@@ -265,8 +270,19 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
                                               what=str(args.work_dir), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
-    plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel)
+    plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel,
+                        memory_budget=memory_budget(args.memory_budget))
     return Prepared(plan, jobs, rejected, everything)
+
+
+def memory_budget(text: str | None) -> int | str | None:
+    """``--memory-budget`` as bytes, ``"auto"`` or None; a size that cannot be read is a ``UsageError``."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return parse_budget(text)
+    except ValueError as err:
+        raise UsageError(f"--memory-budget: {err}") from None
 
 
 def _unusable(config: CascadeConfig, path: Path) -> ImageError | None:

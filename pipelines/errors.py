@@ -18,6 +18,7 @@ from pixal3d.config import ConfigError
 from pixal3d.hub import WeightsError
 from pixal3d.interrupts import Terminated
 from pixal3d.locks import LockedError
+from pixal3d.memory_budget import MemoryBudgetError
 from pixal3d.models.loading import CheckpointError
 from pixal3d.models.preprocess import ImageError
 from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
@@ -43,7 +44,7 @@ KINDS: tuple[tuple[type[BaseException], str], ...] = (
     (ConfigError, "config"),
     (ImageError, "input"), (EmptyStructureError, "input"), (WeightsError, "weights"), (CheckpointError, "weights"),
     (NotEnoughMemoryError, "memory"), (PolicyError, "memory"), (MpsMemoryLimitError, "memory"),
-    (StageGraphError, "config"), (ParallelConfigError, "config"), (PeerFailedError, "parallel"),
+    (StageGraphError, "config"), (MemoryBudgetError, "memory"), (ParallelConfigError, "config"), (PeerFailedError, "parallel"),
     (LinkError, "parallel"),
 )
 

@@ -22,16 +22,18 @@ class ExportStage(CascadeStage):
     inputs = ("fields", "pbr", "progress")
     outputs = ("mesh",)
 
-    def __init__(self, settings: ExportSettings, hr_resolution: int):
+    def __init__(self, settings: ExportSettings, hr_resolution: int, upsample_times: int):
         self.settings = settings
         self.hr_resolution = hr_resolution
+        self.upsample_times = upsample_times
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> ExportStage:
-        return cls(config.export, config.upsample.hr_resolution)
+        return cls(config.export, config.upsample.hr_resolution, config.upsample.times)
 
     def working_set(self) -> int:
-        return export_bytes(self.hr_resolution, self.settings.decimation_target, self.settings.texture_size)
+        return export_bytes(self.hr_resolution, self.upsample_times, self.settings.decimation_target,
+                            self.settings.texture_size)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         state.mesh = export_mesh(state.fields, state.pbr, settings=self.settings, progress=state.progress)

@@ -11,26 +11,45 @@ same inputs, which the other ranks join (``pipelines/parallel.py``).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from pixal3d.config import ConditionConfig, SamplerConfig
+from pixal3d.config import ConditionConfig, SamplerConfig, ShapeConfig
+from pixal3d.memory_budget import (
+    PROCESS_BYTES,
+    FlowChunks,
+    attention_score_elements,
+    chunk_sizes,
+    naf_chunk_elements,
+    plan_flow_stage,
+)
 from pixal3d.models.conditioning import (
     ExtractorConfig,
     FeatureCache,
     condition,
+    naf_peak_bytes,
     negative_condition,
+    select_naf_mode,
 )
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.parallel import parallel_sample
 from pixal3d.pipeline_json import Normalization
 from pixal3d.samplers import sample_flow_euler
 
+from .stage import CascadeStage, StageBudget
 from .state import RunState
+from .working_set import flow_stage_bytes
+
+DEFAULT_CHUNKS = FlowChunks(attention_scores=attention_score_elements(math.inf),
+                            naf_elements=naf_chunk_elements(math.inf))
+"""The chunk sizes the flow stages use when memory is not short."""
 
 CONDITION_INPUTS = ("image", "camera", "device", "generator", "progress", "callback", "parallel")
 """The ``RunState`` fields every flow stage reads besides its own."""
@@ -48,13 +67,15 @@ def extractor(name: str, cfg: ConditionConfig, grid_resolution: int) -> Extracto
 
 
 def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
-                    coords: torch.Tensor | None) -> dict[str, Any]:
-    """``{'global', 'proj'}`` for one extractor, kept in ``state.cond`` (transient: fingerprinted, cleared)."""
+                    coords: torch.Tensor | None, *, naf_mode: str = "full") -> dict[str, Any]:
+    """``{'global', 'proj'}`` for one extractor, kept in ``state.cond`` (transient: fingerprinted, cleared).
+    ``naf_mode``: ``full`` (the reference's values) or ``frugal`` (less memory); ``auto`` means ``full``
+    here — the plan resolves it from the memory it gives the stage (``SparseFlowStage.fitted``)."""
     naf = models["naf"] if ext.naf_size is not None else None
     if state.features is None:
         state.features = FeatureCache()  # lives for this run: one backbone forward per (image, size)
     cond = condition(ext, state.image, state.camera, coords, backbone=models["dinov3"], naf=naf,
-                     cache=state.features)
+                     cache=state.features, naf_mode="full" if naf_mode == "auto" else naf_mode)
     state.cond = dict(cond)
     return cond
 
@@ -73,6 +94,9 @@ def sample(model: Callable[..., Any], noise: Any, cond: dict[str, Any], sampler:
     if state.parallel is not None:
         return parallel_sample(model, noise, cond=cond, neg_cond=negative_condition(cond), concat_cond=concat_cond,
                                sampler=sampler, runtime=state.parallel, callback=report)
+    if sampler.guidance_interval is None or sampler.sigma_min is None:
+        raise ValueError(f"stage {stage}: the sampler's guidance_interval / sigma_min are unresolved; "
+                         f"Pixal3D.plan fills them from pipeline.json (pixal3d.pipeline_json.resolve_samplers)")
     params = asdict(sampler)
     params["guidance_interval"] = tuple(params["guidance_interval"])
     flow = model if concat_cond is None else functools.partial(model, concat_cond=concat_cond)
@@ -85,3 +109,55 @@ def norm_tensors(norm: Normalization, device: torch.device) -> tuple[torch.Tenso
     mean = torch.tensor(norm.mean, dtype=torch.float32, device=device)[None]
     std = torch.tensor(norm.std, dtype=torch.float32, device=device)[None]
     return mean, std
+
+
+class SparseFlowStage(CascadeStage):
+    """What the three sparse flow stages (shape 512, shape 1024, texture) share: NAF conditioning in the
+    mode the plan resolves, chunk sizes within an explicit memory budget, the working-set estimate.
+
+    ``naf_mode`` starts as the config's (``auto``, ``full`` or ``frugal``); ``fitted`` resolves ``auto`` to
+    ``full`` (the reference's values, bit for bit) when its peak fits the memory the stage is given, else
+    ``frugal`` (about a third of the memory, ~1e-7 from the reference)."""
+
+    config: ShapeConfig
+    naf_mode: str = "auto"
+    chunks: FlowChunks | None = None
+    bounded_bytes: int | None = None  # the working set an explicit budget bounds it to (chunks shrunk)
+
+    def estimated_tokens(self) -> int:
+        """The stage's typical token count, from the config (for the plan)."""
+        raise NotImplementedError
+
+    def working_set(self) -> int:
+        if self.bounded_bytes is not None:
+            return self.bounded_bytes
+        cond = self.config.condition
+        return flow_stage_bytes(self.estimated_tokens(), cond.image_size, naf_size=cond.naf_size,
+                                naf_mode=self.naf_mode)
+
+    def fitted(self, budget: StageBudget) -> SparseFlowStage:
+        cond, tokens = self.config.condition, self.estimated_tokens()
+        stage = copy.copy(self)
+        free = budget.total_bytes - budget.weight_bytes - PROCESS_BYTES
+        if cond.naf_size is not None:
+            full = naf_peak_bytes("full", cond.image_size, cond.naf_size, points=tokens)
+            stage.naf_mode = select_naf_mode(self.naf_mode, budget_bytes=free, full_bytes=full)
+        if budget.explicit:
+            chunks = plan_flow_stage(self.name, budget.total_bytes, weight_bytes=budget.weight_bytes,
+                                     tokens=tokens, naf=cond.naf_size is not None)
+            if chunks != DEFAULT_CHUNKS:  # smaller chunks keep the stage within the budget
+                stage.chunks, stage.bounded_bytes = chunks, min(stage.working_set(), free)
+        return stage
+
+    def choices(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"naf_mode": self.naf_mode} if self.config.condition.naf_size is not None else {}
+        if self.chunks is not None:
+            out["chunks"] = {"attention_scores": self.chunks.attention_scores,
+                             "naf_elements": self.chunks.naf_elements}
+        return out
+
+    def bounded(self) -> contextlib.AbstractContextManager[None]:
+        """The chunk sizes the budget chose, for the stage's run (nothing changes without a budget)."""
+        if self.chunks is None:
+            return contextlib.nullcontext()
+        return chunk_sizes(attention_scores=self.chunks.attention_scores, naf_elements=self.chunks.naf_elements)

@@ -37,8 +37,8 @@ from pixal3d.parallel import (
     load_flow_shard,
     parallel_sample,
 )
-from pixal3d.parallel.topology import Topology
 from pixal3d.parallel.session import announce, exchange, receive
+from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Stage, StageRunner
 from pixal3d.telemetry import MemoryMeter

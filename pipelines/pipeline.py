@@ -30,10 +30,24 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pixal3d.config import SEED, CascadeConfig, load_config
+from pixal3d.memory_budget import (
+    PROCESS_BYTES,
+    auto_budget,
+    budget_error,
+    format_bytes,
+    parse_budget,
+)
 from pixal3d.models.preprocess import as_image
 from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
 from pixal3d.parallel.topology import Topology
-from pixal3d.pipeline_json import ResolvedWeights, planned_sizes, resolve_weights
+from pixal3d.pipeline_json import (
+    PIPELINE_MODELS,
+    ResolvedWeights,
+    planned_pipeline_json,
+    planned_sizes,
+    resolve_samplers,
+    resolve_weights,
+)
 from pixal3d.staging import (
     Event,
     Machine,
@@ -71,7 +85,7 @@ from .parallel import (
 )
 from .preprocess import rembg_loader
 from .result import Result
-from .stage import CascadeStage
+from .stage import CascadeStage, StageBudget
 from .state import PROVIDED, RunState
 
 if TYPE_CHECKING:
@@ -108,6 +122,11 @@ class RunPlan:
     mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
     parallel: Parallel = None                # the job's settings (or runtime) under torchrun, else None
     rank: int = 0                            # this process's rank in that job; ranks != 0 follow rank 0
+    memory_budget: int | None = None         # bytes every stage's work was bounded to (--memory-budget)
+
+    def choices(self) -> dict[str, Any]:
+        """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
+        return {s.name: s.choices() for s in self.stages if getattr(s, "choices", None) and s.choices()}
 
     @property
     def follower(self) -> bool:
@@ -161,17 +180,26 @@ class Pixal3D:
     @staticmethod
     def plan(config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
              device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-             until: str | None = None, parallel: Parallel = None) -> RunPlan:
+             until: str | None = None, parallel: Parallel = None, memory_budget: int | str | None = None) -> RunPlan:
         """The memory plan and the resolved policy; reads only ``pipeline.json`` and safetensors headers.
 
         ``replace`` swaps stages by name, ``until`` ends the cascade after the named stage. Raises
         ``NotEnoughMemoryError`` when one stage's weights alone exceed the memory available.
+        The samplers' ``guidance_interval`` and ``sigma_min`` come from ``pipeline.json`` unless the config
+        sets them (``resolve_samplers``). Each stage is fitted to the memory it may use (NAF's ``auto``
+        mode; ``StageBudget``): ``memory_budget`` (bytes, a size such as ``"8G"``, or ``"auto"``: the memory
+        available now less 15 %) bounds every stage's work to it — tiles for the decode, smaller chunks for
+        the flow stages — and a config that cannot fit raises ``MemoryBudgetError`` naming the stage.
         ``parallel``: ``ParallelSettings`` (or a runtime from ``init_parallel``) under torchrun; checked here
         against torchrun's environment and the config (``ParallelConfigError``). Ranks != 0 plan only their
         part: the flow stages, on shards of the flow models (each counted whole in the plan).
         """
         config = load_config(config) if isinstance(config, (str, Path)) else config
         device = check_device(torch.device(device)) if device is not None else default_device()
+        pipeline = planned_pipeline_json(config.weights)
+        if pipeline is None:  # not on disk, not reachable: one error naming it and every other missing file
+            planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
+        config = resolve_samplers(config, pipeline)
         stages = tuple(build_stages(config, replace=replace, until=until))
         provides, state_type, rank, parallel_notes = PROVIDED, RunState, 0, []
         if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
@@ -189,10 +217,14 @@ class Pixal3D:
         check_stages(stages, provides=provides, state_type=state_type)  # before anything is read
         needs = {s.name: tuple(s.needs) for s in stages}
         sizes, notes = planned_sizes(config.weights, models=sorted({m for ms in needs.values() for m in ms}))
-        memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         machine = detect_machine(device)
+        budget = None if memory_budget is None else (
+            auto_budget(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
+        stages = fit_stages(stages, sizes, budget, machine)
+        memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
         chosen, reasons = resolve_policy(policy, memory, machine)
+        reasons += describe_fit(stages, budget)
         mps_limit = None
         if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load
             mps_limit = check_mps_memory_limit()
@@ -201,7 +233,7 @@ class Pixal3D:
                 reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
         return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), (*notes, *parallel_notes),
-                       mps_limit, parallel, rank)
+                       mps_limit, parallel, rank, budget)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -236,11 +268,13 @@ class Pixal3D:
     @classmethod
     def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
                     device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-                    until: str | None = None, parallel: Parallel = None, **options: Any) -> Pixal3D:
+                    until: str | None = None, parallel: Parallel = None, memory_budget: int | str | None = None,
+                    **options: Any) -> Pixal3D:
         """``from_plan(plan(config, ...), **options)``: a config file or object, the policy (``auto``
         chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage,
         the parallel settings under torchrun (default: none, one process)."""
-        plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until, parallel=parallel)
+        plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until, parallel=parallel,
+                        memory_budget=memory_budget)
         return cls.from_plan(plan, **options)
 
     # -- what it is --------------------------------------------------------------------------
@@ -367,7 +401,8 @@ class Pixal3D:
         parallel = self._leader.gather(rows) if self._leader is not None else None  # every rank's peaks
         return Result(input=label, seed=seed, config=self.config, device=self.device, policy=self.policy,
                       policy_reasons=self.run_plan.reasons, state=state, stages=records,
-                      memory=[row.to_dict() for row in rows], parallel=parallel)
+                      memory=[row.to_dict() for row in rows], parallel=parallel, choices=self.run_plan.choices(),
+                      memory_budget=self.run_plan.memory_budget)
 
     def state_budget(self) -> int:
         """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
@@ -471,6 +506,48 @@ def default_device() -> torch.device:
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | None,
+               machine: Machine) -> tuple[Any, ...]:
+    """Each stage as it should run within the memory it may use (``CascadeStage.fitted``): an explicit
+    ``budget`` bounds every stage to it, and one that cannot fit even then raises ``MemoryBudgetError``
+    naming the stage, its need and the budget; without one, each stage may use the machine's usable memory
+    (its NAF mode is chosen against that, nothing is refused)."""
+    usable = int(machine.device_available * (1 - HEADROOM))
+    fitted = []
+    for stage in stages:
+        weights = sum(sizes.get(m, 0) for m in stage.needs)
+        if hasattr(stage, "fitted"):
+            stage = stage.fitted(StageBudget(budget if budget is not None else usable, weights, budget is not None))
+        need = PROCESS_BYTES + weights + int(stage.working_set())
+        if budget is not None and need > budget:
+            raise budget_error(stage.name, need, budget, f"weights {format_bytes(weights)} and a working set of "
+                                                          f"{format_bytes(stage.working_set())}")
+        fitted.append(stage)
+    return tuple(fitted)
+
+
+def describe_fit(stages: Sequence[Any], budget: int | None) -> list[str]:
+    """The plan's reasons for what fitting decided (NAF mode per stage, decode tiles, chunks)."""
+    reasons = [f"memory budget {gib(budget)}: every stage's work is bounded to it"] if budget is not None else []
+    modes: dict[str, list[str]] = {}
+    for stage in stages:
+        choices = stage.choices() if hasattr(stage, "choices") else {}
+        if "naf_mode" in choices:
+            modes.setdefault(choices["naf_mode"], []).append(stage.name)
+        if "tiles" in choices:
+            tiles = choices["tiles"]
+            reasons.append(f"{stage.name}: in spatial tiles from decoder level {tiles['start_level']}, at most "
+                           f"{tiles['tile_voxels']:,} voxels each (exact)")
+        if "chunks" in choices:
+            reasons.append(f"{stage.name}: attention and NAF in smaller chunks to stay within the budget")
+    if "full" in modes:
+        reasons.append(f"NAF full (the reference's values) for {', '.join(modes['full'])}")
+    if "frugal" in modes:
+        reasons.append(f"NAF frugal (less memory, ~1e-7 from the reference) for {', '.join(modes['frugal'])}: "
+                       f"its full map does not fit")
+    return reasons
 
 
 def check_memory(plan: MemoryPlan, available: int, device: str) -> None:

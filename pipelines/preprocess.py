@@ -11,7 +11,12 @@ from torch import nn
 
 from pixal3d.config import CascadeConfig
 from pixal3d.hub import MissingWeightsError
-from pixal3d.models.preprocess import as_image, load_background_remover, preprocess_image, require_alpha
+from pixal3d.models.preprocess import (
+    as_image,
+    load_background_remover,
+    preprocess_image,
+    require_alpha,
+)
 from pixal3d.staging import preserved_rng
 
 from .stage import CascadeStage

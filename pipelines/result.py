@@ -7,14 +7,20 @@ from __future__ import annotations
 import io
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pixal3d.config import CascadeConfig, to_dict
-from pixal3d.files import atomic_paths, json_bytes, write_bytes_atomic, write_bytes_to, write_json_atomic
+from pixal3d.files import (
+    atomic_paths,
+    json_bytes,
+    write_bytes_atomic,
+    write_bytes_to,
+    write_json_atomic,
+)
 from pixal3d.mesh.export import ExportedMesh
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.staging import Policy, StageRecord
@@ -44,7 +50,8 @@ class Result:
     """One image's run. ``state`` holds every field the stages wrote (see ``RunState``); ``stages`` one
     record per stage; ``memory`` the memory meter's per-window rows (a ``setup`` window first, where an
     eager policy loads its models); ``parallel`` (under torchrun) the job's settings and every rank's
-    per-stage peak memory (``pipelines/parallel.py``)."""
+    per-stage peak memory (``pipelines/parallel.py``); ``choices`` what the plan fitted each stage to (NAF
+    mode, decode tiles, chunk sizes; ``RunPlan.choices``) and ``memory_budget`` the bound it fitted to."""
 
     input: str
     seed: int
@@ -56,6 +63,8 @@ class Result:
     stages: list[StageRecord]
     memory: list[dict[str, Any]]
     parallel: dict[str, Any] | None = None
+    choices: dict[str, Any] = field(default_factory=dict)
+    memory_budget: int | None = None
 
     # -- outputs -----------------------------------------------------------------------------
     @property
@@ -147,6 +156,8 @@ class Result:
             "device": str(self.device),
             "policy": self.policy.value,
             "policy_reasons": list(self.policy_reasons),
+            "memory_budget": self.memory_budget,
+            "stage_choices": self.choices,
             "versions": versions(),
             "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
             "total_seconds": round(self.seconds, 4),

@@ -14,18 +14,18 @@ from pixal3d.nn.sparse_tensor import SparseTensor
 
 from .flow_stage import (
     CONDITION_INPUTS,
+    SparseFlowStage,
     draw_noise,
     extractor,
     norm_tensors,
     sample,
     stage_condition,
 )
-from .stage import CascadeStage
 from .state import RunState
-from .working_set import hr_flow_stage_bytes
+from .working_set import hr_tokens
 
 
-class Shape1024Stage(CascadeStage):
+class Shape1024Stage(SparseFlowStage):
     """HR shape latent on the cascade's coords."""
 
     name = "shape_1024"
@@ -40,21 +40,24 @@ class Shape1024Stage(CascadeStage):
         self.config = config
         self.upsample_times = upsample_times
         self.hr_resolution = hr_resolution  # the configured one; a run may step down (token budget)
+        self.naf_mode = config.condition.naf_mode
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> Shape1024Stage:
         return cls(config.shape_1024, config.upsample.times, config.upsample.hr_resolution)
 
-    def working_set(self) -> int:
-        return hr_flow_stage_bytes(self.hr_resolution, self.config.condition.image_size)
+    def estimated_tokens(self) -> int:
+        return hr_tokens(self.hr_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         coords = state.coords_hr.to(state.device)
         grid = state.hr_resolution // 2 ** self.upsample_times
-        cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords)
-        state.hr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_hr, C] f32, CPU
-        latent = sample(models[self.flow_model], SparseTensor(state.hr_noise.to(state.device), coords),
-                        cond, cfg.sampler, state=state, stage=self.name)
+        with self.bounded():
+            cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords,
+                                   naf_mode=self.naf_mode)
+            state.hr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_hr, C], CPU
+            latent = sample(models[self.flow_model], SparseTensor(state.hr_noise.to(state.device), coords),
+                            cond, cfg.sampler, state=state, stage=self.name)
         mean, std = norm_tensors(state.shape_normalization, state.device)
         state.shape_latent = latent.replace(latent.feats * std + mean)

@@ -15,18 +15,18 @@ from pixal3d.nn.sparse_tensor import SparseTensor
 
 from .flow_stage import (
     CONDITION_INPUTS,
+    SparseFlowStage,
     draw_noise,
     extractor,
     norm_tensors,
     sample,
     stage_condition,
 )
-from .stage import CascadeStage
 from .state import RunState
-from .working_set import flow_stage_bytes, lr_tokens
+from .working_set import lr_tokens
 
 
-class Shape512Stage(CascadeStage):
+class Shape512Stage(SparseFlowStage):
     """LR shape latent on the sparse-structure coords."""
 
     name = "shape_512"
@@ -40,20 +40,23 @@ class Shape512Stage(CascadeStage):
     def __init__(self, config: ShapeConfig, coords_resolution: int):
         self.config = config
         self.coords_resolution = coords_resolution
+        self.naf_mode = config.condition.naf_mode
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> Shape512Stage:
         return cls(config.shape_512, config.structure.coords_resolution)
 
-    def working_set(self) -> int:
-        return flow_stage_bytes(lr_tokens(self.coords_resolution), self.config.condition.image_size, 2048, naf=True)
+    def estimated_tokens(self) -> int:
+        return lr_tokens(self.coords_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         coords = state.coords_lr.to(state.device)
-        cond = stage_condition(state, models, extractor("shape_512", cfg.condition, self.coords_resolution), coords)
-        state.lr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_lr, C] f32, CPU
-        latent = sample(models[self.flow_model], SparseTensor(state.lr_noise.to(state.device), coords),
-                        cond, cfg.sampler, state=state, stage=self.name)
+        with self.bounded():
+            cond = stage_condition(state, models, extractor("shape_512", cfg.condition, self.coords_resolution),
+                                   coords, naf_mode=self.naf_mode)
+            state.lr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_lr, C], CPU
+            latent = sample(models[self.flow_model], SparseTensor(state.lr_noise.to(state.device), coords),
+                            cond, cfg.sampler, state=state, stage=self.name)
         mean, std = norm_tensors(state.shape_normalization, state.device)
         state.lr_latent = latent.replace(latent.feats * std + mean)

@@ -8,13 +8,29 @@ estimated memory beyond its models' weights (``working_set.py``). A stage that s
 it and join the sampling (``parallel.py``). It reads and writes ``RunState`` fields
 only, gets models only from the ``models`` mapping it is handed, and never moves weights between
 devices: loading, releasing and parking are the registry's job.
+
+The plan fits each stage to the memory it may use (``fitted(budget)``): a flow stage resolves NAF's
+``auto`` mode and, under an explicit ``--memory-budget``, its chunk sizes; the decode picks its tiles. A
+fitted stage is a copy; the stage objects built from the config are not changed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Self
 
 from pixal3d.config import CascadeConfig
 from pixal3d.staging import Stage
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """What the plan gives one stage: ``total_bytes`` of process memory for everything (an explicit
+    ``--memory-budget``, else the machine's usable memory), of which ``weight_bytes`` are its models.
+    ``explicit``: bound the work to it (tiles, chunks) and refuse what cannot fit."""
+
+    total_bytes: int
+    weight_bytes: int
+    explicit: bool = False
 
 
 class CascadeStage(Stage):
@@ -28,6 +44,15 @@ class CascadeStage(Stage):
     def from_config(cls, config: CascadeConfig) -> Self:
         """The stage as ``config`` describes it (its ``section``, and any sizes it shares with others)."""
         raise NotImplementedError(f"{cls.__name__} must implement from_config(config)")
+
+    def fitted(self, budget: StageBudget) -> Self:
+        """This stage as it should run within ``budget`` (a copy when anything changes); by default itself.
+        Raises ``MemoryBudgetError`` when an explicit budget cannot be met."""
+        return self
+
+    def choices(self) -> dict[str, Any]:
+        """What ``fitted`` decided, for the plan's reasons and run.json (empty by default)."""
+        return {}
 
     def check_input(self, image: Any) -> None:
         """Raise ``ImageError`` if this stage cannot take ``image`` (a path, PIL image or array), before any

@@ -17,7 +17,7 @@ from pixal3d.config import CascadeConfig, StructureConfig
 from .flow_stage import CONDITION_INPUTS, draw_noise, extractor, sample, stage_condition
 from .stage import CascadeStage
 from .state import RunState
-from .working_set import flow_stage_bytes
+from .working_set import structure_bytes
 
 
 class EmptyStructureError(RuntimeError):
@@ -43,8 +43,7 @@ class StructureStage(CascadeStage):
         return cls(config.structure)
 
     def working_set(self) -> int:
-        cfg = self.config
-        return flow_stage_bytes(cfg.noise_resolution ** 3, cfg.condition.image_size, 1024, naf=False)
+        return structure_bytes(self.config.noise_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config

@@ -15,18 +15,18 @@ from pixal3d.nn.sparse_tensor import SparseTensor
 
 from .flow_stage import (
     CONDITION_INPUTS,
+    SparseFlowStage,
     draw_noise,
     extractor,
     norm_tensors,
     sample,
     stage_condition,
 )
-from .stage import CascadeStage
 from .state import RunState
-from .working_set import hr_flow_stage_bytes
+from .working_set import hr_tokens
 
 
-class TextureStage(CascadeStage):
+class TextureStage(SparseFlowStage):
     """PBR texture latent on the HR coords."""
 
     name = "texture"
@@ -41,24 +41,27 @@ class TextureStage(CascadeStage):
         self.config = config
         self.upsample_times = upsample_times
         self.hr_resolution = hr_resolution
+        self.naf_mode = config.condition.naf_mode
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> TextureStage:
         return cls(config.texture, config.upsample.times, config.upsample.hr_resolution)
 
-    def working_set(self) -> int:
-        return hr_flow_stage_bytes(self.hr_resolution, self.config.condition.image_size)
+    def estimated_tokens(self) -> int:
+        return hr_tokens(self.hr_resolution)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         shape = state.shape_latent
         grid = state.hr_resolution // 2 ** self.upsample_times
-        cond = stage_condition(state, models, extractor("tex_1024", cfg.condition, grid), shape.coords)
-        shape_mean, shape_std = norm_tensors(state.shape_normalization, state.device)
-        shape_norm = shape.replace((shape.feats - shape_mean) / shape_std)
-        state.tex_noise = draw_noise(state.generator, shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C], CPU
-        noise = SparseTensor(state.tex_noise.to(state.device), shape.coords)
-        latent = sample(models[self.flow_model], noise, cond, cfg.sampler, state=state, stage=self.name,
-                        concat_cond=shape_norm)
+        with self.bounded():
+            cond = stage_condition(state, models, extractor("tex_1024", cfg.condition, grid), shape.coords,
+                                   naf_mode=self.naf_mode)
+            shape_mean, shape_std = norm_tensors(state.shape_normalization, state.device)
+            shape_norm = shape.replace((shape.feats - shape_mean) / shape_std)
+            state.tex_noise = draw_noise(state.generator, shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C]
+            noise = SparseTensor(state.tex_noise.to(state.device), shape.coords)
+            latent = sample(models[self.flow_model], noise, cond, cfg.sampler, state=state, stage=self.name,
+                            concat_cond=shape_norm)
         mean, std = norm_tensors(state.tex_normalization, state.device)
         state.tex_latent = latent.replace(latent.feats * std + mean)

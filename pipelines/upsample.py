@@ -39,7 +39,7 @@ class UpsampleStage(CascadeStage):
         return cls(config.upsample, config.structure.coords_resolution)
 
     def working_set(self) -> int:
-        return upsample_bytes(self.coords_resolution)
+        return upsample_bytes(self.coords_resolution, self.config.times)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config

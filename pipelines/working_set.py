@@ -1,65 +1,70 @@
 """Working-set estimates of the cascade's stages: bytes a stage needs beyond its models' weights.
 
-Measured on CPU at real model widths (benchmarks/working_set.md; reproduce with
-``python scripts/calibrate_working_set.py --out benchmarks/working_set.json``): peak RSS above the resident
-weights and inputs, one fresh process per point, linear fits rounded up slightly. Token counts are the
-reference's typical sizes (§7.4): ~12 % of the coords grid occupied at LR (3.9k tokens at 32³), ~20k HR
-tokens and ~9M decoded voxels at 1024, scaled with the area of the decode resolution. A guide for
-choosing a policy, not a measurement: the memory meter measures. Each stage calls these from its own
-``working_set()``.
+The per-token and per-voxel costs are measured on CPU at the released models' widths, whole stage at the
+reference's counts (``pixal3d.memory_budget``; ``scripts/bench_full_work.py``, benchmarks/full_work.md).
+Token counts come from the config: ~12 % of the coords grid occupied at LR (3.9k tokens at 32³), ~20k HR
+tokens at 1024, scaled with the area of the decode resolution, and ~4.6 decoded voxels per voxel per
+decoder level (20k tokens → ~9M voxels). A guide for the plan, not a measurement: the meter measures.
+Each stage calls these from its own ``working_set()``.
 """
 from __future__ import annotations
 
-FLOW_BYTES_PER_TOKEN = 36_000         # flow forward, any depth: 0.43/0.55/0.91 GiB at 6k/12k/20k tokens
-FLOW_FIXED_BYTES = 210_000_000        # ... its intercept (chunked attention scores, rope, modulation)
-COND_BYTES_PER_CHANNEL = 2 * 4        # proj condition and its CFG negative, fp32, held while sampling
-DINOV3_BYTES_PER_PATCH = 95_000       # ViT-L/16 forward: 99 MiB at 512 px, 368 MiB at 1024 px
-NAF_BYTES_PER_TOKEN = 22_700          # frugal NAF + projection: 426 MiB at 4k (T=512), 773 MiB at 20k (T=1024)
-NAF_FIXED_BYTES = 355_000_000
-UPSAMPLE_BYTES_PER_LR_TOKEN = 268_000  # shape decoder levels 0-3 on 4096 LR tokens: 1.02 GiB (upper bound)
-DECODE_BYTES_PER_VOXEL = 1_030        # texture decoder 999 B/decoded voxel (fit 65k-1M voxels) + held fields
-DECODE_FIXED_BYTES = 375_000_000
-EXPORT_BYTES_PER_VOXEL = 360          # bench_export: 3.36 GiB at 8M voxels, 4096² texture, 1M faces
+from pixal3d.memory_budget import (
+    DECODE_COSTS,
+    DINOV3_BYTES_PER_PATCH,
+    EXPORT_BYTES_PER_FACE,
+    EXPORT_BYTES_PER_TEXEL,
+    EXPORT_BYTES_PER_VOXEL,
+    FLOW_BYTES_PER_TOKEN,
+    FLOW_FIXED_BYTES,
+    REFERENCE_GROWTH,
+    STRUCTURE_BYTES,
+    UPSAMPLE_BYTES_PER_VOXEL,
+    decoded_voxels,
+)
+from pixal3d.models.conditioning import naf_peak_bytes
 
 LR_OCCUPANCY = 0.12                   # occupied fraction of the coords grid
 HR_TOKENS_AT_1024 = 20_000
-VOXELS_AT_1024 = 9e6
 
 
-def lr_tokens(coords_resolution: int) -> float:
+def lr_tokens(coords_resolution: int) -> int:
     """Typical LR token count on a ``coords_resolution``³ grid."""
-    return LR_OCCUPANCY * coords_resolution ** 3
+    return int(LR_OCCUPANCY * coords_resolution ** 3)
 
 
-def hr_scale(hr_resolution: int) -> float:
-    """HR tokens and decoded voxels scale with the area of the decode resolution."""
-    return (hr_resolution / 1024) ** 2
+def hr_tokens(hr_resolution: int) -> int:
+    """Typical HR token count: ~20k at 1024, with the area of the decode resolution."""
+    return int(HR_TOKENS_AT_1024 * (hr_resolution / 1024) ** 2)
 
 
-def flow_stage_bytes(tokens: float, image_size: int, proj_channels: int, *, naf: bool) -> int:
-    """Peak of a flow stage: the backbone, then NAF (if any), then sampling with the condition held."""
-    sampling = tokens * (FLOW_BYTES_PER_TOKEN + proj_channels * COND_BYTES_PER_CHANNEL) + FLOW_FIXED_BYTES
+def structure_bytes(noise_resolution: int) -> int:
+    """The structure stage (DINOv3 at 512 px, the dense flow with CFG, the structure decoder)."""
+    return int(STRUCTURE_BYTES * max(1.0, noise_resolution ** 3 / 16 ** 3))
+
+
+def flow_stage_bytes(tokens: int, image_size: int, *, naf_size: int | None, naf_mode: str) -> int:
+    """A sparse flow stage: the measured whole-stage line (backbone, frugal NAF, sampling with the condition
+    and its CFG negative held), the backbone's forward if larger, or NAF's ``full`` mode if that is larger."""
+    stage = tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES
     backbone = (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH
-    upsampler = tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES if naf else 0
-    return int(max(sampling, backbone, upsampler))
+    naf = naf_peak_bytes("full", image_size, naf_size, points=tokens) if naf_size and naf_mode == "full" else 0
+    return int(max(stage, backbone, naf))
 
 
-def hr_flow_stage_bytes(hr_resolution: int, image_size: int) -> int:
-    """A flow stage on the HR tokens (shape 1024, texture): NAF conditioning at 2 × 1024 channels."""
-    return flow_stage_bytes(HR_TOKENS_AT_1024 * hr_scale(hr_resolution), image_size, 2048, naf=True)
+def upsample_bytes(coords_resolution: int, times: int) -> int:
+    """The shape decoder's subdivision levels over the LR tokens (its last level's voxels set the peak)."""
+    return int(UPSAMPLE_BYTES_PER_VOXEL * lr_tokens(coords_resolution) * REFERENCE_GROWTH ** max(0, times - 1))
 
 
-def upsample_bytes(coords_resolution: int) -> int:
-    """The shape decoder's subdivision levels over the LR tokens."""
-    return int(lr_tokens(coords_resolution) * UPSAMPLE_BYTES_PER_LR_TOKEN)
+def decode_bytes(hr_resolution: int, times: int) -> int:
+    """Both decoders over the decoded voxels, untiled, their outputs held."""
+    voxels = decoded_voxels(hr_tokens(hr_resolution), times)
+    return int(DECODE_COSTS.fixed_bytes + (DECODE_COSTS.voxel_bytes + DECODE_COSTS.output_bytes) * voxels)
 
 
-def decode_bytes(hr_resolution: int) -> int:
-    """Both decoders over the decoded voxels, fields held."""
-    return int(VOXELS_AT_1024 * hr_scale(hr_resolution) * DECODE_BYTES_PER_VOXEL + DECODE_FIXED_BYTES)
-
-
-def export_bytes(hr_resolution: int, decimation_target: int, texture_size: int) -> int:
+def export_bytes(hr_resolution: int, times: int, decimation_target: int, texture_size: int) -> int:
     """Mesh extraction, simplification and the baked textures."""
-    voxels = VOXELS_AT_1024 * hr_scale(hr_resolution)
-    return int(voxels * EXPORT_BYTES_PER_VOXEL + decimation_target * 200 + texture_size ** 2 * 4 * 8)
+    voxels = decoded_voxels(hr_tokens(hr_resolution), times)
+    return int(voxels * EXPORT_BYTES_PER_VOXEL + decimation_target * EXPORT_BYTES_PER_FACE
+               + texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)

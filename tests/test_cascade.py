@@ -49,8 +49,9 @@ def test_write_golden(tiny):
     state = result.state
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps({
-        "about": "per-stage sha256 fingerprints of configs/tiny.yaml on assets/example.png, seed 42, CPU; "
-                 "rewrite with PIXAL3D_UPDATE_GOLDEN=1 python -m pytest -q tests/test_cascade.py",
+        "about": "per-stage sha256 fingerprints of configs/tiny.yaml on assets/example.png, seed 42, CPU, 2 threads "
+                 "(tests/conftest.py), NAF in full mode (the reference's values; the plan's auto choice on the tiny "
+                 "config); rewrite with PIXAL3D_UPDATE_GOLDEN=1 python -m pytest -q tests/test_cascade.py",
         "torch": torch.__version__, "tokens": {"lr": len(state.coords_lr), "hr": len(state.coords_hr)},
         "stages": result.fingerprints()}, indent=2) + "\n")
 
@@ -110,3 +111,18 @@ def test_the_four_noises_are_consecutive_cpu_draws_right_after_the_seed(tiny):
     assert torch.equal(state.coords_hr, torch.unique(state.coords_hr, dim=0))  # sorted rows = noise row order
     torch.manual_seed(config.seed + 1)
     assert not torch.equal(torch.randn(1, config.structure.latent_channels, r, r, r), expected[0])  # control
+
+
+def test_the_golden_holds_nafs_full_mode_and_frugal_is_a_visible_difference(tiny):
+    """The golden was written with NAF in full mode (the plan's auto choice here): a run forced to frugal
+    differs from the first NAF stage on, in the conditioning and the latent (the control for the mode)."""
+    import dataclasses
+
+    frugal = {s: dataclasses.replace(getattr(tiny, s), condition=dataclasses.replace(getattr(tiny, s).condition,
+                                                                                      naf_mode="frugal"))
+              for s in ("shape_512", "shape_1024", "texture")}
+    result = run_tiny(dataclasses.replace(tiny, **frugal), "staged", until="shape_512")
+    actual, expected = result.fingerprints(), _golden()
+    assert actual["structure"] == expected["structure"]  # no NAF before shape_512
+    assert _diff(actual, {k: expected[k] for k in actual}) == ("first differing stage 'shape_512': "
+                                                               "['cond.proj.feats', 'lr_latent.feats']")
