@@ -17,6 +17,8 @@ work directory (``batch.py``; one process only).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pixal3d.config import SEED, CascadeConfig, load_config
+from pixal3d.config import DEFAULT_SIGMA_MIN, SEED, CascadeConfig, load_config
 from pixal3d.memory_budget import (
     PROCESS_BYTES,
     auto_budget,
@@ -200,7 +202,7 @@ class Pixal3D:
         if pipeline is None:  # not on disk, not reachable: one error naming it and every other missing file
             planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
         config = resolve_samplers(config, pipeline)
-        stages = tuple(build_stages(config, replace=replace, until=until))
+        stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
         provides, state_type, rank, parallel_notes = PROVIDED, RunState, 0, []
         if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
             parallel = None  # today's path exactly
@@ -506,6 +508,25 @@ def default_device() -> torch.device:
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def with_sampler_of(stage: Any, config: CascadeConfig) -> Any:
+    """``stage`` with what its sampler leaves unset (``guidance_interval``, a default ``sigma_min``) taken from
+    the resolved ``config``'s section: a stage passed in ``replace`` was built before pipeline.json was read."""
+    own = getattr(getattr(stage, "config", None), "sampler", None)
+    resolved = getattr(getattr(config, stage.section or "", None), "sampler", None) if hasattr(stage, "section") else None
+    if own is None or resolved is None:
+        return stage
+    changes = {}
+    if own.guidance_interval is None:
+        changes["guidance_interval"] = resolved.guidance_interval
+    if own.sigma_min == DEFAULT_SIGMA_MIN and resolved.sigma_min != DEFAULT_SIGMA_MIN:
+        changes["sigma_min"] = resolved.sigma_min
+    if not changes:
+        return stage
+    stage = copy.copy(stage)
+    stage.config = dataclasses.replace(stage.config, sampler=dataclasses.replace(own, **changes))
+    return stage
 
 
 def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | None,
