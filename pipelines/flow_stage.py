@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pixal3d.config import ConditionConfig, SamplerConfig, ShapeConfig
+from pixal3d.config import CascadeConfig, ConditionConfig, SamplerConfig, ShapeConfig
 from pixal3d.memory_budget import (
     PROCESS_BYTES,
     FlowChunks,
@@ -45,7 +45,7 @@ from pixal3d.samplers import sample_flow_euler
 
 from .stage import CascadeStage, StageBudget
 from .state import RunState
-from .working_set import flow_stage_bytes
+from .working_set import flow_stage_bytes, hr_tokens
 
 DEFAULT_CHUNKS = FlowChunks(attention_scores=attention_score_elements(math.inf),
                             naf_elements=naf_chunk_elements(math.inf))
@@ -161,3 +161,25 @@ class SparseFlowStage(CascadeStage):
         if self.chunks is None:
             return contextlib.nullcontext()
         return chunk_sizes(attention_scores=self.chunks.attention_scores, naf_elements=self.chunks.naf_elements)
+
+
+class HrFlowStage(SparseFlowStage):
+    """A flow stage on the HR tokens (shape 1024, texture): its config section, the cascade's upsampling
+    factor and configured decode resolution (a run may step it down: the token budget)."""
+
+    def __init__(self, config: ShapeConfig, upsample_times: int, hr_resolution: int):
+        self.config = config
+        self.upsample_times = upsample_times
+        self.hr_resolution = hr_resolution
+        self.naf_mode = config.condition.naf_mode
+
+    @classmethod
+    def from_config(cls, config: CascadeConfig) -> HrFlowStage:
+        return cls(getattr(config, cls.section), config.upsample.times, config.upsample.hr_resolution)
+
+    def estimated_tokens(self) -> int:
+        return hr_tokens(self.hr_resolution)
+
+    def grid(self, state: RunState) -> int:
+        """The projection grid of this run: its decode resolution over the upsampling factor."""
+        return state.hr_resolution // 2 ** self.upsample_times

@@ -9,12 +9,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from pixal3d.config import CascadeConfig, ShapeConfig
 from pixal3d.nn.sparse_tensor import SparseTensor
 
 from .flow_stage import (
     CONDITION_INPUTS,
-    SparseFlowStage,
+    HrFlowStage,
     draw_noise,
     extractor,
     norm_tensors,
@@ -22,10 +21,9 @@ from .flow_stage import (
     stage_condition,
 )
 from .state import RunState
-from .working_set import hr_tokens
 
 
-class Shape1024Stage(SparseFlowStage):
+class Shape1024Stage(HrFlowStage):
     """HR shape latent on the cascade's coords."""
 
     name = "shape_1024"
@@ -36,23 +34,10 @@ class Shape1024Stage(SparseFlowStage):
     outputs = ("hr_noise", "shape_latent")
     transient = ("cond",)
 
-    def __init__(self, config: ShapeConfig, upsample_times: int, hr_resolution: int):
-        self.config = config
-        self.upsample_times = upsample_times
-        self.hr_resolution = hr_resolution  # the configured one; a run may step down (token budget)
-        self.naf_mode = config.condition.naf_mode
-
-    @classmethod
-    def from_config(cls, config: CascadeConfig) -> Shape1024Stage:
-        return cls(config.shape_1024, config.upsample.times, config.upsample.hr_resolution)
-
-    def estimated_tokens(self) -> int:
-        return hr_tokens(self.hr_resolution)
-
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         coords = state.coords_hr.to(state.device)
-        grid = state.hr_resolution // 2 ** self.upsample_times
+        grid = self.grid(state)
         with self.bounded():
             cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords,
                                    naf_mode=self.naf_mode)

@@ -10,12 +10,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from pixal3d.config import CascadeConfig, ShapeConfig
 from pixal3d.nn.sparse_tensor import SparseTensor
 
 from .flow_stage import (
     CONDITION_INPUTS,
-    SparseFlowStage,
+    HrFlowStage,
     draw_noise,
     extractor,
     norm_tensors,
@@ -23,10 +22,9 @@ from .flow_stage import (
     stage_condition,
 )
 from .state import RunState
-from .working_set import hr_tokens
 
 
-class TextureStage(SparseFlowStage):
+class TextureStage(HrFlowStage):
     """PBR texture latent on the HR coords."""
 
     name = "texture"
@@ -37,23 +35,10 @@ class TextureStage(SparseFlowStage):
     outputs = ("tex_noise", "tex_latent")
     transient = ("cond",)
 
-    def __init__(self, config: ShapeConfig, upsample_times: int, hr_resolution: int):
-        self.config = config
-        self.upsample_times = upsample_times
-        self.hr_resolution = hr_resolution
-        self.naf_mode = config.condition.naf_mode
-
-    @classmethod
-    def from_config(cls, config: CascadeConfig) -> TextureStage:
-        return cls(config.texture, config.upsample.times, config.upsample.hr_resolution)
-
-    def estimated_tokens(self) -> int:
-        return hr_tokens(self.hr_resolution)
-
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
         shape = state.shape_latent
-        grid = state.hr_resolution // 2 ** self.upsample_times
+        grid = self.grid(state)
         with self.bounded():
             cond = stage_condition(state, models, extractor("tex_1024", cfg.condition, grid), shape.coords,
                                    naf_mode=self.naf_mode)
