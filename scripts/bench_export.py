@@ -13,8 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import psutil

@@ -21,12 +21,18 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Self
 
 import psutil
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 import torch.nn.functional as F
 
