@@ -206,7 +206,7 @@ def setup_structure(cache: Path, flow_blocks: int, **_) -> tuple[Callable[[], di
 
 
 def _flow_stage(cache: Path, flow_blocks: int, flow_name: str, extractor, tokens: int, grid: int, stage: str,
-                concat: bool = False) -> tuple[Callable[[], dict], dict]:
+                concat: bool = False, naf_mode: str = "frugal") -> tuple[Callable[[], dict], dict]:
     from pixal3d.models.conditioning import FeatureCache, condition
     from pixal3d.models.dinov3 import load_dinov3
     from pixal3d.models.naf import load_naf
@@ -222,33 +222,34 @@ def _flow_stage(cache: Path, flow_blocks: int, flow_name: str, extractor, tokens
     flow.rope_phases(SparseTensor(torch.zeros(len(coords), 1), coords))  # as the coords' cache would hold
 
     def run() -> dict:
-        cond = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=FeatureCache())
+        cond = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=FeatureCache(),
+                         naf_mode=naf_mode)
         noise = SparseTensor(torch.randn(len(coords), 32), coords)
         model = flow if shape_latent is None else (lambda x, t, c: flow(x, t, c, concat_cond=shape_latent))
         out = _sample(model, noise, cond, stage)
-        return {"tokens": len(coords), "out": list(out.feats.shape)}
+        return {"tokens": len(coords), "out": list(out.feats.shape), "naf_mode": naf_mode}
     return run, {"weights": weights}
 
 
-def setup_shape_512(cache: Path, flow_blocks: int, **_):
+def setup_shape_512(cache: Path, flow_blocks: int, naf_mode: str = "frugal", **_):
     from pixal3d.models.conditioning import ExtractorConfig
 
     return _flow_stage(cache, flow_blocks, "shape_slat_flow_model_512", ExtractorConfig("shape_512", 512, 32, 512),
-                       LR_TOKENS, 32, "shape_512")
+                       LR_TOKENS, 32, "shape_512", naf_mode=naf_mode)
 
 
-def setup_shape_1024(cache: Path, flow_blocks: int, **_):
+def setup_shape_1024(cache: Path, flow_blocks: int, naf_mode: str = "frugal", **_):
     from pixal3d.models.conditioning import ExtractorConfig
 
     return _flow_stage(cache, flow_blocks, "shape_slat_flow_model_1024",
-                       ExtractorConfig("shape_1024", 1024, 64, 512), HR_TOKENS, 64, "shape_1024")
+                       ExtractorConfig("shape_1024", 1024, 64, 512), HR_TOKENS, 64, "shape_1024", naf_mode=naf_mode)
 
 
-def setup_texture(cache: Path, flow_blocks: int, **_):
+def setup_texture(cache: Path, flow_blocks: int, naf_mode: str = "frugal", **_):
     from pixal3d.models.conditioning import ExtractorConfig
 
     return _flow_stage(cache, flow_blocks, "tex_slat_flow_model_1024", ExtractorConfig("tex_1024", 1024, 64, 1024),
-                       HR_TOKENS, 64, "texture", concat=True)
+                       HR_TOKENS, 64, "texture", concat=True, naf_mode=naf_mode)
 
 
 def setup_upsample(cache: Path, decoder_blocks: int | None, **_):
@@ -445,6 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ratio-start-level", type=int, default=2)
     parser.add_argument("--ratio-repeats", type=int, default=2)
     parser.add_argument("--export-voxels", type=int, default=9_000_000)
+    parser.add_argument("--naf-mode", choices=("frugal", "full"), default="frugal",
+                        help="NAF mode of the flow stages (default frugal, the mode of the committed before/after "
+                        "runs; full = the reference's values, what auto picks when the budget allows)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args(argv)
@@ -458,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     for stage in args.only:
         params: dict[str, Any] = {"cache": str(args.cache.expanduser()), "flow_blocks": args.flow_blocks,
                                   "decoder_blocks": args.decoder_blocks}
+        if stage in ("shape_512", "shape_1024", "texture"):
+            params["naf_mode"] = args.naf_mode
         if stage == "decode" and args.budget:
             params["budget"] = args.budget
         if stage == "decode_ratio":

@@ -182,18 +182,23 @@ def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 
                    points: int = 0) -> int:
     """Working memory (bytes, fp32) of one NAF projection at input size S = ``image_size`` and output T.
 
-    ``full``: three ``dim / 2``-channel maps at the encoder's resolution (min(S, 4T))² (a conv stack's
-    input, GroupNorm output and conv output), the T² × dim guidance map, one channel chunk (at most
-    256 MiB) of the sparse sampling map. ``frugal``: four band activations (64 MiB each). Both add the
-    sampled values, about 4 pixels × C per point. Measured at S = T = 512, C = 1024, 4000 points
-    (``scripts/bench_naf_modes.py``): full 0.90 GiB (estimate 0.94), frugal 0.34 GiB (0.31); the whole
-    map the reference holds: 1.47 GiB.
+    ``full``: the larger of two phases. Encoding: the two ``dim / 2``-channel encoders' conv stacks at the
+    encoder's resolution side = min(S, 4T), their outputs and the concatenation: four dim-channel maps of
+    side², fitted never to fall under the measurements below. Sampling: the T² × dim guidance map, one
+    channel chunk (at most 256 MiB) of the sparse sampling map and the sampled values (about 4 pixels × C
+    per point). ``frugal``: four band activations (64 MiB each) and the values.
+
+    Measured at real width: NAF alone (``scripts/bench_naf_modes.py --modes full``) S = T = 512, 4000 points:
+    full 0.90 GiB (estimate 1.0), frugal 0.34 GiB (0.31), the whole map the reference holds 1.47 GiB; S = 1024,
+    20,000 points: full 3.52 GiB at both T = 512 and T = 1024 (estimate 4.0: encoding sets the peak, not T).
+    Whole stages (benchmarks/full_work.md): shape_512 0.97 GiB, shape_1024 3.80, texture 3.73 GiB.
     """
     side = min(image_size, 4 * naf_size)
     values = 4 * points * channels * 4
     if mode == "full":
+        encoding = 4 * side * side * dim * 4
         chunk = min(256 << 20, channels * naf_size * naf_size * 4)
-        return 3 * side * side * (dim // 2) * 4 + naf_size * naf_size * dim * 4 + chunk + values
+        return max(encoding, naf_size * naf_size * dim * 4 + chunk + values)
     if mode == "frugal":
         return 4 * (64 << 20) + values
     raise ValueError(f"naf mode must be one of {NAF_MODES}; got {mode!r}")
