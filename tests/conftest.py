@@ -13,6 +13,7 @@ user at a terminal, so the suite restores Python's own handler; children then st
 import os
 import signal
 
+import pytest
 import torch
 
 THREADS = 2
@@ -20,3 +21,12 @@ os.environ["OMP_NUM_THREADS"] = str(THREADS)  # processes the tests start (the C
 torch.set_num_threads(THREADS)
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def one_thread():
+    """Bitwise comparisons that run kernels with one thread (as spawned single-thread ranks do)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -14,7 +14,6 @@ import json
 import time
 
 import pytest
-import torch
 
 from pipelines import Pixal3D, cli, flow_stage
 from pixal3d.config import SamplerConfig
@@ -29,13 +28,6 @@ GOLDEN_THREADS = 2  # torch.get_num_threads() where tests/golden/tiny_cpu.json w
 def _golden() -> dict[str, dict[str, str]]:
     return json.loads(GOLDEN.read_text())["stages"]
 
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _torchrun_env(monkeypatch, rank: int, world: int) -> None:

@@ -5,7 +5,6 @@ benchmarks/parallel_error.md has the full table (scripts/parallel_error_table.py
 import dataclasses
 
 import pytest
-import torch
 
 from pixal3d.config import load_config
 from pixal3d.pipeline_json import published_samplers, resolve_samplers
@@ -20,13 +19,6 @@ TOKENS = {"structure": None, "shape_512": 200, "shape_1024": 300, "texture": 300
 def stems(tiny_cache):
     return tiny_flow_stems()
 
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))

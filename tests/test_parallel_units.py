@@ -41,14 +41,6 @@ def flows(tmp_path_factory):
     return {kind: write_flow(folder, kind, blocks=6) for kind in ("dense", "sparse")}
 
 
-@pytest.fixture
-def one_thread():
-    """Bitwise comparisons run the kernels with one thread (the spawned ranks do too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # -- settings and topology ---------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, words", [
