@@ -183,6 +183,24 @@ def test_palette_with_transparency_keeps_alpha(tmp_path):
     assert np.asarray(loaded)[0, 0, 3] == 0 and np.asarray(loaded)[0, 20].tolist() == [255, 0, 0, 255]
 
 
+@pytest.mark.parametrize("mode, key", [("RGB", (0, 0, 0)), ("L", 0)])
+def test_a_png_tRNS_colour_key_is_an_alpha_channel(tmp_path, mode, key):
+    """An RGB or gray PNG whose tRNS chunk marks one colour transparent: that colour is the background."""
+    from pixal3d.models.preprocess import require_alpha
+
+    pixels = np.zeros((64, 64, 3), np.uint8)
+    pixels[16:48, 16:48] = 200
+    image = Image.fromarray(pixels if mode == "RGB" else pixels[..., 0], mode)
+    path = save(image, tmp_path / "key.png", transparency=key)
+    loaded = load_image(path)
+    assert loaded.mode == "RGBA"
+    alpha = np.asarray(loaded)[..., 3]
+    assert alpha[0, 0] == 0 and alpha[32, 32] == 255 and int((alpha == 255).sum()) == 32 * 32
+    require_alpha(path)  # the offline demo takes it: its alpha marks the object
+    with pytest.raises(ImageError, match="no alpha channel"):  # control: the same pixels without tRNS
+        require_alpha(save(image, tmp_path / "opaque.png"))
+
+
 def test_cmyk_jpeg_becomes_rgb(tmp_path):
     loaded = load_image(save(Image.new("CMYK", (32, 32), (0, 255, 255, 0)), tmp_path / "c.jpg", quality=95))
     assert loaded.mode == "RGB"

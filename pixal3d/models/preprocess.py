@@ -166,12 +166,14 @@ def _check_size(size: tuple[int, int], name: str) -> None:
 
 
 def to_rgb_or_rgba(image: Image.Image) -> Image.Image:
-    """Convert any Pillow mode to ``RGB`` (no alpha) or ``RGBA`` (alpha kept); 16-bit gray is scaled, not clipped."""
+    """Convert any Pillow mode to ``RGB`` (no alpha) or ``RGBA`` (alpha kept); 16-bit gray is scaled, not clipped.
+
+    A PNG's ``tRNS`` chunk (a transparent palette entry, gray level or RGB colour) is an alpha channel too."""
     mode = image.mode
+    if mode in ("LA", "La", "PA", "RGBa") or (mode in ("1", "L", "P", "RGB") and "transparency" in image.info):
+        return image.convert("RGBA")
     if mode in ("RGB", "RGBA"):
         return image
-    if mode in ("LA", "La", "PA", "RGBa") or (mode == "P" and "transparency" in image.info):
-        return image.convert("RGBA")
     if mode.startswith("I"):  # 16-bit PNG gray ("I;16*") or 32-bit int holding 16-bit values
         values = np.asarray(image, dtype=np.float64)
         gray = np.clip(np.round(values / 257.0), 0, 255).astype(np.uint8)
