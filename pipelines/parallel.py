@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from pixal3d.parallel import (
     parallel_sample,
 )
 from pixal3d.parallel.session import announce, exchange, receive
+from pixal3d.parallel.shard import shard_tensor_names
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Stage, StageRunner
@@ -125,8 +126,23 @@ def check_blocks(settings: ParallelSettings, weights: ResolvedWeights, flow_mode
     for name in flow_models:
         blocks = read_spec(weights.checkpoints[name].with_suffix(".json")).get("args", {}).get("num_blocks")
         if isinstance(blocks, int) and settings.pp_degree > blocks:
-            raise ParallelConfigError(f"--pp {settings.pp_degree} is more than the {blocks} blocks of {name}; every "
-                                      f"pipeline rank needs at least one block: use --pp {blocks} or less")
+            raise _too_few_blocks(settings.pp_degree, blocks, name)
+
+
+def _too_few_blocks(pp: int, blocks: int, name: str) -> ParallelConfigError:
+    return ParallelConfigError(f"--pp {pp} is more than the {blocks} blocks of {name}; every pipeline rank needs "
+                               f"at least one block: use --pp {blocks} or less")
+
+
+def shard_selector(name: str, topology: Topology) -> Callable[[Iterable[str]], set[str]]:
+    """For the plan: the tensor names of flow model ``name`` (from its header) this rank's shard holds."""
+    def select(names: Iterable[str]) -> set[str]:
+        names = list(names)
+        blocks = len({n.split(".")[1] for n in names if n.startswith("blocks.")})
+        if topology.pp_degree > blocks:
+            raise _too_few_blocks(topology.pp_degree, blocks, name)
+        return shard_tensor_names(names, topology.stage, topology.pp_degree)
+    return select
 
 
 def shard_loaders(loaders: Mapping[str, Callable[[], nn.Module]], weights: ResolvedWeights,
@@ -152,8 +168,8 @@ def rank_device(device: torch.device, topology: Topology) -> torch.device:
 def describe_parallel(settings: ParallelSettings, topology: Topology) -> str:
     """One line for the plan: the job's shape and this rank's part in it."""
     role = "runs every stage" if topology.rank == 0 else "joins the flow stages"
-    shard = (f", holds pipeline stage {topology.stage + 1} of {topology.pp_degree} of each flow model (the plan counts "
-             f"whole models)") if topology.pp_degree > 1 else ""
+    shard = (f", holds pipeline stage {topology.stage + 1} of {topology.pp_degree} of each flow model (counted "
+             f"below as its shard)") if topology.pp_degree > 1 else ""
     knobs = (f", M = {settings.patches} patches after W = {settings.warmup} synchronous steps"
              if topology.pp_degree > 1 else "")
     return f"parallel {settings.mode}: rank {topology.rank} of {topology.world_size} {role}{shard}{knobs}"

@@ -84,6 +84,7 @@ from .parallel import (
     follower_stages,
     rank_device,
     shard_loaders,
+    shard_selector,
 )
 from .preprocess import rembg_loader
 from .result import Result
@@ -194,7 +195,7 @@ class Pixal3D:
         the flow stages — and a config that cannot fit raises ``MemoryBudgetError`` naming the stage.
         ``parallel``: ``ParallelSettings`` (or a runtime from ``init_parallel``) under torchrun; checked here
         against torchrun's environment and the config (``ParallelConfigError``). Ranks != 0 plan only their
-        part: the flow stages, on shards of the flow models (each counted whole in the plan).
+        part: the flow stages, on shards of the flow models (the plan counts each rank's shard).
         """
         config = load_config(config) if isinstance(config, (str, Path)) else config
         device = check_device(torch.device(device)) if device is not None else default_device()
@@ -203,7 +204,7 @@ class Pixal3D:
             planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
         config = resolve_samplers(config, pipeline)
         stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
-        provides, state_type, rank, parallel_notes = PROVIDED, RunState, 0, []
+        provides, state_type, rank, parallel_notes, shards = PROVIDED, RunState, 0, [], {}
         if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
             parallel = None  # today's path exactly
         if parallel is not None:
@@ -216,9 +217,12 @@ class Pixal3D:
                 stages = tuple(follower_stages(stages))
                 provides, state_type = FOLLOWER_PROVIDED, FollowerState
             parallel_notes.append(describe_parallel(settings, topology))
+            if topology.pp_degree > 1:  # this rank holds (and the plan counts) its shard of each flow model
+                shards = {s.flow_model: shard_selector(s.flow_model, topology) for s in flow_stages(stages)}
         check_stages(stages, provides=provides, state_type=state_type)  # before anything is read
         needs = {s.name: tuple(s.needs) for s in stages}
-        sizes, notes = planned_sizes(config.weights, models=sorted({m for ms in needs.values() for m in ms}))
+        models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
+        sizes, notes = planned_sizes(config.weights, models=models, select=shards)
         machine = detect_machine(device)
         budget = None if memory_budget is None else (
             auto_budget(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))

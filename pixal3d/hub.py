@@ -21,7 +21,7 @@ import hashlib
 import logging
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from pixal3d.staging.safetensors_header import SafetensorsHeaderError
 from pixal3d.staging.safetensors_header import read_safetensors_header as _read_header
 
 logger = logging.getLogger(__name__)
+
+TensorSelector = Callable[[Iterable[str]], Iterable[str]]  # a file's tensor names -> the ones to count
 
 
 class WeightsError(RuntimeError):
@@ -132,12 +134,16 @@ class Fetcher:
                                           f"{source.sha256}; delete the file and run again to re-download it")
         return target
 
-    def planned_bytes(self, source: WeightSource, folder: Path | None, filename: str, *, label: str) -> int:
+    def planned_bytes(self, source: WeightSource, folder: Path | None, filename: str, *, label: str,
+                      select: TensorSelector | None = None) -> int:
         """Tensor bytes of ``folder/filename`` from its header; a file not on disk asks the Hub for the header
-        (a few KB) when it can, else is recorded as missing (0)."""
+        (a few KB) when it can, else is recorded as missing (0). ``select`` (the names of the whole file → the
+        names to count) sizes a part of the file, such as one pipeline rank's shard."""
         path = folder / filename if folder is not None else None
         if path is not None and path.is_file():
-            return verify_safetensors(path, source=source)
+            if select is None:
+                return verify_safetensors(path, source=source)
+            return _selected_bytes(read_safetensors_header(path, source=source), select)
         if source.repo is None or self.offline or self.unreachable is not None:
             self.missing.append(_Missing(source, label, [filename], folder))
             return 0
@@ -148,7 +154,8 @@ class Fetcher:
         except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds: say what failed
             self.missing.append(_Missing(source, label, [filename], folder, self._reason(err)))
             return 0
-        return sum(int(t.data_offsets[1]) - int(t.data_offsets[0]) for t in meta.tensors.values())
+        return _selected_bytes({name: {"data_offsets": t.data_offsets} for name, t in meta.tensors.items()},
+                               select)
 
     def repo_file_size(self, source: WeightSource, filename: str, *, notes: list[str]) -> int:
         """Bytes of one (non-safetensors) file from the Hub's file listing, for the plan; 0 with a note
@@ -348,6 +355,12 @@ def read_safetensors_header(path: str | Path, *, source: WeightSource | None = N
         if err.problem == "lfs-pointer":
             raise CorruptWeightsError(f"{err}; download the real file (hf download, or git lfs pull)") from None
         raise CorruptWeightsError(f"{err}; delete it and download it again") from None
+
+
+def _selected_bytes(tensors: dict[str, Any], select: TensorSelector | None) -> int:
+    """Bytes of the tensors ``select`` keeps (all of them without one), from their header offsets."""
+    names = tensors.keys() if select is None else select(list(tensors))
+    return sum(int(tensors[n]["data_offsets"][1]) - int(tensors[n]["data_offsets"][0]) for n in names)
 
 
 def verify_safetensors(path: str | Path, *, source: WeightSource | None = None) -> int:

@@ -21,6 +21,7 @@ from .hub import (
     CorruptWeightsError,
     Fetcher,
     MissingWeightsError,
+    TensorSelector,
     cache_root,
     hub_offline,
     verify_safetensors,
@@ -118,16 +119,19 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
 
 
 def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
-                  generate: Callable[[Path], Path] | None = None) -> tuple[dict[str, int], list[str]]:
+                  generate: Callable[[Path], Path] | None = None,
+                  select: Mapping[str, TensorSelector] | None = None) -> tuple[dict[str, int], list[str]]:
     """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
 
     Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
     checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
     Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
     notes naming models whose size is unknown (counted as 0). Files that are neither on disk nor
-    reachable are named, all of them, in one ``MissingWeightsError``.
+    reachable are named, all of them, in one ``MissingWeightsError``. ``select`` counts only part of a
+    Pixal3D checkpoint (model name → tensor selector), e.g. a pipeline rank's shard of a flow model.
     """
     offline = hub_offline() if offline is None else offline
+    select = select or {}
     wanted = list(models)
     fetch = Fetcher(offline=offline, generate=generate)
     sizes: dict[str, int] = {}
@@ -137,7 +141,8 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
         stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"),
                                   [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
         for name, stem in stems.items():
-            sizes[name] = fetch.planned_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d")
+            sizes[name] = fetch.planned_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d",
+                                              select=select.get(name))
     if "dinov3" in wanted:
         folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
         sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, folder, "model.safetensors", label="weights.dinov3")

@@ -18,6 +18,7 @@ import pytest
 from pipelines import Pixal3D, cli, flow_stage
 from pixal3d.config import SamplerConfig
 from pixal3d.parallel import ParallelConfigError, ParallelSettings, emulate_pipefusion
+from pixal3d.pipeline_json import resolve_weights
 from tests.cascade_fixtures import EXAMPLE, GOLDEN, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
 from tests.parallel_cascade_harness import FLOWS, cli_worker, library_worker
 from tests.parallel_harness import spawn
@@ -91,6 +92,37 @@ def test_warmup_above_a_stages_steps_is_refused_by_the_plan(tiny, monkeypatch):
     follower = Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=2))
     assert follower.follower and follower.model_names() == list(FLOWS)  # only the flow models (as shards)
     assert [s.name for s in follower.stages] == ["structure", "shape_512", "shape_1024", "texture", "between_images"]
+
+
+def test_the_plan_counts_each_ranks_shard_of_the_flow_models(tiny, monkeypatch):
+    """Under PipeFusion a rank holds ~1/N of each flow model: the plan's model sizes are the shard's tensor
+    bytes from the checkpoint header (not the whole file), the two ranks' shards together hold every block
+    once, and CFG-parallel alone (whole models on each rank) counts whole files."""
+    from pixal3d.hub import read_safetensors_header
+    from pixal3d.parallel.shard import shard_tensor_names
+
+    def tensor_bytes(tensors, names):
+        return sum(tensors[n]["data_offsets"][1] - tensors[n]["data_offsets"][0] for n in names)
+
+    settings = ParallelSettings(mode="pipefusion", pp=2, warmup=1)
+    plans = []
+    for rank in (0, 1):
+        _torchrun_env(monkeypatch, rank, 2)
+        plans.append(Pixal3D.plan(tiny, device="cpu", parallel=settings))
+    _torchrun_env(monkeypatch, 0, 2)
+    cfg = Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="cfg"))
+    weights = resolve_weights(tiny.weights)
+    for name in FLOWS:
+        tensors = read_safetensors_header(f"{weights.checkpoints[name]}.safetensors")
+        whole = tensor_bytes(tensors, tensors)
+        shards = [plan.memory.model_bytes[name] for plan in plans]
+        assert shards == [tensor_bytes(tensors, shard_tensor_names(tensors, k, 2)) for k in (0, 1)], name
+        assert max(shards) < whole, name
+        shared = tensor_bytes(tensors, [n for n in tensors if n.split(".")[0] not in ("blocks", "input_layer",
+                                                                                     "out_layer")])
+        assert sum(shards) == whole + shared, name  # every block, the input and output layers once
+        assert cfg.memory.model_bytes[name] == whole, name
+    assert "counted below as its shard" in plans[1].table()
 
 
 # -- several processes ----------------------------------------------------------------------------

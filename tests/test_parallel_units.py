@@ -23,7 +23,7 @@ from pixal3d.parallel import (
 )
 from pixal3d.parallel.schedule import plan_steps
 from pixal3d.parallel.sequence import FlowSequence, split_tokens
-from pixal3d.parallel.shard import RemoteBlock
+from pixal3d.parallel.shard import RemoteBlock, shard_tensor_names
 from pixal3d.parallel.stale_kv import PatchAttention, patch_attention
 from pixal3d.parallel.topology import Topology
 from pixal3d.samplers import sample_flow_euler
@@ -150,6 +150,22 @@ def test_real_size_shard_bytes_are_their_blocks_plus_small_shared_layers(entry):
     if entry == "shape_slat_flow_model_1024":  # the figure the README quotes
         two = parameter_bytes(build_flow_shard(spec, 0, 2))
         assert 0.49 < two / parameter_bytes(whole) < 0.53
+
+
+@pytest.mark.parametrize("entry", FLOW_ENTRIES)
+def test_shard_tensor_names_from_a_header_are_the_shards_own_tensors(entry):
+    """What the plan counts for a rank (names read from the checkpoint's header) is exactly what its shard
+    loads, at every published config and N = 2, 3, 7; every tensor is counted on some rank, blocks on one."""
+    spec = json.loads(MANIFEST.read_text())["models"][entry]
+    spec = {"name": spec["class"], "args": spec["args"]}
+    names = list(build_model(spec, device="meta").state_dict())
+    for n in (2, 3, 7):
+        picked = [shard_tensor_names(names, k, n) for k in range(n)]
+        for k, part in enumerate(picked):
+            assert part == set(build_flow_shard(spec, k, n).state_dict()), (entry, n, k)
+        assert set().union(*picked) == set(names)
+        blocks = [name for part in picked for name in part if name.startswith("blocks.")]
+        assert len(blocks) == len(set(blocks))  # no block counted twice
 
 
 def test_shard_loads_only_its_tensors_and_checks_the_whole_file(flows, tmp_path):

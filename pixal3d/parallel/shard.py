@@ -14,7 +14,7 @@ Ranges are near-equal: ``divmod(num_blocks, N)``, the first ``num_blocks % N`` r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,24 @@ def block_ranges(num_blocks: int, stages: int) -> list[range]:
         out.append(range(start, stop))
         start = stop
     return out
+
+
+def shard_tensor_names(names: Iterable[str], stage: int, stages: int) -> set[str]:
+    """The tensors of a whole flow checkpoint (``names``) that pipeline rank ``stage`` of ``stages`` holds:
+    its blocks, the input layer on the first rank, the output layer on the last, the shared layers on every
+    rank; what ``shard_model`` keeps, read from names alone (the plan sizes shards from headers)."""
+    names = list(names)
+    blocks = {int(n.split(".")[1]) for n in names if n.startswith("blocks.")}
+    mine = block_ranges(max(blocks) + 1, stages)[stage] if blocks else range(0)
+    keep = set()
+    for name in names:
+        part = name.split(".")
+        if part[0] == "blocks":
+            if int(part[1]) in mine:
+                keep.add(name)
+        elif (part[0] != "input_layer" or stage == 0) and (part[0] != "out_layer" or stage == stages - 1):
+            keep.add(name)
+    return keep
 
 
 class RemoteBlock(nn.Module):
