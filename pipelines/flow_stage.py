@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from pixal3d.config import CascadeConfig, ConditionConfig, SamplerConfig, ShapeConfig
 from pixal3d.memory_budget import (
@@ -91,9 +92,14 @@ def sample(model: Callable[..., Any], noise: Any, cond: dict[str, Any], sampler:
     if state.callback is not None:
         def report(info: dict[str, Any]) -> None:
             state.callback({"kind": "step", "stage": stage, "step": info["step"] + 1, "steps": sampler.steps})
-    if state.parallel is not None:
-        return parallel_sample(model, noise, cond=cond, neg_cond=negative_condition(cond), concat_cond=concat_cond,
-                               sampler=sampler, runtime=state.parallel, callback=report)
+    if state.parallel is not None:  # rank 0 (the one that prints) shows the steps as the sampler does
+        with tqdm(total=sampler.steps, desc="flow sampling", disable=not state.progress) as bar:
+            def step(info: dict[str, Any]) -> None:
+                bar.update(1)
+                if report is not None:
+                    report(info)
+            return parallel_sample(model, noise, cond=cond, neg_cond=negative_condition(cond),
+                                   concat_cond=concat_cond, sampler=sampler, runtime=state.parallel, callback=step)
     if sampler.guidance_interval is None or sampler.sigma_min is None:
         raise ValueError(f"stage {stage}: the sampler's guidance_interval / sigma_min are unresolved; "
                          f"Pixal3D.plan fills them from pipeline.json (pixal3d.pipeline_json.resolve_samplers)")
