@@ -34,8 +34,10 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     from pixal3d.models.dinov3 import load_dinov3
 
     loaders = {name: functools.partial(load_model, stem, device=device) for name, stem in weights.checkpoints.items()}
-    loaders["dinov3"] = functools.partial(load_dinov3, weights.dinov3, device)
-    loaders["naf"] = functools.partial(load_naf_weights, weights.naf, device)
+    if weights.dinov3 is not None:
+        loaders["dinov3"] = functools.partial(load_dinov3, weights.dinov3, device)
+    if weights.naf is not None:
+        loaders["naf"] = functools.partial(load_naf_weights, weights.naf, device)
     if moge and weights.moge is not None:
         from pixal3d.models.camera import load_moge
 

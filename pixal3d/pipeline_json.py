@@ -55,8 +55,8 @@ class ResolvedWeights:
     checkpoints: dict[str, Path]
     shape_normalization: Normalization
     tex_normalization: Normalization
-    dinov3: Path
-    naf: Path
+    dinov3: Path | None  # None: the run needs no DINOv3 (a parallel job's follower rank)
+    naf: Path | None
     rembg: str
     moge: Path | None = None
     pipeline: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -64,22 +64,25 @@ class ResolvedWeights:
     def safetensors(self) -> dict[str, Path]:
         """Registry name → the safetensors file it loads from (for memory planning)."""
         files = {name: stem.with_suffix(".safetensors") for name, stem in self.checkpoints.items()}
-        files["dinov3"] = self.dinov3 / "model.safetensors"
-        if self.naf.suffix == ".safetensors":
+        if self.dinov3 is not None:
+            files["dinov3"] = self.dinov3 / "model.safetensors"
+        if self.naf is not None and self.naf.suffix == ".safetensors":
             files["naf"] = self.naf
         return files
 
 
-def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_MODELS,
+def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = None,
                     need_moge: bool = False, offline: bool | None = None,
                     generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
-    """Resolve, download (unless offline) and verify the files for ``models``; every file that is missing,
-    from every source, is named in one ``MissingWeightsError``.
+    """Resolve, download (unless offline) and verify the files for ``models`` (registry names; default:
+    the seven checkpoints, DINOv3 and NAF); every file that is missing, from every source, is named in one
+    ``MissingWeightsError``. DINOv3 and NAF are fetched only when named (a follower rank needs neither).
 
     ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
     default ``pixal3d.tiny_weights.ensure_tiny_weights``).
     """
     offline = hub_offline() if offline is None else offline
+    models = [*PIPELINE_MODELS, "dinov3", "naf"] if models is None else list(models)
     wanted = [m for m in models if m in PIPELINE_MODELS]
     fetch = Fetcher(offline=offline, generate=generate)
 
@@ -96,8 +99,8 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] = PIPELINE_
 
     # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
     dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
-                          label="weights.dinov3")
-    naf = fetch.file(weights.naf, label="weights.naf")
+                          label="weights.dinov3") if "dinov3" in models else None
+    naf = fetch.file(weights.naf, label="weights.naf") if "naf" in models else None
     moge = None
     if need_moge:
         if weights.moge is None:

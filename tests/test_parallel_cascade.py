@@ -125,6 +125,26 @@ def test_the_plan_counts_each_ranks_shard_of_the_flow_models(tiny, monkeypatch):
     assert "counted below as its shard" in plans[1].table()
 
 
+def test_a_follower_rank_fetches_only_the_flow_checkpoints(tiny, monkeypatch, tmp_path):
+    """A follower loads flow shards and nothing else, so a machine joining the job needs neither DINOv3 nor
+    NAF: with both sources pointing at an empty folder the follower resolves its weights; rank 0, which needs
+    them, refuses (control)."""
+    import dataclasses
+
+    from pixal3d.config import WeightSource
+    from pixal3d.hub import MissingWeightsError
+
+    empty = WeightSource(local=str(tmp_path))
+    config = dataclasses.replace(tiny, weights=dataclasses.replace(tiny.weights, dinov3=empty, naf=empty))
+    settings = ParallelSettings(mode="pipefusion", pp=2, warmup=1)
+    _torchrun_env(monkeypatch, 1, 2)
+    weights = Pixal3D._weights(Pixal3D.plan(config, device="cpu", parallel=settings))
+    assert weights.dinov3 is None and weights.naf is None and set(weights.checkpoints) >= set(FLOWS)
+    _torchrun_env(monkeypatch, 0, 2)
+    with pytest.raises(MissingWeightsError, match=r"weights\.dinov3"):
+        Pixal3D.plan(config, device="cpu", parallel=settings)
+
+
 # -- several processes ----------------------------------------------------------------------------
 def test_cfg_parallel_through_the_cascade_gives_the_golden_fingerprints(tiny_cache, tmp_path):
     """Test 4 at the cascade level: rank 0 runs the whole cascade, rank 1 the negative CFG passes of its
