@@ -6,6 +6,10 @@ temporary file is removed and no target is touched. ``atomic_paths`` does this f
 run.json and its latents): all are written before the first rename, so a full disk leaves none of them,
 and if a rename itself fails the targets already renamed are removed again (both or neither).
 
+Durable too: each temporary file is flushed to disk (``fsync``) before its rename and the folder after
+the renames, so a power loss or a crash of the machine (not only of the process) leaves the old file or the
+new one, never an empty or truncated one under the target's name (a resumable work dir relies on it).
+
 The temporary name is hidden and ends in ``.tmp`` (``.out.glb.1a2b3c.tmp``), so a glob such as ``*.glb``
 never picks it up; the finished file gets an ordinary file's mode (``0666`` less the umask), not the
 ``0600`` of ``mkstemp``. An ``OSError`` from writing a temporary file names its target, not the hidden name.
@@ -54,17 +58,47 @@ def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
         for tmp, target in zip(temps, targets):
             try:
                 os.chmod(tmp, mode)
+                _sync(tmp)
+            except OSError as err:
+                raise name_target(err, target) from err
+        for tmp, target in zip(temps, targets):
+            try:
                 os.replace(tmp, target)
             except OSError as err:
                 raise name_target(err, target) from err
             renamed.append(target)
         committed = True
+        for folder in dict.fromkeys(target.parent for target in targets):
+            _sync_folder(folder)
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
         if not committed:
             for target in renamed:
                 target.unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush ``path``'s data to the disk."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the renames) to the disk, where the system allows it (not on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder: the renames are done, just not yet flushed
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextmanager

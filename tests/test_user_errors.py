@@ -93,3 +93,32 @@ def test_a_terminated_atomic_write_leaves_no_temporary_file(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
+def test_an_atomic_group_is_flushed_to_disk_before_any_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """Durability for a crash of the machine: every temporary file's data is fsync'ed before the first
+    rename (so no target can appear empty or short after a power loss), and the folder after the renames."""
+    from pixal3d.files import atomic_paths
+
+    log: list[str] = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        log.append("fsync:" + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def logged_replace(src, dst):
+        log.append("replace:" + os.path.basename(dst))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    with atomic_paths([tmp_path / "a.glb", tmp_path / "a.run.json"]) as (glb, record):
+        glb.write_bytes(b"glb")
+        record.write_bytes(b"{}")
+    synced = [entry for entry in log if entry.startswith("fsync:.")]  # the hidden temporary names
+    assert len(synced) == 2 and log[:2] == synced
+    assert log[2:4] == ["replace:a.glb", "replace:a.run.json"]
+    assert log[4:] == [f"fsync:{tmp_path.name}"]
+    assert (tmp_path / "a.glb").read_bytes() == b"glb" and (tmp_path / "a.run.json").read_bytes() == b"{}"
