@@ -1,7 +1,8 @@
 """The web app in a real browser: start ``python -m pipelines.app`` on the tiny config on a loopback port, drive
 headless Chromium (Debian's ``chromium``, through Playwright; nothing is downloaded): Generate with no image and
 with a file that is not one (the error line), then upload assets/example.png and press Generate, wait for the 3D
-viewer to draw the model, read the per-stage table and the downloads, save a screenshot.
+viewer to draw the model, read the per-stage table and the downloads, save a screenshot; then a second visitor
+presses Generate while a job runs and sees their place in the queue.
 
 Skips, saying why, only where the browser or the app's packages are missing: ``.ci/run`` installs them
 (``apt-get install chromium``, ``pip install -e ".[app]" playwright``)."""
@@ -121,6 +122,19 @@ def test_bad_inputs_show_the_error_then_the_example_gives_the_model_the_table_an
             shot = tmp_path / "app.png"
             page.screenshot(path=str(shot), full_page=True)
             assert Image.open(shot).size[0] >= 1400
+            # 6. a second visitor while a job runs: their page shows their place in the queue, and their job
+            # runs after the first one (one job at a time on the models)
+            other = browser.new_page()
+            other.set_default_timeout(30_000)
+            other.goto(app)
+            other.locator("#plan").get_by_text("policy:").wait_for()
+            other.locator("#image input[type=file]").set_input_files(str(EXAMPLE))
+            other.locator("#image img").wait_for()
+            page.locator("#run").click()
+            other.locator("#run").click()
+            other.locator("#status").get_by_text("queue: 1/1").wait_for()
+            page.locator("#status").get_by_text("done in").wait_for(timeout=120_000)
+            other.locator("#status").get_by_text("done in").wait_for(timeout=120_000)
         finally:
             browser.close()
 
