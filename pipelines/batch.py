@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 import pixal3d
+from pixal3d.hub import cache_root
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.staging import Event, Policy, StageRecord
 
@@ -102,6 +104,35 @@ class BatchItem:
         if self.failure is None:
             return ""
         return f"{self.failure.message} (at stage {self.stage})" if self.stage else self.failure.message
+
+
+def spill_root() -> Path:
+    """Where batches without a work dir keep states between stages: ``<pixal3d cache>/batch-spill``, on disk
+    beside the weights. Not the system temporary folder: that is memory (tmpfs) on many Linux systems, and
+    spilling is what a batch does when memory is short."""
+    return cache_root() / "batch-spill"
+
+
+def new_spill_folder() -> Path:
+    """A fresh folder under ``spill_root()`` named after this process; the folders of processes that no longer
+    run (a batch killed before it could clean up) are removed first."""
+    root = spill_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def run_batch(pipe: Pixal3D, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
@@ -361,11 +392,12 @@ class _Batch:
             state.features = None
 
     def _disk(self) -> WorkDir:
-        """Where states wait between stages: the work directory, else a temporary folder (removed at the end)."""
+        """Where states wait between stages: the work directory, else a folder of this process under the
+        pixal3d cache (``spill_root()``, removed at the end)."""
         if self.store is not None:
             return self.store
         if self._spill is None:
-            self._spill_root = Path(tempfile.mkdtemp(prefix="pixal3d-batch-"))
+            self._spill_root = new_spill_folder()
             self._spill = WorkDir(self._spill_root)
         return self._spill
 

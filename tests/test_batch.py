@@ -4,7 +4,10 @@ changed seed recomputing only what it decides, a bad image costing only itself."
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,20 +70,33 @@ def test_states_kept_on_disk_between_stages_give_the_same_fingerprints(fast_conf
     reads = Counter()
     load = work_dir_module.WorkDir.load
 
+    spilled = set()
+
     def counted(self, image, key, device):
         reads[key.stage] += 1
+        spilled.add(str(self.root))
         return load(self, image, key, device)
     monkeypatch.setattr(work_dir_module.WorkDir, "load", counted)
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    leftover = tmp_path / "batch-spill" / f"{_dead_pid()}-abc"  # a killed batch's folder: removed
+    leftover.mkdir(parents=True)
     stages = ("preprocess", "camera", "structure", "shape_512", "upsample")
     with Pixal3D.from_config(fast_config, policy="staged", device="cpu", until=stages[-1]) as pipe:
+        monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path))  # the spill folder is under the cache
         items = list(pipe.run_batch(batch_images[:2], state_budget=0))
     expected = {p.stem: {k: v for k, v in singles["prints"][p.stem].items() if k in stages} for p in batch_images[:2]}
     assert {i.name: i.result.fingerprints() for i in items} == expected
     # before every stage after the first, each image's state came back from disk: every earlier stage read
     # (the decoders' outputs come back from disk in tests/test_interrupt.py, the codec is in test_state_codec.py)
     assert reads["preprocess"] == 2 * 4 and reads["shape_512"] == 2 * 1
-    assert list(tmp_path.iterdir()) == []  # the temporary folder is gone
+    assert spilled and all(tmp_path / "batch-spill" in Path(p).parents for p in spilled)  # on disk, not in /tmp
+    assert list((tmp_path / "batch-spill").iterdir()) == []  # this batch's folder is gone, and the leftover
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 def test_a_work_dir_resumes_finished_images_without_recomputing_and_a_new_seed_recomputes_from_structure(
