@@ -160,6 +160,8 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
                 _skip_line(path.name, one_line(err))
             if args.plan or not args.quiet:
                 print(prepared.plan.table(), flush=True)
+                if parallel is None and _several(args):
+                    print(_batch_line(prepared, args), flush=True)
             if args.plan:
                 return 0
             pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
@@ -436,17 +438,23 @@ def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.
               f"run record {run_json_path(output_path)}", flush=True)
 
 
+def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:
+    """How a batch will go: its order, and under stage order how much of the image
+    states waits in memory between stages (the rest on disk)."""
+    order = args.batch_order or default_order(prepared.plan.policy)
+    how = (f"stage by stage, image states kept in memory up to {gib(prepared.plan.state_budget())} between stages "
+           f"(more wait on disk)" if order == "stage" else "image by image")
+    images = len(prepared.jobs)
+    return (f"batch: {images} image{'s' if images != 1 else ''}, {how}"
+            + (f"; records in {args.work_dir}" if args.work_dir else ""))
+
+
 def _run_batch(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
     """Every usable input through ``Pixal3D.run_batch``; each result written as it comes. One input: its error
     is the command's. Several: a failed image is one line and the others go on; the summary ends it."""
     several = _several(args)
     order = args.batch_order or default_order(prepared.plan.policy)
     outputs = dict(prepared.jobs)
-    if several and not args.quiet:
-        how = (f"stage by stage, image states kept in memory up to {gib(pipe.state_budget())} between stages "
-               f"(more wait on disk)" if order == "stage" else "image by image")
-        print(f"batch: {len(outputs)} images, {how}" + (f"; records in {args.work_dir}" if args.work_dir else ""),
-              flush=True)
     items: list[BatchItem] = []
     with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], order=order, work_dir=args.work_dir,
                                 progress=not args.quiet, trace=args.trace)) as batch:

@@ -136,6 +136,14 @@ class RunPlan:
         """Whether this process only joins rank 0's flow stages (``Pixal3D.follow``)."""
         return self.parallel is not None and self.rank != 0
 
+    def state_budget(self) -> int:
+        """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
+        headroom) minus what the policy needs for models and the largest working set."""
+        memory = self.memory
+        need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
+        usable = int(self.machine.device_available * (1 - HEADROOM))
+        return max(0, usable - need)
+
     def table(self) -> str:
         """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
         return format_plan(self.memory, self.machine, self.policy, [*self.reasons, *self.notes])
@@ -411,12 +419,8 @@ class Pixal3D:
                       memory_budget=self.run_plan.memory_budget)
 
     def state_budget(self) -> int:
-        """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
-        headroom) minus what the policy needs for models and the largest working set."""
-        memory = self.run_plan.memory
-        need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
-        usable = int(self.run_plan.machine.device_available * (1 - HEADROOM))
-        return max(0, usable - need)
+        """Bytes a batch may keep in image states between stages (``RunPlan.state_budget``)."""
+        return self.run_plan.state_budget()
 
     def follow(self) -> int:
         """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0

@@ -86,3 +86,23 @@ def test_a_work_dir_in_use_by_another_run_is_refused_before_any_weight_is_read(t
         code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--work-dir", work)
     assert code == 2 and "another run" in err and str(work) in err
     assert not (tmp_path / "o.glb").exists()
+
+
+def test_plan_for_a_batch_says_its_order_and_the_memory_its_states_may_hold(batch_images, fast_config, tmp_path,
+                                                                            capsys, no_weights):
+    """--plan on several inputs ends with the batch line (what the batch itself prints before running), without
+    reading a weight; --batch-order image says so instead."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for image in batch_images[:2]:
+        shutil.copy(image, folder / image.name)
+    code, out, _ = _run(capsys, folder, "--config", fast_config, "--memory-policy", "staged", "--plan")
+    assert code == 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("batch: 2 images, stage by stage, image states kept in memory up to ") and \
+        last.endswith("GiB between stages (more wait on disk)"), last
+    code, out, _ = _run(capsys, folder, "--config", fast_config, "--memory-policy", "staged", "--plan",
+                        "--batch-order", "image")
+    assert code == 0 and out.strip().splitlines()[-1] == "batch: 2 images, image by image"
+    code, out, _ = _run(capsys, batch_images[0], "--config", fast_config, "--plan")
+    assert code == 0 and "batch:" not in out  # one image is not a batch
