@@ -98,6 +98,31 @@ def test_two_jobs_sent_at_once_run_one_after_the_other(worker, tmp_path):
     assert not [r for r in second if r["type"] == "event" and r["kind"] in ("load", "reload")]
 
 
+def test_a_job_whose_page_went_away_stops_at_its_next_stage_and_frees_the_models(worker, tmp_path):
+    """Gradio closes the job's generator when the visitor leaves: the run stops at its next stage or sampler
+    step instead of finishing a mesh nobody will see while the next visitor waits. Control: the same job read
+    to its end runs every stage."""
+    def stages_run(folder):
+        trace = next(folder.rglob("*.trace.jsonl"))
+        return {r["stage"] for r in map(json.loads, trace.read_text().splitlines()) if r.get("stage")}
+
+    updates = run_job(worker, EXAMPLE, RESIDENT, outputs=tmp_path / "left", poll=0.01)
+    for update in updates:
+        if update.status.startswith("stage ") and " · structure" in update.status:
+            break
+    else:
+        pytest.fail("the job ended before its structure stage was seen")
+    updates.close()  # what Gradio does when the page goes away
+    job = next(t for t in threading.enumerate() if t.name == "pixal3d-job-example")
+    job.join(timeout=60)
+    assert not job.is_alive()
+    ran = stages_run(tmp_path / "left")
+    assert "structure" in ran and "export" not in ran and "decode" not in ran, ran
+    done = _last(list(run_job(worker, EXAMPLE, RESIDENT, outputs=tmp_path / "next", poll=0.05)))
+    assert done.error is None and done.outputs.glb.read_bytes()[:4] == b"glTF"  # the next job runs at once
+    assert {"structure", "decode", "export"} <= stages_run(tmp_path / "next")  # control: read to the end
+
+
 def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_changes(tiny):
     worker = Worker(tiny, device="cpu")
     try:

@@ -82,10 +82,16 @@ class TraceTail:
         return self.records
 
 
+class JobCancelled(Exception):
+    """The job's page went away (its generator was closed): the run stops at its next stage or sampler step."""
+
+
 class _Progress:
-    """What the run's callback last reported, read by the polling generator."""
+    """What the run's callback last reported, read by the polling generator; raises ``JobCancelled`` into the
+    run once the job is cancelled."""
 
     def __init__(self) -> None:
+        self.cancelled = threading.Event()
         self.stage = ""
         self.index = 0
         self.stages = 1
@@ -95,6 +101,8 @@ class _Progress:
         self.waiting = False
 
     def __call__(self, report: dict[str, Any]) -> None:
+        if self.cancelled.is_set():
+            raise JobCancelled("the page that asked for this job was closed")
         if report["kind"] == "stage":
             self.stage, self.index, self.stages = report["stage"], report["index"], report["stages"]
             self.step = self.steps = 0
@@ -154,9 +162,13 @@ def run_job(worker: Worker, image: Any, settings: JobSettings, *, outputs: Path,
 
     thread = threading.Thread(target=work, name=f"pixal3d-job-{stem}", daemon=True)
     thread.start()
-    while thread.is_alive():
-        yield _update(progress, tail)
-        thread.join(poll)
+    try:
+        while thread.is_alive():
+            yield _update(progress, tail)
+            thread.join(poll)
+    except GeneratorExit:  # nobody reads on (the visitor closed the page): free the models for the next job
+        progress.cancelled.set()
+        raise
     if "error" in finished:
         message = error_line(finished["error"])
         yield JobUpdate(status=f"error: {message}", fraction=progress.fraction(), records=tail.read(),
