@@ -10,8 +10,8 @@ the next) with exact per-step peak RSS. Shapes: ``pixal3d.mesh.synthetic.DECODE_
 ``--resolution`` (holes of 0.75–12 voxels plus pinpricks, 1–2-voxel walls, a handle, slits under
 2 voxels, seven parts). The remesh runs at the decode resolution, as the reference's release call.
 ``--big-voxels`` adds one run per ``--big-branches`` on scripts/bench_export.py's blobby shape at
-R = 1024 with about that many voxels at the release face budget and texture size (the peak-memory
-check; the fields are cached in /tmp). Prints each row as it comes; the raw reports accumulate in the
+R = ``--big-resolution`` (default 1024) with about that many voxels at the release face budget and
+texture size (the peak-memory check; the fields are cached in /tmp). Prints each row as it comes; the raw reports accumulate in the
 JSON beside ``--out`` (a later invocation adds or replaces rows), and the markdown is rewritten from it
 after every run.
 """
@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BRANCHES = {
     "none": {"remesh": False},
@@ -52,7 +55,8 @@ def run_one(args) -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_export import load_or_make
 
-        fields = load_or_make(argparse.Namespace(voxels=int(args.shape[3:]), resolution=1024, seed=0,
+        voxels, _, resolution = args.shape[3:].partition("r")  # big<voxels>, or big<voxels>r<R> at R != 1024
+        fields = load_or_make(argparse.Namespace(voxels=int(voxels), resolution=int(resolution or 1024), seed=0,
                                                  cache=f"/tmp/bench_quality_{args.shape}.npz"))
     else:
         fields = DECODE_LIKE_SHAPES[args.shape](args.resolution)
@@ -110,6 +114,8 @@ def main() -> None:
     parser.add_argument("--big-branches", nargs="+", default=["remesh"], choices=list(BRANCHES))
     parser.add_argument("--big-target", type=int, default=1_000_000)
     parser.add_argument("--big-texture-size", type=int, default=4096)
+    parser.add_argument("--big-resolution", type=int, default=1024, help="grid of the big shape (1536: the "
+                        "1536 cascade's decode; rows are then named big<voxels>r1536)")
     parser.add_argument("--out", default="benchmarks/export_quality.md")
     parser.add_argument("--one", nargs=2, metavar=("SHAPE", "BRANCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,7 +128,8 @@ def main() -> None:
     saved = json.loads(store.read_text()) if store.exists() else {"commands": [], "reports": {}}
     saved["commands"].append("python scripts/bench_export_quality.py " + " ".join(sys.argv[1:]))
     runs = [(s, b) for s in args.shapes for b in args.branches]
-    runs += [(f"big{args.big_voxels}", b) for b in args.big_branches] if args.big_voxels else []
+    big = f"big{args.big_voxels}" + (f"r{args.big_resolution}" if args.big_resolution != 1024 else "")
+    runs += [(big, b) for b in args.big_branches] if args.big_voxels else []
     for shape, branch in runs:
         report = run_child(shape, branch, args)
         saved["reports"][f"{shape}/{branch}"] = report
