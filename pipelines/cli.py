@@ -67,7 +67,7 @@ from .pipeline import (
     check_inputs,
     default_device,
 )
-from .result import run_json_path
+from .result import Result, run_json_path
 from .work_dir import LOCK as WORK_DIR_LOCK
 from .work_dir import WorkDir
 
@@ -166,8 +166,10 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
                 return 0
             pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
             started = True
+            if parallel is not None and _several(args):
+                return _run_parallel_images(pipe, prepared, args)
             if parallel is not None or (not _several(args) and args.work_dir is None):
-                # one image, or under --parallel (the other ranks follow image by image): Pixal3D.run
+                # one image (under --parallel too: the other ranks follow its flow stages): Pixal3D.run
                 for input_path, output_path in prepared.jobs:
                     _run_one(pipe, input_path, output_path, args)
                 return 0
@@ -425,7 +427,7 @@ def check_writable(folder: Path, option: str = "-o") -> None:
 
 
 # -- 2. the run ----------------------------------------------------------------------------------
-def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> None:
+def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> Result:
     """One image with ``Pixal3D.run``: a single input, or each image under --parallel."""
     trace = _trace_path(args.trace, input_path, several=len(args.inputs) > 1 or args.inputs[0].is_dir())
     result = pipe.run(input_path, progress=not args.quiet, trace=trace)
@@ -436,6 +438,27 @@ def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.
         print(stage_table(result.stages))
         print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}); "
               f"run record {run_json_path(output_path)}", flush=True)
+    return result
+
+
+def _run_parallel_images(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
+    """Several inputs under --parallel: image by image, the other ranks following each one's flow stages. An
+    image that fails before its first flow stage (no object, say) never reached them: it is one line and the
+    job goes on; an error after that stops every rank, as any error does. Ends with the batch's summary line
+    and batch.json, exit 1 when an image failed."""
+    items: list[BatchItem] = []
+    for index, (input_path, output_path) in enumerate(prepared.jobs):
+        item = BatchItem(index=index, name=input_path.stem, input=str(input_path), seed=pipe.config.seed)
+        try:
+            item = replace(item, result=_run_one(pipe, input_path, output_path, args))
+        except Exception as err:  # noqa: BLE001 - classify() decides; the rest is re-raised
+            failure = classify(err, started=True)
+            if failure is None or pipe.job_stopped is not None:
+                raise
+            _skip_line(input_path.name, failure.message)
+            item = replace(item, error=err, failure=failure)
+        items.append(item)
+    return _summary(args, items, prepared, "image")
 
 
 def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:

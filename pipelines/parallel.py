@@ -203,20 +203,33 @@ class Leader:
         self.signature = flow_signature(stages)
         self.images = 0
         self.stopped: str | None = None  # why the job can run no more images
+        self._pending: str | None = None  # the image being run, until the followers are told of it
 
     @contextmanager
     def image(self, label: str) -> Iterator[None]:
-        """Around one image's run: announce it; on any error, tell the followers and stop the job."""
+        """Around one image's run. The followers are told of it only at ``join`` (its first flow stage), so an
+        image that fails before (unreadable, no object) never reaches them: the error is this image's alone and
+        the job can go on. An error after that tells the followers and stops the job."""
         if self.stopped is not None:
             raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
+        self._pending = label
         try:
-            announce(self.runtime, {"kind": "image", "index": self.images, "input": label, "flows": self.signature})
-            self.images += 1
             yield
         except BaseException as err:
-            self.stopped = f"{type(err).__name__}: {err}"
-            self.runtime.fail(err)
+            if self._pending is None:  # the followers are in this image: they stop with it
+                self.stopped = f"{type(err).__name__}: {err}"
+                self.runtime.fail(err)
             raise
+        finally:
+            self._pending = None
+
+    def join(self) -> None:
+        """Before the image's first flow stage (and before its report): announce it to the followers."""
+        if self._pending is not None:
+            announce(self.runtime, {"kind": "image", "index": self.images, "input": self._pending,
+                                    "flows": self.signature})
+            self.images += 1
+            self._pending = None
 
     def abort(self, err: BaseException) -> None:
         """Stop the job because of ``err`` (raised on rank 0 outside ``run``): the followers stop too."""
@@ -226,6 +239,7 @@ class Leader:
 
     def gather(self, rows: Sequence[Any]) -> dict[str, Any]:
         """Every rank's report of this image (call inside ``image``): the ``parallel`` record."""
+        self.join()  # a run that reached no flow stage (``until``) is still reported by every rank
         return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
 
     def close(self) -> None:

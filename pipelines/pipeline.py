@@ -308,6 +308,12 @@ class Pixal3D:
         return self._runner
 
     @property
+    def job_stopped(self) -> str | None:
+        """Why this parallel job can run no more images (an error after its followers joined an image), or
+        None while it can, and without a job. An image that failed before its first flow stage leaves it None."""
+        return self._leader.stopped if self._leader is not None else None
+
+    @property
     def parallel(self) -> ParallelRuntime | None:
         """The parallel job's runtime under torchrun (None: one process)."""
         return self._runtime
@@ -340,7 +346,7 @@ class Pixal3D:
         seed = self.config.seed if seed is None else check_seed(seed)
         check_fov(fov)
         label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
-        with self._leader.image(label) if self._leader is not None else nullcontext():  # followers join each image
+        with self._leader.image(label) if self._leader is not None else nullcontext():  # followers join its flows
             return self._run(image, seed, fov, label, events, progress, callback, trace, trace_meta)
 
     def _run(self, image: Any, seed: int, fov: float | None, label: str, events: Callable[[Event], None] | None,
@@ -361,6 +367,8 @@ class Pixal3D:
                         callback({"kind": "stage", "stage": stage.name, "index": index, "stages": len(stages)})
                     if index == 0:
                         self.open_window(stage.name, meter)
+                    if self._leader is not None and getattr(stage, "flow_model", None) is not None:
+                        self._leader.join()  # the followers join this image's flow stages from here
                     records.append(self._runner.run_stage(stage, state))
                     bar.update(1)
             finally:

@@ -62,12 +62,21 @@ def library_worker(rank: int, cache: str, settings: Any, runs: list[tuple[str, i
             "loads": loads}
 
 
-def cli_worker(rank: int, cache: str, argv: list[str] | dict[int, list[str]], folder: str, threads: int) -> int:
+def cli_worker(rank: int, cache: str, argv: list[str] | dict[int, list[str]], folder: str, threads: int,
+               out_of_memory_in: str | None = None) -> int:
     """``pixal3d-image-to-mesh argv`` (``argv`` per rank when a dict) as it runs under torchrun; its
     stderr goes to ``folder/rank<r>.stderr``. Returns main()'s exit code on success; raises SystemExit
-    with it otherwise (the process then exits non-zero)."""
+    with it otherwise (the process then exits non-zero). ``out_of_memory_in``: a stage whose run raises
+    ``MemoryError`` on rank 0, as a decode too large for the machine would."""
     _environment(cache, threads)
     from pipelines import cli
+    from pipelines.build import CASCADE_STAGES
+
+    if out_of_memory_in is not None and rank == 0:
+        def out_of_memory(self, state, models):
+            raise MemoryError(f"injected in stage {self.name}")
+        stage = next(cls for cls in CASCADE_STAGES if cls.name == out_of_memory_in)
+        stage.run = out_of_memory
 
     args = argv[rank] if isinstance(argv, dict) else argv
     with open(Path(folder) / f"rank{rank}.stderr", "w") as stderr, contextlib.redirect_stderr(stderr):

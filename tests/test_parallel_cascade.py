@@ -205,33 +205,54 @@ def test_pipefusion_cascade_equals_the_emulator_and_images_in_a_row_equal_fresh_
     assert [r["pipeline_stage"] for r in leader["parallel"][1]["ranks"]] == [0, 1]
 
 
-def test_a_failure_on_rank_0_outside_the_flow_stages_stops_every_rank_naming_it(tiny_cache, tmp_path):
-    """The command on 2 ranks (CFG-parallel), two inputs whose second passes every check before the run but
-    holds no object (fully transparent): rank 0 writes the first GLB, fails on the second in preprocessing,
-    before any flow stage, and both ranks exit non-zero well within the 120 s timeout, rank 1 naming rank 0
-    and its error."""
+def test_an_image_that_fails_before_its_flow_stages_is_skipped_and_the_job_goes_on(tiny_cache, tmp_path):
+    """The command on 2 ranks (CFG-parallel), two inputs whose first passes every check before the run but
+    holds no object (fully transparent): rank 0 fails on it in preprocessing, before any flow stage, so the
+    follower never joined it; that image is one line, the second is written, the summary and batch.json end
+    the job with exit 1, and the follower ends cleanly having followed one image."""
     from PIL import Image
 
-    bad = tmp_path / "in" / "b_empty.png"
+    bad = tmp_path / "in" / "a_empty.png"
     bad.parent.mkdir()
     Image.new("RGBA", (64, 64), (255, 255, 255, 0)).save(bad)
-    (tmp_path / "in" / "a.png").write_bytes(EXAMPLE.read_bytes())
+    (tmp_path / "in" / "b.png").write_bytes(EXAMPLE.read_bytes())
+    out = tmp_path / "out"
+    argv = [tmp_path / "in", "--config", TINY_CONFIG, "-o", out, "--quiet", "--parallel", "cfg",
+            "--parallel-timeout", "120"]
+    run = spawn(2, cli_worker, str(tiny_cache), argv, str(tmp_path), 1, folder=tmp_path, timeout_s=150)
+    assert [(tmp_path / f"rank{r}.code").read_text() for r in (0, 1)] == ["1", "0"], run.exitcodes
+    rank0 = (tmp_path / "rank0.stderr").read_text().strip().splitlines()
+    assert len(rank0) == 2 and rank0[0].startswith("pixal3d-image-to-mesh: skipped a_empty.png: no object found"), \
+        rank0
+    assert rank0[1].startswith("1 written, 1 failed: a_empty.png: no object found"), rank0
+    assert (tmp_path / "rank1.stderr").read_text().strip() == ""
+    assert sorted(p.name for p in out.iterdir()) == ["b.glb", "b.run.json", "batch.json"]
+    record = json.loads((out / "b.run.json").read_text())
+    assert record["parallel"]["mode"] == "cfg" and len(record["parallel"]["ranks"]) == 2
+    batch = json.loads((out / "batch.json").read_text())
+    assert [(i["name"], i["status"]) for i in batch["images"]] == [("a_empty", "failed"), ("b", "written")]
+
+
+def test_a_failure_on_rank_0_after_the_follower_joined_stops_every_rank_naming_it(tiny_cache, tmp_path):
+    """Rank 0 runs out of memory in the decode stage, after the flow stages the follower joined: both ranks
+    exit non-zero well within the 120 s timeout, rank 1 naming rank 0 and its error; nothing is written."""
+    (tmp_path / "in").mkdir()
+    for name in ("a.png", "b.png"):
+        (tmp_path / "in" / name).write_bytes(EXAMPLE.read_bytes())
     out = tmp_path / "out"
     argv = [tmp_path / "in", "--config", TINY_CONFIG, "-o", out, "--quiet", "--parallel", "cfg",
             "--parallel-timeout", "120"]
     started = time.monotonic()
-    run = spawn(2, cli_worker, str(tiny_cache), argv, str(tmp_path), 1, folder=tmp_path, timeout_s=150)
+    run = spawn(2, cli_worker, str(tiny_cache), argv, str(tmp_path), 1, "decode", folder=tmp_path, timeout_s=150)
     assert all(code not in (0, None) for code in run.exitcodes), run.exitcodes
     assert time.monotonic() - started < 100
     assert [(tmp_path / f"rank{r}.code").read_text() for r in (0, 1)] == ["1", "1"]
     rank0 = (tmp_path / "rank0.stderr").read_text().strip().splitlines()
     rank1 = (tmp_path / "rank1.stderr").read_text().strip().splitlines()
-    assert len(rank0) == 1 and "no object found" in rank0[0], rank0
+    assert len(rank0) == 1 and "not enough memory" in rank0[0] and "skipped" not in rank0[0], rank0
     assert len(rank1) == 1 and rank1[0].startswith("pixal3d-image-to-mesh: error: rank 1 stopped: rank 0 failed: "
-                                                   "ImageError: "), rank1
-    assert sorted(p.name for p in out.iterdir()) == ["a.glb", "a.run.json"]
-    record = json.loads((out / "a.run.json").read_text())
-    assert record["parallel"]["mode"] == "cfg" and len(record["parallel"]["ranks"]) == 2
+                                                   "MemoryError: injected in stage decode"), rank1
+    assert not out.exists() or not list(out.iterdir())
 
 
 @pytest.mark.parametrize("case", ["blocks", "config"])
