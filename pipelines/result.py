@@ -178,6 +178,7 @@ class Result:
     def save_record(self, path: str | Path, *, output: str | Path | None = None, command: Sequence[str] = ()) -> Path:
         """Write ``record(...)`` as JSON to ``path`` atomically; returns the path."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, self.record(output=output, command=command))
         return path
 

@@ -64,7 +64,8 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
 
 def test_run_on_an_in_memory_image_gives_the_commands_fingerprints_and_glb(tiny_cache, tmp_path, capsys):
     out = tmp_path / "cli.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--memory-policy", "staged")
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--memory-policy", "staged",
+                        "--keep-latents", tmp_path / "cli-latents")
     assert code == 0, err
     command = json.loads(out.with_suffix(".run.json").read_text())
     with Pixal3D.from_config(TINY_CONFIG, policy="resident", device="cpu") as pipe:
@@ -72,6 +73,17 @@ def test_run_on_an_in_memory_image_gives_the_commands_fingerprints_and_glb(tiny_
     assert result.fingerprints() == {s["stage"]: s["fingerprints"] for s in command["stages"] if s["fingerprints"]}
     assert result.mesh.glb == out.read_bytes()
     assert result.input == "<image>" and result.save(tmp_path / "lib.glb").read_bytes() == out.read_bytes()
+    # the record and the latents the library writes are the command's (new folders made as needed)
+    record = json.loads(result.save_record(tmp_path / "lib" / "lib.run.json", output=tmp_path / "lib.glb").read_text())
+    assert record["output"] == str(tmp_path / "lib.glb") and record["export"]["path"] == str(tmp_path / "lib.glb")
+    assert [(s["stage"], s["fingerprints"]) for s in record["stages"]] == \
+        [(s["stage"], s["fingerprints"]) for s in command["stages"]]
+    assert record["config"] == command["config"] and record["seed"] == command["seed"]
+    mine = torch.load(result.save_latents(tmp_path / "lib" / "latents.pt"))
+    theirs = torch.load(tmp_path / "cli-latents" / "example.latents.pt")
+    assert mine.keys() == theirs.keys()
+    for key, value in mine.items():
+        assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key
 
 
 def test_plan_prints_the_plan_and_policy_and_reads_no_weights(tiny_cache, tmp_path, capsys, monkeypatch):
