@@ -49,11 +49,6 @@ def is_released(module: nn.Module) -> bool:
     return getattr(module, _MARK, None) is not None
 
 
-def released_info(module: nn.Module) -> ReleaseInfo | None:
-    """The name and stage recorded when the module was released, or None."""
-    return getattr(module, _MARK, None)
-
-
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
