@@ -237,7 +237,8 @@ class Pixal3D:
         stages = fit_stages(stages, sizes, budget, machine)
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
-        chosen, reasons = resolve_policy(policy, memory, machine)
+        limit = None if budget is None else max(0, budget - PROCESS_BYTES)  # what models and work may use
+        chosen, reasons = resolve_policy(policy, memory, machine, limit=limit)
         reasons += describe_fit(stages, budget)
         mps_limit = None
         if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load

@@ -40,9 +40,11 @@ def test_a_run_records_its_budget_and_what_each_stage_was_fitted_to(tiny_cache, 
     assert record["memory_budget"] == 2 * 2**30
     assert record["stage_choices"] == {name: {"naf_mode": "full"} for name in ("shape_512", "shape_1024", "texture")}
     assert "memory budget 2.00 GiB: every stage's work is bounded to it" in stdout
+    assert "1.56 GiB usable (the memory budget;" in record["policy_reasons"][0]  # the policy chose within it
     assert any("NAF full (the reference's values) for shape_512, shape_1024, texture" in r
                for r in record["policy_reasons"])
     code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "p.glb", "--quiet")
     assert code == 0, err
     control = json.loads((tmp_path / "p.run.json").read_text())  # without a budget: none recorded
     assert control["memory_budget"] is None and control["stage_choices"] == record["stage_choices"]
+    assert "memory budget" not in control["policy_reasons"][0]

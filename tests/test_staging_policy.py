@@ -159,3 +159,21 @@ def test_detect_machine_on_cpu_is_unified_with_host_memory():
     machine = detect_machine("cpu")
     assert machine.unified and machine.device == "cpu"
     assert 0 < machine.device_available <= machine.device_total == machine.host_total
+
+
+def test_a_memory_budget_limits_what_auto_may_choose():
+    """--memory-budget bounds the whole process, models included: on a machine where every model fits, a
+    budget below the resident need makes auto stage (control: no budget keeps them resident); on a discrete
+    GPU a budget below the pinned copies' size rules out offload; a budget above the machine changes nothing."""
+    big = unified(128)
+    assert choose_policy(PLAN, big)[0] is Policy.resident
+    policy, reasons = choose_policy(PLAN, big, limit=10 * GB)
+    assert policy is Policy.staged and "the memory budget" in reasons[0]
+    assert not any(r.startswith("warning:") for r in reasons)  # the largest stage (9.5 GB) fits 10 GB
+    _, reasons = choose_policy(PLAN, big, limit=9 * GB)
+    assert any(r.startswith("warning:") for r in reasons)  # it does not fit 9 GB
+    assert choose_policy(PLAN, discrete(12, 64))[0] is Policy.offload
+    assert choose_policy(PLAN, discrete(12, 64), limit=int(10.1 * GB))[0] is Policy.staged  # 17 GB of copies
+    assert choose_policy(PLAN, big, limit=10**15) == choose_policy(PLAN, big)
+    policy, reasons = resolve_policy("resident", PLAN, big, limit=10 * GB)
+    assert policy is Policy.resident and any("memory budget" in r and r.startswith("warning:") for r in reasons)

@@ -12,6 +12,7 @@ The plan reads model sizes from safetensors headers only; no tensor is read to p
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -184,10 +185,17 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def choose_policy(plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]]:
-    """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences."""
+def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = None) -> tuple[Policy, list[str]]:
+    """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences. ``limit``: bytes the
+    models and the work may use at most (a memory budget less the interpreter), below the machine's own."""
     pool = machine.device_available
     usable = f"{gib(int(pool * (1 - HEADROOM)))} usable ({gib(pool)} available less {HEADROOM:.0%} headroom)"
+    if limit is not None and limit < pool * (1 - HEADROOM):
+        usable = f"{gib(limit)} usable (the memory budget; {gib(pool)} available)"
+        pool = int(limit / (1 - HEADROOM)) + 1  # the pool whose usable part (less headroom) is the limit
+        machine = dataclasses.replace(machine, device_available=pool,
+                                      host_available=min(machine.host_available, pool))
+        pool = machine.device_available
     everything = f"all models resident need {gib(plan.resident_peak)}"
     largest = f"the largest stage needs {gib(plan.staged_peak)}"
     if machine.unified:
@@ -223,15 +231,17 @@ def choose_policy(plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]
     return Policy.staged, reasons
 
 
-def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) -> tuple[Policy, list[str]]:
-    """Turn the requested policy into the one to run: ``auto`` chooses; ``offload`` is checked."""
+def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine, *,
+                   limit: int | None = None) -> tuple[Policy, list[str]]:
+    """Turn the requested policy into the one to run: ``auto`` chooses (within ``limit`` bytes when given: see
+    ``choose_policy``); ``offload`` is checked."""
     try:
         policy = Policy(requested)
     except ValueError:
         choices = [p.value for p in Policy]
         raise PolicyError(f"unknown policy {requested!r}; choose one of {choices}") from None
     if policy is Policy.auto:
-        return choose_policy(plan, machine)
+        return choose_policy(plan, machine, limit=limit)
     if policy is Policy.offload and machine.unified:
         raise PolicyError(
             f"policy 'offload' parks idle models in host memory, but {machine.device} uses unified "
@@ -245,6 +255,9 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine) 
             f"warning: {policy.value} needs {gib(need)}, {machine.device} has "
             f"{gib(machine.device_available)} available; expect swapping or out-of-memory"
         )
+    elif limit is not None and need > limit:
+        reasons.append(f"warning: {policy.value} needs {gib(need)}, more than the memory budget leaves "
+                       f"({gib(limit)}): the process will outgrow the budget")
     return policy, reasons
 
 
