@@ -18,6 +18,7 @@ a flow stage or not, stops every rank within the job's timeout, each naming the 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -41,7 +42,7 @@ from pixal3d.parallel.session import announce, exchange, receive
 from pixal3d.parallel.shard import shard_tensor_names
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
-from pixal3d.staging import Stage, StageRunner
+from pixal3d.staging import Machine, Stage, StageRunner
 from pixal3d.telemetry import MemoryMeter
 
 FOLLOWER_PROVIDED = ("parallel",)
@@ -163,6 +164,20 @@ def rank_device(device: torch.device, topology: Topology) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", topology.local_rank)
     return device
+
+
+def machine_share(machine: Machine, topology: Topology) -> tuple[Machine, str | None]:
+    """This rank's share of ``machine`` when ``topology.local_world_size`` ranks run on it: they share its
+    host memory (and, on unified memory, the device's pool, which is the same), so each plans with 1/n of
+    what is available. Each rank of a discrete-GPU machine has a GPU of its own. Returns the share and a
+    sentence for the plan's reasons (None for a rank alone on its machine)."""
+    n = topology.local_world_size
+    if n <= 1:
+        return machine, None
+    device = machine.device_available // n if machine.unified else machine.device_available
+    share = dataclasses.replace(machine, device_available=device, host_available=machine.host_available // n)
+    pool = "memory" if machine.unified else "host memory"
+    return share, f"{n} ranks of this job run on this machine and share its {pool}: each plans with 1/{n} of it"
 
 
 def describe_parallel(settings: ParallelSettings, topology: Topology) -> str:

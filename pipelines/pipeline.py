@@ -82,6 +82,7 @@ from .parallel import (
     flow_stages,
     follow,
     follower_stages,
+    machine_share,
     rank_device,
     shard_loaders,
     shard_selector,
@@ -212,7 +213,7 @@ class Pixal3D:
             planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
         config = resolve_samplers(config, pipeline)
         stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
-        provides, state_type, rank, parallel_notes, shards = PROVIDED, RunState, 0, [], {}
+        provides, state_type, rank, parallel_notes, shards, topology = PROVIDED, RunState, 0, [], {}, None
         if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
             parallel = None  # today's path exactly
         if parallel is not None:
@@ -232,6 +233,9 @@ class Pixal3D:
         models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
         sizes, notes = planned_sizes(config.weights, models=models, select=shards)
         machine = detect_machine(device)
+        shared = None
+        if topology is not None:  # ranks on one machine share its memory
+            machine, shared = machine_share(machine, topology)
         budget = None if memory_budget is None else (
             auto_budget(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
         stages = fit_stages(stages, sizes, budget, machine)
@@ -239,6 +243,7 @@ class Pixal3D:
         check_memory(memory, machine.device_available, str(device))
         limit = None if budget is None else max(0, budget - PROCESS_BYTES)  # what models and work may use
         chosen, reasons = resolve_policy(policy, memory, machine, limit=limit)
+        reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget)
         mps_limit = None
         if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load

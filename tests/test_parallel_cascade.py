@@ -125,6 +125,29 @@ def test_the_plan_counts_each_ranks_shard_of_the_flow_models(tiny, monkeypatch):
     assert "counted below as its shard" in plans[1].table()
 
 
+def test_ranks_on_one_machine_plan_with_their_share_of_its_memory(tiny, monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE ranks on one machine share its memory (on the CPU, as on a Mac, device and
+    host are one pool): each plans with 1/n of what is available, and says so; a rank alone on its machine
+    plans with all of it (control). On a discrete GPU only the host memory is shared."""
+    from pipelines.parallel import machine_share
+    from pixal3d.parallel.topology import Topology
+    from pixal3d.staging import Machine
+
+    settings = ParallelSettings(mode="cfg")
+    _torchrun_env(monkeypatch, 0, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = Pixal3D.plan(tiny, device="cpu", parallel=settings)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    alone = Pixal3D.plan(tiny, device="cpu", parallel=settings)
+    assert shared.machine.device_available < 0.6 * alone.machine.device_available
+    assert any(r.startswith("2 ranks of this job run on this machine") for r in shared.reasons)
+    assert not any("ranks of this job" in r for r in alone.reasons)
+    gpu = Machine("cuda:0", "GPU", False, 80 * 2**30, 70 * 2**30, 256 * 2**30, 200 * 2**30)
+    share, _ = machine_share(gpu, Topology(rank=0, world_size=4, local_rank=0, cfg_degree=2, pp_degree=2,
+                                           local_world_size=4))
+    assert (share.device_available, share.host_available) == (70 * 2**30, 50 * 2**30)
+
+
 def test_a_follower_rank_fetches_only_the_flow_checkpoints(tiny, monkeypatch, tmp_path):
     """A follower loads flow shards and nothing else, so a machine joining the job needs neither DINOv3 nor
     NAF: with both sources pointing at an empty folder the follower resolves its weights; rank 0, which needs

@@ -26,10 +26,12 @@ class Topology:
     local_rank: int
     cfg_degree: int
     pp_degree: int
+    local_world_size: int = 1  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE): they share its memory
 
     @classmethod
     def from_env(cls, settings: ParallelSettings, env: Mapping[str, str] | None = None) -> Topology:
-        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (set by torchrun) and check them against ``settings``."""
+        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (set by torchrun) and check them
+        against ``settings``."""
         env = os.environ if env is None else env
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
         if missing:
@@ -38,7 +40,8 @@ class Topology:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         settings.check_world_size(world)
         return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", rank)),
-                   cfg_degree=settings.cfg_degree, pp_degree=settings.pp_degree)
+                   cfg_degree=settings.cfg_degree, pp_degree=settings.pp_degree,
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
 
     # -- this rank ------------------------------------------------------------------------------
     @property
