@@ -465,8 +465,11 @@ def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:
     """How a batch will go: its order, and under stage order how much of the image
     states waits in memory between stages (the rest on disk)."""
     order = args.batch_order or default_order(prepared.plan.policy)
-    how = (f"stage by stage, image states kept in memory up to {gib(prepared.plan.state_budget())} between stages "
-           f"(more wait on disk)" if order == "stage" else "image by image")
+    room = prepared.plan.state_budget()
+    how = ("image by image" if order != "stage" else
+           f"stage by stage, image states kept in memory up to {gib(room)} between stages (more wait on disk)"
+           if room > 0 else "stage by stage, image states waiting on disk between stages (the largest stage "
+           "leaves no memory for them)")
     images = len(prepared.jobs)
     return (f"batch: {images} image{'s' if images != 1 else ''}, {how}"
             + (f"; records in {args.work_dir}" if args.work_dir else ""))

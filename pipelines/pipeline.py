@@ -139,10 +139,13 @@ class RunPlan:
 
     def state_budget(self) -> int:
         """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
-        headroom) minus what the policy needs for models and the largest working set."""
+        headroom; within the memory budget, less the interpreter, when there is one) minus what the policy
+        needs for models and the largest working set."""
         memory = self.memory
         need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
         usable = int(self.machine.device_available * (1 - HEADROOM))
+        if self.memory_budget is not None:
+            usable = min(usable, self.memory_budget - PROCESS_BYTES)
         return max(0, usable - need)
 
     def table(self) -> str:

@@ -106,3 +106,27 @@ def test_plan_for_a_batch_says_its_order_and_the_memory_its_states_may_hold(batc
     assert code == 0 and out.strip().splitlines()[-1] == "batch: 2 images, image by image"
     code, out, _ = _run(capsys, batch_images[0], "--config", fast_config, "--plan")
     assert code == 0 and "batch:" not in out  # one image is not a batch
+
+
+def test_a_memory_budget_bounds_the_memory_a_batch_keeps_states_in(fast_config, tiny_cache, tmp_path, capsys):
+    """What a batch may hold in image states between stages comes out of the budget too (it bounds the whole
+    process): the budget less the interpreter less the largest stage. Control: a budget above the machine's
+    memory changes nothing; a budget the largest stage fills sends every state to disk, and the line says so."""
+    from pipelines import Pixal3D
+    from pixal3d.memory_budget import PROCESS_BYTES
+
+    free = Pixal3D.plan(fast_config, policy="staged", device="cpu")
+    two = Pixal3D.plan(fast_config, policy="staged", device="cpu", memory_budget="2G")
+    assert two.state_budget() == 2 * 2**30 - PROCESS_BYTES - two.memory.staged_peak < free.state_budget()
+    assert Pixal3D.plan(fast_config, policy="staged", device="cpu", memory_budget="4096G").state_budget() == \
+        free.state_budget()
+    tight = PROCESS_BYTES + two.memory.staged_peak
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):
+        shutil.copy(EXAMPLE, folder / name)
+    code, out, _ = _run(capsys, folder, "--config", fast_config, "--memory-policy", "staged", "--plan",
+                        "--memory-budget", str(tight))
+    assert code == 0 and out.strip().splitlines()[-1] == ("batch: 2 images, stage by stage, image states waiting on "
+                                                          "disk between stages (the largest stage leaves no memory "
+                                                          "for them)")
