@@ -26,20 +26,14 @@ import torch
 from ..models.flow_transformer import FlowTransformer
 from ..nn.sparse_tensor import SparseTensor
 from ..samplers import Latent, LatentOps
-from .settings import ParallelConfigError
+from .settings import ParallelConfigError, near_equal_ranges
 
 
 def split_tokens(length: int, patches: int) -> tuple[slice, ...]:
     """``patches`` near-equal contiguous ranges covering ``range(length)`` (the first ones one longer)."""
     if not 1 <= patches <= length:
         raise ParallelConfigError(f"cannot split {length} tokens into {patches} patches; use 1 <= M <= {length}")
-    base, extra = divmod(length, patches)
-    out, start = [], 0
-    for i in range(patches):
-        stop = start + base + (i < extra)
-        out.append(slice(start, stop))
-        start = stop
-    return tuple(out)
+    return tuple(slice(r.start, r.stop) for r in near_equal_ranges(length, patches))
 
 
 def run_blocks(blocks: list[torch.nn.Module], h: torch.Tensor, mod: torch.Tensor, context: torch.Tensor,

@@ -21,6 +21,19 @@ class ParallelConfigError(ValueError):
     """The parallel settings do not fit the job (world size, patches, warmup, blocks)."""
 
 
+def near_equal_ranges(length: int, parts: int) -> list[range]:
+    """``parts`` contiguous ranges covering ``range(length)``, sizes differing by at most one (the first
+    ``length % parts`` one longer): blocks over pipeline ranks, tokens over patches. Needs
+    ``1 <= parts <= length`` (callers say so in their own words)."""
+    base, extra = divmod(length, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelSettings:
     """``mode``: none | cfg (exact, 2 ranks) | pipefusion (N ranks) | both (2 × N ranks).

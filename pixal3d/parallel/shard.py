@@ -23,7 +23,7 @@ from torch import nn
 
 from ..models.flow_transformer import FlowTransformer
 from ..models.loading import build_model, load_state_into, read_spec
-from .settings import ParallelConfigError
+from .settings import ParallelConfigError, near_equal_ranges
 
 
 def block_ranges(num_blocks: int, stages: int) -> list[range]:
@@ -31,13 +31,7 @@ def block_ranges(num_blocks: int, stages: int) -> list[range]:
     if not 1 <= stages <= num_blocks:
         raise ParallelConfigError(f"cannot split {num_blocks} blocks over {stages} pipeline ranks; "
                                   f"use 1 <= pp <= {num_blocks}")
-    base, extra = divmod(num_blocks, stages)
-    out, start = [], 0
-    for k in range(stages):
-        stop = start + base + (k < extra)
-        out.append(range(start, stop))
-        start = stop
-    return out
+    return near_equal_ranges(num_blocks, stages)
 
 
 def shard_tensor_names(names: Iterable[str], stage: int, stages: int) -> set[str]:
