@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from pixal3d.telemetry import linux
+from scripts.bench_memory import prefault
 from scripts.calibrate_working_set import _hwm, _image, _rss, _settle, shell_coords
 
 logger = logging.getLogger("bench_full_work")
@@ -66,19 +67,6 @@ STAGES = ("structure", "shape_512", "upsample", "shape_1024", "texture", "decode
 
 def _manifest() -> dict[str, Any]:
     return json.loads(MANIFEST.read_text())["models"]
-
-
-def prefault(module: nn.Module) -> int:
-    """Touch one byte per 4 KiB page of every parameter/buffer (a load means resident); return the bytes."""
-    total, seen = 0, set()
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_meta or not tensor.numel() or tensor.untyped_storage().data_ptr() in seen:
-            continue
-        seen.add(tensor.untyped_storage().data_ptr())
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        flat[::4096].sum()
-        total += flat.numel()
-    return total
 
 
 def load(name: str, cache: Path) -> nn.Module:
