@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import psutil
 import torch
 from PIL import Image
 from tqdm.auto import tqdm
@@ -120,19 +121,9 @@ def new_spill_folder() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for old in root.iterdir():
         pid = old.name.split("-", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def run_batch(pipe: Pixal3D, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
