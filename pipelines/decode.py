@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from pixal3d.config import CascadeConfig
-from pixal3d.memory_budget import PROCESS_BYTES, plan_decode
+from pixal3d.memory_budget import plan_decode
 from pixal3d.models.decoder_tiling import TilePlan, decode_shape_and_texture
 
 from .stage import CascadeStage, StageBudget
@@ -57,7 +57,7 @@ class DecodeStage(CascadeStage):
             return self
         stage = copy.copy(self)
         stage.tile_plan = plan
-        stage.bounded_bytes = budget.total_bytes - budget.weight_bytes - PROCESS_BYTES
+        stage.bounded_bytes = budget.work_bytes
         return stage
 
     def choices(self) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 
 from pixal3d.config import CascadeConfig, ConditionConfig, SamplerConfig, ShapeConfig
 from pixal3d.memory_budget import (
-    PROCESS_BYTES,
     FlowChunks,
     attention_score_elements,
     chunk_sizes,
@@ -144,7 +143,7 @@ class SparseFlowStage(CascadeStage):
     def fitted(self, budget: StageBudget) -> SparseFlowStage:
         cond, tokens = self.config.condition, self.estimated_tokens()
         stage = copy.copy(self)
-        free = budget.total_bytes - budget.weight_bytes - PROCESS_BYTES
+        free = budget.work_bytes
         if cond.naf_size is not None:
             full = naf_peak_bytes("full", cond.image_size, cond.naf_size, points=tokens)
             stage.naf_mode = select_naf_mode(self.naf_mode, budget_bytes=free, full_bytes=full)

@@ -37,6 +37,7 @@ from pixal3d.memory_budget import (
     auto_budget,
     budget_error,
     format_bytes,
+    models_and_work,
     parse_budget,
 )
 from pixal3d.models.preprocess import as_image
@@ -145,7 +146,7 @@ class RunPlan:
         need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
         usable = int(self.machine.device_available * (1 - HEADROOM))
         if self.memory_budget is not None:
-            usable = min(usable, self.memory_budget - PROCESS_BYTES)
+            usable = min(usable, models_and_work(self.memory_budget))
         return max(0, usable - need)
 
     def table(self) -> str:
@@ -244,7 +245,7 @@ class Pixal3D:
         stages = fit_stages(stages, sizes, budget, machine)
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
-        limit = None if budget is None else max(0, budget - PROCESS_BYTES)  # what models and work may use
+        limit = None if budget is None else models_and_work(budget)
         chosen, reasons = resolve_policy(policy, memory, machine, limit=limit)
         reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from pixal3d.config import CascadeConfig
+from pixal3d.memory_budget import PROCESS_BYTES
 from pixal3d.staging import Stage
 
 
@@ -31,6 +32,11 @@ class StageBudget:
     total_bytes: int
     weight_bytes: int
     explicit: bool = False
+
+    @property
+    def work_bytes(self) -> int:
+        """What the stage's work may use: the total less its models and the interpreter (``PROCESS_BYTES``)."""
+        return self.total_bytes - self.weight_bytes - PROCESS_BYTES
 
 
 class CascadeStage(Stage):

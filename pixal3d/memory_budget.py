@@ -89,6 +89,11 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": MIB, "MB": 
           "G": GIB, "GB": GIB, "GIB": GIB, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 
 
+def models_and_work(budget: int) -> int:
+    """What a process budget leaves for models and work: the budget less the interpreter (``PROCESS_BYTES``)."""
+    return max(0, budget - PROCESS_BYTES)
+
+
 def parse_budget(text: str | int) -> int:
     """``"8G"``, ``"8GiB"``, ``"7.5G"``, ``"6000M"`` or a byte count -> bytes (binary units: G = 2**30)."""
     if isinstance(text, int):
