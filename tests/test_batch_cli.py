@@ -108,12 +108,17 @@ def test_plan_for_a_batch_says_its_order_and_the_memory_its_states_may_hold(batc
     assert code == 0 and "batch:" not in out  # one image is not a batch
 
 
-def test_a_memory_budget_bounds_the_memory_a_batch_keeps_states_in(fast_config, tiny_cache, tmp_path, capsys):
+def test_a_memory_budget_bounds_the_memory_a_batch_keeps_states_in(fast_config, tiny_cache, tmp_path, capsys,
+                                                                    monkeypatch):
     """What a batch may hold in image states between stages comes out of the budget too (it bounds the whole
     process): the budget less the interpreter less the largest stage. Control: a budget above the machine's
-    memory changes nothing; a budget the largest stage fills sends every state to disk, and the line says so."""
-    from pipelines import Pixal3D
+    memory changes nothing; a budget the largest stage fills sends every state to disk, and the line says so.
+    The machine is read once, so the plans compare budgets, not two moments of a busy machine's memory."""
+    from pipelines import Pixal3D, pipeline
     from pixal3d.memory_budget import PROCESS_BYTES
+
+    machine = pipeline.detect_machine("cpu")
+    monkeypatch.setattr(pipeline, "detect_machine", lambda device=None: machine)
 
     free = Pixal3D.plan(fast_config, policy="staged", device="cpu")
     two = Pixal3D.plan(fast_config, policy="staged", device="cpu", memory_budget="2G")
