@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pixal3d import kernels
 from pixal3d.config import CascadeConfig, to_dict
 from pixal3d.files import (
     atomic_paths,
@@ -141,7 +142,8 @@ class Result:
         return list(files)
 
     def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
-        """The run.json content: config, seed, versions, policy and reasons, tokens, per-stage rows."""
+        """The run.json content: config, seed, versions, the CPU kernels and their pins (``pixal3d.kernels``),
+        policy and reasons, tokens, per-stage rows."""
         stages = [{"stage": r.stage, "seconds": round(r.seconds, 4), "models": r.used,
                    "peak_process_bytes": r.peak_process_bytes, "peak_device_bytes": r.peak_device_bytes,
                    "fingerprints": r.fingerprints} for r in self.stages]
@@ -159,6 +161,7 @@ class Result:
             "memory_budget": self.memory_budget,
             "stage_choices": self.choices,
             "versions": versions(),
+            "kernels": kernels.describe(),
             "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
             "total_seconds": round(self.seconds, 4),
             "stages": stages,

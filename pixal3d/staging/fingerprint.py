@@ -3,7 +3,7 @@
 ``fingerprint_tensor`` hashes one tensor; ``fingerprints(value)`` walks the values a stage
 produces (tensors, NumPy arrays, dataclasses, dicts, lists, PIL images, numbers, bytes, and any object
 with a ``fingerprint_parts()`` method returning a dict of such values) and returns
-``{dotted name: "sha256 hex"}``.
+``{dotted name: "sha256 hex"}``. ``first_difference`` names where two runs' per-stage fingerprints part.
 """
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def fingerprints(value: Any, name: str) -> dict[str, str]:
     out: dict[str, str] = {}
     _walk(value, name, out)
     return out
+
+
+def first_difference(actual: dict[str, dict[str, str]], expected: dict[str, dict[str, str]]) -> str:
+    """The first stage, in ``expected``'s order, whose fingerprints differ in ``actual``, with the differing
+    names (``"first differing stage 'structure': ['ss_latent']"``); ``""`` when the two are equal."""
+    for stage, prints in expected.items():
+        if actual.get(stage) != prints:
+            names = sorted(k for k, v in prints.items() if actual.get(stage, {}).get(k) != v)
+            return f"first differing stage {stage!r}: {names}"
+    return "extra stages" if actual != expected else ""
 
 
 def _walk(value: Any, name: str, out: dict[str, str]) -> None:

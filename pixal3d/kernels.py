@@ -1,0 +1,150 @@
+"""Which CPU kernels made a run's numbers, and the pins that make them the same on every x86-64 CPU with AVX2.
+
+Bits from CPU kernels differ between kinds of CPU: ATen picks its vectorised kernels by the CPU's
+capability (AVX2, AVX-512, …), MKL its GEMM code path by the processor, oneDNN its JIT code by the ISA.
+Three environment variables pin each of them, and they act only when set *before torch is imported*:
+
+- ``ATEN_CPU_CAPABILITY``: ATen's kernel level (``default``, ``avx2``, ``avx512``);
+- ``MKL_CBWR``: MKL's conditional numerical reproducibility branch (``AVX2``, ``COMPATIBLE``, …);
+- ``ONEDNN_MAX_CPU_ISA``: the highest ISA oneDNN's JIT may use (``AVX2``, ``SSE41``, …).
+
+A *kernel family* names a set of pins (``avx2pin``, ``compat``); ``key()`` names the platform and family a
+run's fingerprints belong to (``x86_64-avx2pin``), so a golden is looked up by it. Runs with no pins, or
+with other values, depend on the hardware as well, and their key says so (``x86_64-avx512-unpinned``).
+
+This module imports torch only inside ``describe``, so a test session or a script can choose the pins
+before torch is loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+PIN_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+
+FAMILIES: dict[str, dict[str, str]] = {
+    # AVX2 kernels on any x86-64 CPU that has AVX2 (AVX-512 machines included): the tests' default there.
+    "avx2pin": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    # the lowest level each library offers: any x86-64 CPU; CI's second kernel level.
+    "compat": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+
+
+def arch() -> str:
+    """The machine architecture, spelled one way (``x86_64``, ``arm64``)."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "aarch64": "arm64"}.get(machine, machine)
+
+
+def pins(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The kernel-pinning variables set in ``env`` (default: this process's environment)."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in PIN_VARS if env.get(name)}
+
+
+def family(env: Mapping[str, str] | None = None) -> str:
+    """``avx2pin`` or ``compat`` when ``env`` pins exactly that family (values compared case-blind),
+    ``unpinned`` when it pins nothing, else ``custom-<hash of the pins>``."""
+    found = pins(env)
+    if not found:
+        return "unpinned"
+    folded = {k: v.lower() for k, v in found.items()}
+    for name, values in FAMILIES.items():
+        if folded == {k: v.lower() for k, v in values.items()}:
+            return name
+    digest = hashlib.sha256(repr(sorted(folded.items())).encode()).hexdigest()[:8]
+    return f"custom-{digest}"
+
+
+def hardware() -> str:
+    """The CPU's own capability, whatever the pins say: ``AVX512``, ``AVX2`` or ``DEFAULT`` on x86-64
+    (read from the CPU flags); on arm64 ``apple`` (Apple Silicon), ``sve`` or ``neon``."""
+    if arch() == "arm64":
+        return "apple" if sys.platform == "darwin" else ("sve" if "sve" in _cpu_flags() else "neon")
+    if arch() != "x86_64":
+        return arch()
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "DEFAULT"
+
+
+def key(env: Mapping[str, str] | None = None) -> str:
+    """The platform-and-kernels key of a run's fingerprints: ``<arch>-<family>`` for a pinned family;
+    the hardware joins the key when the kernels follow it (unpinned, custom)."""
+    name = family(env)
+    if name in FAMILIES:
+        return f"{arch()}-{name}"
+    return f"{arch()}-{hardware().lower()}-{name}"
+
+
+def recommended_pins() -> dict[str, str]:
+    """The pins the tests and the golden writer use on this machine: ``avx2pin`` on an x86-64 CPU with
+    AVX2; none elsewhere (arm64 has one kernel level, so nothing to pin)."""
+    if arch() == "x86_64" and hardware() in ("AVX2", "AVX512"):
+        return dict(FAMILIES["avx2pin"])
+    return {}
+
+
+def apply_recommended_pins(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set ``recommended_pins()`` in ``env`` (default ``os.environ``) unless it already sets any pin (a
+    choice made by hand is kept) or says ``PIXAL3D_KERNEL_PINS=none`` (the CPU's own kernels). Returns the
+    pins in effect. Must run before torch is imported: raises ``RuntimeError`` if torch is loaded and the
+    pins would change."""
+    env = os.environ if env is None else env
+    if not pins(env) and env.get("PIXAL3D_KERNEL_PINS") != "none":
+        wanted = recommended_pins()
+        if wanted and env is os.environ and "torch" in sys.modules:
+            raise RuntimeError("kernel pins must be set before torch is imported; import pixal3d.kernels first")
+        env.update(wanted)
+    return pins(env)
+
+
+def describe() -> dict[str, Any]:
+    """What run.json records of the kernels: architecture, the CPU's capability and the one torch uses,
+    the pins in effect, their family and key, intra-op threads, the CPU's vendor and model."""
+    import torch
+
+    return {"arch": arch(), "hardware": hardware(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "pins": pins(), "family": family(), "key": key(), "threads": torch.get_num_threads(),
+            "cpu": _cpu_name()}
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags, lower case, without importing torch where the system says them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith(("flags", "Features")):  # x86, arm
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if sys.platform == "darwin":  # an Intel Mac: sysctl lists the leaf-1 and leaf-7 features
+        import subprocess
+
+        words = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                               capture_output=True, text=True, check=False).stdout.lower().split()
+        return set(words)
+    if "torch" in sys.modules:  # elsewhere (Windows): torch's cpuinfo, once torch is loaded anyway
+        import torch
+
+        return ({"avx2", "fma"} if torch.cpu._is_avx2_supported() else set()) | (
+            {"avx512f", "avx512bw", "avx512vl", "avx512dq"} if torch.cpu._is_avx512_supported() else set())
+    return set()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or arch()
