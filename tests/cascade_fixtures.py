@@ -1,8 +1,18 @@
 """Shared fixtures of the cascade/CLI/hub tests: the tiny weights (generated once per session into a
-temporary pixal3d cache), the tiny config, and a helper that runs the tiny cascade in-process."""
+temporary pixal3d cache), the tiny config, a helper that runs the tiny cascade in-process, the session's
+reference run, and the golden fingerprints of this session's kernels.
+
+Two kinds of check use them. *Relative* checks (staged, resident, the library, the CLI, ``--parallel cfg``
+all give the fingerprints of the eager ``tiny_reference`` run) need no golden and hold on every machine.
+The *golden* check compares the reference with ``tests/golden/tiny_<key>.json``, ``key`` naming the
+architecture and the pinned kernel family (``pixal3d.kernels.key()``); it runs only where that golden was
+verified (its ``verified_on`` kinds of CPU, its torch version) and skips elsewhere saying why and how to
+write or verify one (``python scripts/write_golden.py``).
+"""
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 
@@ -10,14 +20,41 @@ import pytest
 import torch
 
 from pipelines import Pixal3D, Result
+from pixal3d import kernels
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.models.dinov3 import load_dinov3
+from pixal3d.staging.fingerprint import first_difference  # noqa: F401  (the tests' one import of it)
 from pixal3d.tiny_weights import ensure_tiny_weights
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 EXAMPLE = REPO / "assets" / "example.png"
-GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_cpu.json"
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+WRITE_GOLDEN = "python scripts/write_golden.py"
+
+
+def golden_path(key: str | None = None) -> Path:
+    """The golden file of the kernels ``key`` (default: this session's, ``pixal3d.kernels.key()``)."""
+    return GOLDEN_DIR / f"tiny_{key or kernels.key()}.json"
+
+
+def golden_or_skip() -> dict[str, dict[str, str]]:
+    """This session's golden stages, or a skip that says why none applies here and what to run."""
+    path, key = golden_path(), kernels.key()
+    if not path.exists():
+        pytest.skip(f"no golden for kernels {key} (pins {kernels.pins() or 'none'}, CPU {kernels.hardware()}): "
+                    f"the relative checks run all the same; `{WRITE_GOLDEN}` writes {path.name}")
+    golden = json.loads(path.read_text())
+    verified = sorted({v["hardware"] for v in golden["verified_on"]})
+    if kernels.hardware() not in verified:
+        pytest.skip(f"{path.name} was verified on {', '.join(verified)} CPUs only and this one is "
+                    f"{kernels.hardware()}: `{WRITE_GOLDEN}` compares and, when equal, records it")
+    if golden["threads"] != torch.get_num_threads():
+        pytest.skip(f"{path.name} holds for {golden['threads']} threads, this session runs {torch.get_num_threads()}")
+    if golden["versions"]["torch"] != torch.__version__:
+        pytest.skip(f"{path.name} was written with torch {golden['versions']['torch']}, this is "
+                    f"{torch.__version__}: `{WRITE_GOLDEN}` writes one for it")
+    return golden["stages"]
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +88,10 @@ def run_tiny(config: CascadeConfig, policy: str, *, export: bool = False, until:
     until = until or (None if export else "decode")
     with Pixal3D.from_config(config, policy=policy, device="cpu", until=until, **kwargs) as pipe:
         return pipe.run(image, seed=seed, events=events)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny: CascadeConfig) -> dict[str, dict[str, str]]:
+    """Fingerprints of the session's eager tiny run up to the decode (what ``scripts/write_golden.py``
+    writes): the reference of the relative checks, compared once with the golden."""
+    return run_tiny(tiny, "eager").fingerprints()

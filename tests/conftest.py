@@ -9,12 +9,24 @@ A suite started in the background by a shell without job control (``nohup``, ``c
 SIGINT ignored, and so would every process it starts: the command rightly keeps an inherited SIG_IGN (as any
 background job does), and the tests that press Ctrl-C on it would see nothing happen. Those tests stand for a
 user at a terminal, so the suite restores Python's own handler; children then start with the default.
+
+The kernels are pinned too, before torch is imported (``pixal3d.kernels``): on an x86-64 CPU with AVX2 the
+AVX2 family of ATen, MKL and oneDNN, so the golden fingerprints are those of the pinned family, not of the
+CPU the suite happens to run on. Pins set by hand in the environment are kept (CI's second pass sets
+another family), and ``PIXAL3D_KERNEL_PINS=none`` runs the suite on the CPU's own kernels; the goldens are
+keyed by the pins in effect (``tests/cascade_fixtures.py``).
 """
 import os
 import signal
+import subprocess
+import sys
 
-import pytest
-import torch
+from pixal3d import kernels
+
+kernels.apply_recommended_pins()  # before torch: the pins act only when torch loads its kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 THREADS = 2
 os.environ["OMP_NUM_THREADS"] = str(THREADS)  # processes the tests start (the CLI, fresh runs, ranks)
@@ -30,3 +42,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def run_unpinned(nodeid: str) -> None:
+    """Run the test ``nodeid`` again in a fresh session on the CPU's own kernels (no pins): for controls whose
+    effect the pins themselves hide. Passes if it passes there, skips with its reason if it skips there."""
+    env = {k: v for k, v in os.environ.items() if k not in kernels.PIN_VARS}
+    env["PIXAL3D_KERNEL_PINS"] = "none"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", nodeid],
+                          capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
+    if proc.returncode == 0 and " passed" in summary:
+        return
+    if proc.returncode == 0 and " skipped" in summary:
+        reasons = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+        pytest.skip(f"unpinned too: {reasons[-1] if reasons else summary}")
+    pytest.fail(f"{nodeid} on unpinned kernels: {summary}\n{proc.stdout[-3000:]}")
+
+
+def pytest_report_header(config):
+    """Which kernels made this session's numbers, and which golden they are compared with."""
+    from tests.cascade_fixtures import golden_path
+
+    path = golden_path()
+    return (f"kernels: {kernels.key()} (pins {kernels.pins() or 'none'}; CPU {kernels.hardware()}, torch uses "
+            f"{torch.backends.cpu.get_cpu_capability()}); golden: "
+            f"{path.name if path.exists() else 'none for these kernels (golden tests skip)'}")

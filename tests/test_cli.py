@@ -18,7 +18,8 @@ from PIL import Image
 from pipelines import Pixal3D, cli, pipeline
 from pixal3d.staging.fingerprint import fingerprint_tensor
 from pixal3d.staging.policy import Machine
-from tests.cascade_fixtures import EXAMPLE, GOLDEN, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+from pixal3d import kernels
+from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny, tiny_cache, tiny_reference  # noqa: F401
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -38,8 +39,9 @@ def _files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
-def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(tiny_cache, tmp_path, capsys,
-                                                                               monkeypatch):
+@pytest.mark.golden
+def test_offline_demo_writes_a_glb_and_a_run_json_with_the_eager_fingerprints(tiny_reference, tmp_path, capsys,
+                                                                              monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "demo" / "demo.glb"
     code, stdout, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--memory-policy", "staged")
@@ -48,10 +50,10 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_golden_fingerprints(t
     assert sum(len(g.faces) for g in scene.geometry.values()) > 100
     record = json.loads((tmp_path / "demo" / "demo.run.json").read_text())
     assert record["seed"] == 42 and record["policy"] == "staged" and record["config"]["name"] == "tiny"
-    golden = json.loads(GOLDEN.read_text())["stages"]
     prints = {s["stage"]: s["fingerprints"] for s in record["stages"] if s["fingerprints"]}
     glb = prints.pop("export")
-    assert prints == golden
+    assert prints == tiny_reference
+    assert record["kernels"] == kernels.describe()  # which kernels made these bits: pins, key, CPU, threads
     assert glb == {"mesh.glb": fingerprint_tensor(torch.from_numpy(np.frombuffer(out.read_bytes(), np.uint8).copy()))}
     assert [s["stage"] for s in record["stages"]][-1] == "export"
     assert all(s["seconds"] >= 0 and s["peak_process_bytes"] > 0 for s in record["stages"])

@@ -3,8 +3,8 @@ loopback, gloo, the tiny config (``tests/parallel_cascade_harness.py``). Rank 0 
 others join its four flow stages holding their shards.
 
 Bitwise comparisons need the same kernels on the same shapes, and thread counts change CPU matmul
-rounding: the golden fingerprints (``tests/golden/tiny_cpu.json``) are those of torch's default thread
-count on the 2-core machine that wrote them, so the golden comparison runs its ranks with that many
+rounding: the reference fingerprints (the session's eager run, ``tests/cascade_fixtures.py``) are those of
+the suite's thread count (``tests/conftest.py``), so the exact comparisons run their ranks with that many
 threads; the PipeFusion comparison runs ranks and the single-process oracle with one thread each.
 """
 from __future__ import annotations
@@ -19,16 +19,11 @@ from pipelines import Pixal3D, cli, flow_stage
 from pixal3d.config import SamplerConfig
 from pixal3d.parallel import ParallelConfigError, ParallelSettings, emulate_pipefusion
 from pixal3d.pipeline_json import resolve_weights
-from tests.cascade_fixtures import EXAMPLE, GOLDEN, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
+from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, first_difference, tiny, tiny_cache, tiny_reference  # noqa: F401
 from tests.parallel_cascade_harness import FLOWS, cli_worker, library_worker
 from tests.parallel_harness import spawn
 
-GOLDEN_THREADS = 2  # torch.get_num_threads() where tests/golden/tiny_cpu.json was written (2 cores)
-
-
-def _golden() -> dict[str, dict[str, str]]:
-    return json.loads(GOLDEN.read_text())["stages"]
-
+from tests.conftest import THREADS as REFERENCE_THREADS  # the reference run's thread count
 
 
 def _torchrun_env(monkeypatch, rank: int, world: int) -> None:
@@ -38,16 +33,16 @@ def _torchrun_env(monkeypatch, rank: int, world: int) -> None:
 
 
 # -- one process ---------------------------------------------------------------------------------
-def test_parallel_none_is_todays_code_path_and_gives_the_golden_fingerprints(tiny, monkeypatch):
+def test_parallel_none_is_todays_code_path_and_gives_the_eager_fingerprints(tiny, tiny_reference, monkeypatch):
     """Test 1: ``parallel=ParallelSettings()`` (mode none, N = 1, no CFG-parallel) runs today's sampler —
-    parallel_sample is never called — and gives the golden fingerprints; run.json has no parallel entry."""
+    parallel_sample is never called — and gives the eager run's fingerprints; run.json has no parallel entry."""
     def refuse(*args, **kwargs):
         raise AssertionError("parallel_sample called with --parallel none")
     monkeypatch.setattr(flow_stage, "parallel_sample", refuse)
     with Pixal3D.from_config(tiny, policy="staged", device="cpu", until="decode", parallel=ParallelSettings()) as pipe:
         assert pipe.parallel is None and not pipe.is_follower and pipe.run_plan.parallel is None
         result = pipe.run(EXAMPLE)
-    assert result.fingerprints() == _golden()
+    assert result.fingerprints() == tiny_reference, first_difference(result.fingerprints(), tiny_reference)
     assert result.parallel is None and "parallel" not in result.record()
 
 
@@ -169,17 +164,18 @@ def test_a_follower_rank_fetches_only_the_flow_checkpoints(tiny, monkeypatch, tm
 
 
 # -- several processes ----------------------------------------------------------------------------
-def test_cfg_parallel_through_the_cascade_gives_the_golden_fingerprints(tiny_cache, tmp_path):
+@pytest.mark.golden
+def test_cfg_parallel_through_the_cascade_gives_the_eager_fingerprints(tiny_cache, tiny_reference, tmp_path):
     """Test 4 at the cascade level: rank 0 runs the whole cascade, rank 1 the negative CFG passes of its
-    four flow stages with its own (whole) flow models: the golden fingerprints, bit for bit. The record
+    four flow stages with its own (whole) flow models: the eager run's fingerprints, bit for bit. The record
     holds both ranks' per-stage peaks; rank 1 loaded the four flow models and nothing else. (That this
     comparison can fail: the PipeFusion test below shows cascade fingerprints that differ from the exact
     ones.)"""
     run = spawn(2, library_worker, str(tiny_cache), ParallelSettings(mode="cfg", timeout_s=60),
-                [(str(EXAMPLE), 42)], GOLDEN_THREADS, "decode", folder=tmp_path, timeout_s=150)
+                [(str(EXAMPLE), 42)], REFERENCE_THREADS, "decode", folder=tmp_path, timeout_s=150)
     assert run.exitcodes == [0, 0], run.errors
     leader, follower = run.results
-    assert leader["fingerprints"] == [_golden()]
+    assert leader["fingerprints"] == [tiny_reference]
     assert follower["images"] == 1
     assert follower["loads"] == [(name, 0, 1) for name in FLOWS]  # whole models: the one shard of one stage
     record = leader["parallel"][0]

@@ -1,0 +1,123 @@
+"""Write, check or extend the golden fingerprints of the tiny cascade for this machine's kernels.
+
+    python scripts/write_golden.py                 # this machine's pins (tests/conftest.py's): write or check
+    python scripts/write_golden.py --pins compat   # another kernel family (CI's second level)
+    python scripts/write_golden.py --check         # compare only, write nothing
+
+The golden of a platform is ``tests/golden/tiny_<key>.json`` (``pixal3d.kernels.key()``: the architecture
+and the pinned kernel family, e.g. ``x86_64-avx2pin``). It holds the per-stage fingerprints of an eager run
+of configs/tiny.yaml on assets/example.png (seed 42, CPU, 2 threads, up to the decode: what the tests
+compare) and ``verified_on``: the kinds of CPU whose runs gave exactly these bits. The tests compare
+against it only on those kinds and skip elsewhere, naming this command.
+
+With no golden for the key, it is written. With one, the run is compared: equal on a kind of CPU not yet
+listed, that kind is added to ``verified_on`` (the pins made two kinds agree); different, nothing is
+written and the first differing stage is printed (exit 1), unless ``--force`` rewrites it (for a change
+of the cascade's numbers: say why in the commit).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from pixal3d import kernels  # noqa: E402  (imports no torch: the pins are set below, before torch)
+
+GOLDEN_DIR = REPO / "tests" / "golden"
+THREADS = 2  # tests/conftest.py's
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pins", choices=[*kernels.FAMILIES, "env"], default="env",
+                        help="kernel family to pin (default: the environment's pins, else this machine's "
+                             "recommended ones unless PIXAL3D_KERNEL_PINS=none, as the tests do)")
+    parser.add_argument("--check", action="store_true", help="compare with the golden, write nothing")
+    parser.add_argument("--force", action="store_true", help="rewrite a golden that differs")
+    parser.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, help=f"default {GOLDEN_DIR.relative_to(REPO)}")
+    args = parser.parse_args(argv)
+    if args.pins == "env":
+        kernels.apply_recommended_pins()
+    else:
+        for name in kernels.PIN_VARS:
+            os.environ.pop(name, None)
+        os.environ.update(kernels.FAMILIES[args.pins])
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
+    import json
+
+    import torch
+
+    from pixal3d.staging.fingerprint import first_difference
+
+    torch.set_num_threads(THREADS)
+    prints, extra = _run_tiny()
+    described = kernels.describe()
+    path = args.golden_dir / f"tiny_{described['key']}.json"
+    here = {"hardware": described["hardware"], "cpu": described["cpu"]}
+    print(f"kernels: {described['key']} (pins {described['pins'] or 'none'}; CPU {described['cpu']}, "
+          f"{described['hardware']}; torch uses {described['cpu_capability']})")
+    if path.exists():
+        golden = json.loads(path.read_text())
+        differing = first_difference(prints, golden["stages"])
+        if not differing:
+            known = {v["hardware"] for v in golden["verified_on"]}
+            if here["hardware"] in known:
+                print(f"{_shown(path)}: this run agrees (verified on {', '.join(sorted(known))})")
+            elif args.check:
+                print(f"{_shown(path)}: this run agrees; run without --check to record {here['hardware']}")
+            else:
+                golden["verified_on"].append(here)
+                _write(path, golden)
+                print(f"{_shown(path)}: this run agrees; recorded {here['hardware']} as verified")
+            return 0
+        print(f"{_shown(path)}: this run differs: {differing}")
+        if args.check or not args.force:
+            print("nothing written (--force rewrites it: only for a change of the cascade's numbers)")
+            return 1
+    elif args.check:
+        print(f"no golden for {described['key']} ({_shown(path)}); run without --check to write it")
+        return 1
+    _write(path, {
+        "about": "per-stage sha256 fingerprints of an eager run of configs/tiny.yaml on assets/example.png, seed 42, "
+                 "CPU, 2 threads, up to the decode, with the kernels named by 'key' and 'pins'; written by "
+                 "python scripts/write_golden.py, compared by the tests only on the CPUs in 'verified_on'",
+        "key": described["key"], "pins": described["pins"], "threads": THREADS,
+        "verified_on": [here], **extra, "stages": prints})
+    print(f"wrote {_shown(path)}")
+    return 0
+
+
+def _run_tiny() -> tuple[dict[str, dict[str, str]], dict]:
+    """The eager tiny run the tests compare (tests/cascade_fixtures.py: tiny_reference)."""
+    import transformers
+
+    from pipelines import Pixal3D
+    from pipelines.result import versions
+
+    transformers.logging.disable_progress_bar()  # this script prints its own lines
+
+    with Pixal3D.from_config(REPO / "configs" / "tiny.yaml", policy="eager", device="cpu", until="decode") as pipe:
+        result = pipe.run(REPO / "assets" / "example.png")
+    state = result.state
+    return result.fingerprints(), {"versions": versions(), "choices": result.choices,
+                                   "tokens": {"lr": len(state.coords_lr), "hr": len(state.coords_hr)}}
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _write(path: Path, data: dict) -> None:
+    from pixal3d.files import json_bytes, write_bytes_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, json_bytes(data))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
