@@ -47,17 +47,19 @@ class DecodeStage(CascadeStage):
         return decode_bytes(self.hr_resolution, self.upsample_times)
 
     def fitted(self, budget: StageBudget) -> DecodeStage:
-        """Tiles when an explicit budget is smaller than the whole decode (``MemoryBudgetError`` when even
-        the smallest tile is too much)."""
-        if not budget.explicit:
+        """Tiles when an explicit budget is smaller than the whole decode, or when one of its tensors would
+        exceed the device's largest array (``budget.array_bytes``: the 1536 cascade's ~20M voxels on mps);
+        ``MemoryBudgetError`` when even the smallest tile is too much."""
+        if not budget.explicit and budget.array_bytes is None:
             return self
         plan = plan_decode(budget.total_bytes, latent_tokens=hr_tokens(self.hr_resolution),
-                           weight_bytes=budget.weight_bytes, levels=self.upsample_times)
+                           weight_bytes=budget.weight_bytes, levels=self.upsample_times,
+                           array_bytes=budget.array_bytes)
         if plan is None:
             return self
         stage = copy.copy(self)
         stage.tile_plan = plan
-        stage.bounded_bytes = budget.work_bytes
+        stage.bounded_bytes = budget.work_bytes if budget.explicit else None
         return stage
 
     def choices(self) -> dict[str, Any]:

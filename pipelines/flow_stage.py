@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pixal3d.config import CascadeConfig, ConditionConfig, SamplerConfig, ShapeConfig
 from pixal3d.memory_budget import (
+    ATTENTION_SCORE_COPIES,
     FlowChunks,
     attention_score_elements,
     chunk_sizes,
@@ -45,7 +46,7 @@ from pixal3d.samplers import sample_flow_euler
 
 from .stage import CascadeStage, StageBudget
 from .state import RunState
-from .working_set import flow_stage_bytes, hr_tokens
+from .working_set import attention_route_bytes, flow_stage_bytes, hr_tokens
 
 DEFAULT_CHUNKS = FlowChunks(attention_scores=attention_score_elements(math.inf),
                             naf_elements=naf_chunk_elements(math.inf))
@@ -126,6 +127,7 @@ class SparseFlowStage(CascadeStage):
 
     config: ShapeConfig
     naf_mode: str = "auto"
+    attention_route: str = "sdpa"  # the resolved attention route (the plan sets it for the run's device)
     chunks: FlowChunks | None = None
     bounded_bytes: int | None = None  # the working set an explicit budget bounds it to (chunks shrunk)
 
@@ -138,7 +140,12 @@ class SparseFlowStage(CascadeStage):
             return self.bounded_bytes
         cond = self.config.condition
         return flow_stage_bytes(self.estimated_tokens(), cond.image_size, naf_size=cond.naf_size,
-                                naf_mode=self.naf_mode)
+                                naf_mode=self.naf_mode) + self.attention_bytes()
+
+    def attention_bytes(self) -> int:
+        """What the attention route adds to the measured working set (its fp32 chunks on ``fp32_chunked``)."""
+        scores = (self.chunks or DEFAULT_CHUNKS).attention_scores
+        return attention_route_bytes(self.attention_route, self.estimated_tokens(), scores)
 
     def fitted(self, budget: StageBudget) -> SparseFlowStage:
         cond, tokens = self.config.condition, self.estimated_tokens()
@@ -147,8 +154,9 @@ class SparseFlowStage(CascadeStage):
         if cond.naf_size is not None:
             full = naf_peak_bytes("full", cond.image_size, cond.naf_size, points=tokens)
             stage.naf_mode = select_naf_mode(self.naf_mode, budget_bytes=free, full_bytes=full)
-        if budget.explicit:
-            chunks = plan_flow_stage(self.name, budget.total_bytes, weight_bytes=budget.weight_bytes,
+        if budget.explicit:  # the route's fp32 copies are held beside the weights (the plan reserves the scores)
+            held = max(0, stage.attention_bytes() - ATTENTION_SCORE_COPIES * 2 * DEFAULT_CHUNKS.attention_scores)
+            chunks = plan_flow_stage(self.name, budget.total_bytes, weight_bytes=budget.weight_bytes + held,
                                      tokens=tokens, naf=cond.naf_size is not None)
             if chunks != DEFAULT_CHUNKS:  # smaller chunks keep the stage within the budget
                 stage.chunks, stage.bounded_bytes = chunks, min(stage.working_set(), free)

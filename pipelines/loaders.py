@@ -16,6 +16,7 @@ from torch import nn
 from pixal3d.models.loading import (
     load_model,  # the package import registers every network class
 )
+from pixal3d.nn.attention import check_route, set_attention_route
 from pixal3d.pipeline_json import ResolvedWeights
 
 
@@ -45,3 +46,17 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     if remover is not None:
         loaders["rembg"] = remover
     return loaders
+
+
+def with_attention_route(loaders: dict[str, Callable[[], nn.Module]], route: str
+                         ) -> dict[str, Callable[[], nn.Module]]:
+    """``loaders`` whose models run their attention layers on ``route`` (``pixal3d.nn.attention``; the
+    config's ``runtime.attention``). ``auto`` changes nothing: each layer picks by device."""
+    if check_route(route) == "auto":
+        return loaders
+    return {name: functools.partial(_routed, load, route) for name, load in loaders.items()}
+
+
+def _routed(load: Callable[[], nn.Module], route: str) -> nn.Module:
+    model = load()
+    return set_attention_route(model, route) if isinstance(model, nn.Module) else model  # rembg is no module

@@ -41,6 +41,7 @@ from pixal3d.memory_budget import (
     parse_budget,
 )
 from pixal3d.models.preprocess import as_image
+from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import (
@@ -72,7 +73,7 @@ from pixal3d.staging.policy import HEADROOM, gib
 from pixal3d.telemetry import MemoryMeter
 
 from .build import build_stages
-from .loaders import model_loaders
+from .loaders import model_loaders, with_attention_route
 from .parallel import (
     FOLLOWER_PROVIDED,
     FollowerState,
@@ -185,6 +186,7 @@ class Pixal3D:
         if self._runtime is not None:  # flow models load as this rank's shards
             flows = [s.flow_model for s in flow_stages(plan.stages)]
             loaders = shard_loaders(loaders, weights, flows, self._runtime)
+        loaders = with_attention_route(loaders, self.config.runtime.attention)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
         provides, state_type = (FOLLOWER_PROVIDED, FollowerState) if plan.follower else (PROVIDED, RunState)
@@ -242,13 +244,15 @@ class Pixal3D:
             machine, shared = machine_share(machine, topology)
         budget = None if memory_budget is None else (
             auto_budget(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
-        stages = fit_stages(stages, sizes, budget, machine)
+        route = resolve_route(config.runtime.attention, device)
+        stages = fit_stages(with_attention_route_of(stages, route), sizes, budget, machine)
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
         limit = None if budget is None else models_and_work(budget)
         chosen, reasons = resolve_policy(policy, memory, machine, limit=limit)
         reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget)
+        reasons.append(describe_route(config.runtime.attention, device))
         mps_limit = None
         if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load
             mps_limit = check_mps_memory_limit()
@@ -566,13 +570,26 @@ def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | No
     for stage in stages:
         weights = sum(sizes.get(m, 0) for m in stage.needs)
         if hasattr(stage, "fitted"):
-            stage = stage.fitted(StageBudget(budget if budget is not None else usable, weights, budget is not None))
+            stage = stage.fitted(StageBudget(budget if budget is not None else usable, weights, budget is not None,
+                                             array_bytes=device_array_bytes(machine.device)))
         need = PROCESS_BYTES + weights + int(stage.working_set())
         if budget is not None and need > budget:
             raise budget_error(stage.name, need, budget, f"weights {format_bytes(weights)} and a working set of "
                                                           f"{format_bytes(stage.working_set())}")
         fitted.append(stage)
     return tuple(fitted)
+
+
+def with_attention_route_of(stages: Sequence[Any], route: str) -> tuple[Any, ...]:
+    """The stages, those that run attention (``attention_route``) copied with the resolved ``route``, so that
+    their working sets count its memory."""
+    out = []
+    for stage in stages:
+        if getattr(stage, "attention_route", route) != route:
+            stage = copy.copy(stage)
+            stage.attention_route = route
+        out.append(stage)
+    return tuple(out)
 
 
 def describe_fit(stages: Sequence[Any], budget: int | None) -> list[str]:

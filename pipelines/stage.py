@@ -27,11 +27,13 @@ from pixal3d.staging import Stage
 class StageBudget:
     """What the plan gives one stage: ``total_bytes`` of process memory for everything (an explicit
     ``--memory-budget``, else the machine's usable memory), of which ``weight_bytes`` are its models.
-    ``explicit``: bound the work to it (tiles, chunks) and refuse what cannot fit."""
+    ``explicit``: bound the work to it (tiles, chunks) and refuse what cannot fit. ``array_bytes``: split
+    any work whose single tensors would exceed it (the decode tiles), whatever the budget."""
 
     total_bytes: int
     weight_bytes: int
     explicit: bool = False
+    array_bytes: int | None = None  # the largest single tensor the device takes (mps: MPSGraph's 2**32 bytes)
 
     @property
     def work_bytes(self) -> int:

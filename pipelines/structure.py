@@ -14,10 +14,10 @@ from torch import nn
 
 from pixal3d.config import CascadeConfig, StructureConfig
 
-from .flow_stage import CONDITION_INPUTS, draw_noise, extractor, sample, stage_condition
+from .flow_stage import CONDITION_INPUTS, DEFAULT_CHUNKS, draw_noise, extractor, sample, stage_condition
 from .stage import CascadeStage
 from .state import RunState
-from .working_set import structure_bytes
+from .working_set import attention_route_bytes, structure_bytes
 
 
 class EmptyStructureError(RuntimeError):
@@ -34,6 +34,7 @@ class StructureStage(CascadeStage):
     inputs = CONDITION_INPUTS
     outputs = ("ss_noise", "ss_latent", "coords_lr")
     transient = ("cond",)
+    attention_route = "sdpa"  # the resolved attention route (the plan sets it for the run's device)
 
     def __init__(self, config: StructureConfig):
         self.config = config
@@ -43,7 +44,9 @@ class StructureStage(CascadeStage):
         return cls(config.structure)
 
     def working_set(self) -> int:
-        return structure_bytes(self.config.noise_resolution)
+        tokens = self.config.noise_resolution ** 3
+        return structure_bytes(self.config.noise_resolution) + attention_route_bytes(
+            self.attention_route, tokens, DEFAULT_CHUNKS.attention_scores)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config

@@ -23,9 +23,11 @@ from pixal3d.memory_budget import (
     decoded_voxels,
 )
 from pixal3d.models.conditioning import naf_peak_bytes
+from pixal3d.nn.attention import fp32_chunked_scratch_bytes
 
 LR_OCCUPANCY = 0.12                   # occupied fraction of the coords grid
 HR_TOKENS_AT_1024 = 20_000
+FLOW_HEADS, FLOW_HEAD_DIM = 12, 128   # every released flow model (1536 channels; checkpoints.json)
 
 
 def lr_tokens(coords_resolution: int) -> int:
@@ -68,3 +70,12 @@ def export_bytes(hr_resolution: int, times: int, decimation_target: int, texture
     voxels = decoded_voxels(hr_tokens(hr_resolution), times)
     return int(voxels * EXPORT_BYTES_PER_VOXEL + decimation_target * EXPORT_BYTES_PER_FACE
                + texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
+
+
+def attention_route_bytes(route: str, tokens: int, score_elements: int) -> int:
+    """Scratch of one self-attention over ``tokens`` on the resolved ``route`` beyond the measured stage
+    lines (made with ``sdpa``): the ``fp32_chunked`` route's fp32 copies and chunks (``score_elements``
+    scores a chunk); 0 for ``sdpa``."""
+    if route != "fp32_chunked":
+        return 0
+    return fp32_chunked_scratch_bytes(1, FLOW_HEADS, tokens, tokens, FLOW_HEAD_DIM, budget=score_elements)

@@ -244,6 +244,20 @@ class UpsampleConfig:
     min_resolution: int = ranged(COUNT, 1024)
 
 
+ATTENTION_ROUTES = ("auto", "sdpa", "fp32_chunked")  # pixal3d.nn.attention.ROUTES (a test keeps them equal)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the kernels run, not what they compute (reference-equal up to rounding).
+
+    ``attention``: ``auto`` (fp32 softmax in bounded query chunks on Apple Silicon, fused SDPA elsewhere),
+    ``sdpa`` or ``fp32_chunked`` (``pixal3d.nn.attention``).
+    """
+
+    attention: str = "auto"
+
+
 @dataclass(frozen=True)
 class CascadeConfig:
     """A whole cascade: weights, seed, per-stage parameters, export."""
@@ -258,6 +272,7 @@ class CascadeConfig:
     seed: int = ranged(SEED, 42)
     camera: CameraConfig = field(default_factory=CameraConfig)
     export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.export, checked there
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     source: str = ""  # the file it was read from (set by load_config, not a YAML key)
 
     def with_overrides(self, *, where: str = "overrides", **changes: Any) -> CascadeConfig:
@@ -480,6 +495,9 @@ def _check_config(config: CascadeConfig, where: str) -> None:
         mode = getattr(config, stage).condition.naf_mode
         if mode not in ("auto", "full", "frugal"):
             raise ConfigError(f"{where}: key '{stage}.condition.naf_mode' must be auto, full or frugal, got {mode!r}")
+    if config.runtime.attention not in ATTENTION_ROUTES:
+        raise ConfigError(f"{where}: key 'runtime.attention' must be {', '.join(ATTENTION_ROUTES)}, "
+                          f"got {config.runtime.attention!r}")
     up = config.upsample
     factor = 2 ** up.times
     if up.hr_resolution % factor or up.min_resolution % factor or up.resolution_step % factor:

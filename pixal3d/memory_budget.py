@@ -28,6 +28,7 @@ MIB = 2**20
 
 # -- measured constants (benchmarks/full_work.md; CPU, torch 2.13, real widths) -----------------------------
 
+ARRAY_MARGIN = 0.9  # a planned tensor stays a tenth below the device's array limit (clear of its edge)
 PROCESS_BYTES = 450 * MIB  # interpreter + torch + transformers before any load (0.39-0.45 GiB measured)
 REFERENCE_GROWTH = 4.6  # decoded voxels per voxel per decoder level: ~20k latent tokens -> ~9M voxels
 
@@ -63,6 +64,14 @@ class DecodeCosts:
     output_bytes: float = 140.0
     level_bytes: tuple[float, ...] = (9_300.0, 4_500.0, 2_300.0, 1_030.0)
     channels: tuple[int, ...] = (1024, 512, 256, 128, 64)
+
+    def largest_tensor_bytes(self, level: int, levels: int) -> float:
+        """Bytes per level-``level`` voxel of the largest single tensor that level makes: a ConvNeXt MLP's
+        hidden features (4·C fp16), the C2S convolution's output (8·C_next fp16) or, at the last level, the
+        head's fp32 input (benchmarks/mps_audit.md shows these rows at real size)."""
+        if level == levels:
+            return 4.0 * self.channels[level]
+        return max(2 * 4.0 * self.channels[level], 2 * 8.0 * self.channels[level + 1])
 
 
 DECODE_COSTS = DecodeCosts()
@@ -125,21 +134,31 @@ def _prefix_held(start: int, voxels_at: list[float], costs: DecodeCosts) -> floa
     return 0.0 if start == 0 else 2 * 2 * costs.channels[start] * voxels_at[start]
 
 
+def decode_largest_tensor(latent_tokens: float, *, levels: int = 4, growth: float = REFERENCE_GROWTH,
+                          costs: DecodeCosts = DECODE_COSTS, start: int = 0) -> float:
+    """Bytes of the largest single tensor of the decode's levels ``start..levels`` (all of them: untiled)."""
+    return max(costs.largest_tensor_bytes(i, levels) * latent_tokens * growth ** i for i in range(start, levels + 1))
+
+
 def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: int = 4,
                 growth: float = REFERENCE_GROWTH, costs: DecodeCosts = DECODE_COSTS,
-                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64) -> TilePlan | None:
+                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64,
+                array_bytes: int | None = None) -> TilePlan | None:
     """The decode's ``TilePlan`` within ``budget`` bytes of process memory, or None when untiled fits.
 
     The deepest start level whose untiled prefix fits is chosen (the halo then costs least), and the
-    largest tile that fits beside the weights, the outputs and the prefix's held features.
-    Raises ``MemoryBudgetError`` when no start level leaves room for a tile of ``min_tile_voxels``
-    start-level voxels.
+    largest tile that fits beside the weights, the outputs and the prefix's held features. ``array_bytes``
+    (the device's largest single tensor: MPSGraph's 2**32 bytes on mps) also bounds every tensor of the
+    prefix and of a tile (``decode_largest_tensor``). Raises ``MemoryBudgetError`` when no start level
+    leaves room for a tile of ``min_tile_voxels`` start-level voxels.
     """
     from .models.decoder_tiling import TilePlan
 
     voxels_at = [latent_tokens * growth ** i for i in range(levels + 1)]
     held = process_bytes + weight_bytes + costs.output_bytes * voxels_at[levels]
-    if held + costs.fixed_bytes + costs.voxel_bytes * voxels_at[levels] <= budget:
+    fits_arrays = array_bytes is None or decode_largest_tensor(
+        latent_tokens, levels=levels, growth=growth, costs=costs) <= ARRAY_MARGIN * array_bytes
+    if fits_arrays and held + costs.fixed_bytes + costs.voxel_bytes * voxels_at[levels] <= budget:
         return None
     smallest_need = math.inf
     for start in range(levels - 1, -1, -1):
@@ -152,7 +171,16 @@ def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: i
         smallest_need = min(smallest_need, need)
         if process_bytes + weight_bytes + prefix_peak > budget or room < costs.voxel_bytes * smallest:
             continue
-        return TilePlan(start_level=start, tile_voxels=int(room / costs.voxel_bytes), growth=growth)
+        tile_voxels = room / costs.voxel_bytes
+        if array_bytes is not None:  # the prefix's levels whole, a tile's levels within the array limit
+            prefix = max((costs.largest_tensor_bytes(i, levels) * voxels_at[i] for i in range(start)), default=0.0)
+            per_final = decode_largest_tensor(growth ** -levels, levels=levels, growth=growth, costs=costs,
+                                              start=start)
+            cap = ARRAY_MARGIN * array_bytes / per_final
+            if prefix > ARRAY_MARGIN * array_bytes or cap < smallest:
+                continue
+            tile_voxels = min(tile_voxels, cap)
+        return TilePlan(start_level=start, tile_voxels=int(tile_voxels), growth=growth)
     raise budget_error("decode", smallest_need, budget,
                        f"decoder weights {format_bytes(weight_bytes)}, ~{voxels_at[levels] / 1e6:.1f}M decoded voxels "
                        f"held at {costs.output_bytes:.0f} B each, and the smallest tile")

@@ -81,13 +81,13 @@ class StaleKVSelfAttention(MultiHeadSelfAttention):
         if state.sync:  # the whole sequence: exactly the parent's attention; keep K/V for streamed steps
             if state.keep_kv:
                 state._store(self, k, v, state.piece)
-            h = attend(q, k, v, layout)
+            h = attend(q, k, v, layout, route=self.route)
         else:
             k_all, v_all = state._store(self, k, v, state.piece)
             if layout is None:
-                h = attention(q, k_all, v_all)  # [B, l, H, D] over [B, L', H, D]
+                h = attention(q, k_all, v_all, route=self.route)  # [B, l, H, D] over [B, L', H, D]
             else:  # one packed sample (FlowSequence allows no more)
-                h = attention(q.unsqueeze(0), k_all.unsqueeze(0), v_all.unsqueeze(0))[0]
+                h = attention(q.unsqueeze(0), k_all.unsqueeze(0), v_all.unsqueeze(0), route=self.route)[0]
         return self.to_out(h.flatten(-2))
 
 
