@@ -9,11 +9,14 @@ whose tensors compute on the CPU, so every op shows which side of a Mac run it w
 3. ``staged`` again with the published dtype placement (flow models bfloat16, decoders float16 —
    the tiny weights are float32), so the half-precision ops of a real run are audited too.
 
-Then it prints the table (op, dtypes, stages, calls, MPS status) and a summary, and exits 1 if any
-device op would fail on mps.
+Then it prints the table (op, dtypes, stages, calls, MPS status) and a summary. Before that, the audit at
+real sizes (``scripts/mps_real_size.py``): every device op of the published-size models at the reference's
+counts, on ``meta``, judged against torch 2.13's MPS limits (``pixal3d/audit/limits.py``). Exits 1 if any
+device op would fail on mps or exceed a limit.
 
-    python scripts/mps_audit.py                              # print the table
+    python scripts/mps_audit.py                              # print the page
     python scripts/mps_audit.py -o benchmarks/mps_audit.md   # also write it (README's source)
+    python scripts/mps_audit.py --skip-real-size             # the tiny cascade only (~1 min instead of ~10)
 """
 from __future__ import annotations
 
@@ -126,11 +129,11 @@ def audit_tiny_cascade(runs: Sequence[tuple[str, str]] = RUNS, *, config: Cascad
 
 
 def report(audit: MpsAudit, runs: Sequence[tuple[str, str]], seconds: float) -> str:
-    """The markdown page: how it was made, the summary, the table."""
+    """The tiny cascade's section: how it was made, the summary, the table."""
     s = audit.summary()
     problems = "\n".join(f"- {p}" for p in s["problems"]) or "- none"
     return (
-        "# MPS op audit of the tiny cascade\n\n"
+        "## Every op of the tiny cascade has an MPS kernel\n\n"
         f"`python scripts/mps_audit.py -o benchmarks/mps_audit.md` — torch {torch.__version__}, "
         f"{platform.system()} {platform.machine()}, {seconds:.0f} s. Runs: "
         + ", ".join(f"{p} ({d} dtypes)" for p, d in runs) + ". Every stage ran on the stand-in device "
@@ -149,18 +152,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-o", "--output", type=Path, help="also write the markdown page here")
+    parser.add_argument("--skip-real-size", action="store_true", help="audit the tiny cascade only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     gc.collect()
     gc.freeze()  # as pipelines.cli.main does: keeps the collection in every release cheap
+    sections, failed = ["# MPS op audit\n"], False
+    if not args.skip_real_size:
+        from scripts.mps_real_size import Models, cases, run_cases, untiled_1536_decode
+        from scripts.mps_real_size import report as real_size_report
+
+        start = time.perf_counter()
+        models = Models()
+        sized = run_cases(cases(models))
+        before = run_cases([untiled_1536_decode(models)])
+        sections.append(real_size_report(sized, before, time.perf_counter() - start))
+        failed = bool(sized.problems())
     start = time.perf_counter()
     audit = audit_tiny_cascade(RUNS)
-    page = report(audit, RUNS, time.perf_counter() - start)
+    sections.append(report(audit, RUNS, time.perf_counter() - start))
+    page = "\n".join(sections)
     print(page)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(page, encoding="utf-8")
-    return 1 if audit.problems() else 0
+    return 1 if failed or audit.problems() else 0
 
 
 if __name__ == "__main__":

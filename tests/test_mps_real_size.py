@@ -1,0 +1,116 @@
+"""The MPS audit at real sizes (pixal3d/audit/sizes.py, limits.py): meta runs recorded op by op, judged
+against torch 2.13's MPS limits; each check with a control over the limit, and attention judged by what mps
+dispatches to (its own kernel for contiguous q/k/v, the fp32 math path otherwise)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pixal3d.audit.limits import MPS_LIMITS, Call, TensorInfo, violations
+from pixal3d.audit.sizes import (
+    MPS_SDPA_OP,
+    MpsLimitError,
+    SizeAudit,
+    SizeOracle,
+    real_size_audit,
+)
+from pixal3d.models.loading import build_model
+from pixal3d.nn.attention import attention, set_attention_route
+from pixal3d.nn.sparse_tensor import SparseTensor
+
+MANIFEST = Path(__file__).resolve().parents[1] / "assets" / "checkpoints.json"
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_control_an_op_over_2_to_the_32_bytes_is_flagged_and_one_at_the_limit_is_not():
+    with real_size_audit() as audit:
+        audit.case = "toy"
+        meta(2**30) * 2          # 2**32 bytes exactly: MPSGraph refuses only more
+    assert audit.problems() == []
+    with real_size_audit() as audit:
+        audit.case = "toy"
+        meta(2**30 + 1) * 2
+    [row] = [r for r in audit.problems() if r.op == "aten::mul.Tensor"]
+    assert set(row.violations) == {"array bytes"} and "toy" in row.violations["array bytes"]
+    with pytest.raises(MpsLimitError, match="mul.Tensor"):
+        audit.check()
+
+
+def test_the_op_specific_limits_flag_what_torch_2_13_refuses():
+    def broken(op, tensors, args=(), flags=()):
+        return set(violations(Call(op, tuple(tensors), tuple(args), tuple(flags))))
+
+    big = TensorInfo((2**31,), torch.bool)
+    assert broken("aten::nonzero", [big], [big]) == {"nonzero size", "int32 dims"}
+    assert broken("aten::nonzero", [TensorInfo((2**31 - 1,), torch.bool)], [TensorInfo((2**31 - 1,), torch.bool)]) == set()
+    out = TensorInfo((2, 2**16, 2**16 + 1), torch.float16, "out")  # 2**33 entries, 8.6 GB fp16
+    assert broken("aten::bmm", [out]) == {"matmul size", "array bytes"}
+    x, w = TensorInfo((1, 8, 4, 4, 4), torch.float16), TensorInfo((70_000, 8, 3, 3, 3), torch.float16)
+    assert broken("aten::convolution", [x, w], [x, w], [None, None, None, None, None, None, False]) == {"convolution"}
+    w_ok = TensorInfo((64, 8, 3, 3, 3), torch.float16)
+    assert broken("aten::convolution", [x, w_ok], [x, w_ok], [None] * 6 + [False]) == set()
+    index32 = TensorInfo((10,), torch.int32)
+    src = TensorInfo((100, 4), torch.float32)
+    assert broken("aten::index.Tensor", [src, index32], [src, (index32,)]) == {"index kernel"}
+    assert broken("aten::index.Tensor", [src, TensorInfo((10,), torch.int64)],
+                  [src, (TensorInfo((10,), torch.int64),)]) == set()
+    half = TensorInfo((4, 4), torch.float16)
+    assert broken("aten::_softmax", [half], [half], [None, -1, True]) == {"softmax"}
+    assert broken("aten::add.Tensor", [TensorInfo((2,), torch.float64)]) == {"float64"}
+    assert {limit.name for limit in MPS_LIMITS} >= {"array bytes", "int32 dims", "sort length", "index kernel"}
+
+
+def test_data_dependent_ops_get_the_oracles_counts_on_meta():
+    with real_size_audit(SizeAudit(oracle=SizeOracle(nonzero_fraction=0.25, unique_fraction=0.5))) as audit:
+        mask = meta(100, 8, dtype=torch.bool)
+        assert mask.nonzero().shape == (200, 2)
+        assert meta(100, 3)[mask[:, 0]].shape == (25, 3)
+        rows, inverse = torch.unique(meta(40, 4, dtype=torch.int32), dim=0, return_inverse=True)
+        assert rows.shape == (20, 4) and inverse.shape == (40,)
+        assert bool(mask.any()) is False and meta(3).tolist() == [0.0, 0.0, 0.0]
+    assert {r.op for r in audit.rows.values()} >= {"aten::nonzero", "aten::unique_dim", "aten::index.Tensor"}
+
+
+def test_contiguous_sdpa_is_judged_as_the_mps_kernel_that_materialises_its_scores():
+    """What mps dispatches to: contiguous q/k/v → _scaled_dot_product_attention_math_for_mps, whose [B, H, Lq, Lk]
+    scores at 20k bf16 tokens (9.6 GB) exceed 2**32 bytes; the heads the models pass (views, not contiguous)
+    take the math path, which upcasts to fp32 — and the fp32 route calls no SDPA at all."""
+    q = meta(1, 12, 20_000, 128, dtype=torch.bfloat16)
+    with real_size_audit() as audit:
+        F.scaled_dot_product_attention(q, q, q)
+    [row] = audit.problems()
+    assert row.op == MPS_SDPA_OP and row.largest.shape == (1, 12, 20_000, 20_000)
+    heads = meta(1, 20_000, 12, 128, dtype=torch.bfloat16)  # [B, L, H, D] as the projections give them
+    with real_size_audit() as audit:
+        attention(heads, heads, heads, route="sdpa")
+    ops = {(r.op, r.dtypes) for r in audit.rows.values()}
+    assert MPS_SDPA_OP not in {op for op, _ in ops}
+    assert ("aten::_to_copy", ("bf16", "f32")) in ops and ("aten::bmm", ("f32",)) in ops  # the fp32 math path
+    assert audit.problems() == []
+    with real_size_audit() as audit:
+        attention(heads, heads, heads, route="fp32_chunked")
+    assert audit.problems() == [] and not any("scaled_dot_product" in r.op for r in audit.rows.values())
+
+
+def test_a_published_width_flow_block_at_the_1536_token_budget_is_within_every_limit():
+    """The HR flow's width (1536 channels, 12 heads × 128, bf16, mlp 5.33) on 49,151 tokens, one block."""
+    spec = json.loads(MANIFEST.read_text())["models"]["shape_slat_flow_model_1024"]
+    model = set_attention_route(build_model({"name": spec["class"], "args": {**spec["args"], "num_blocks": 1}}).eval(),
+                                "fp32_chunked")
+    n = 49_151
+    x = SparseTensor(meta(n, 32), meta(n, 4, dtype=torch.int32))
+    x.cache["layout"] = [slice(0, n)]
+    with torch.no_grad(), real_size_audit() as audit:
+        model(x, meta(1), {"global": meta(1, 4101, 1024), "proj": meta(n, 2048)})
+    assert audit.problems() == []
+    largest = audit.sorted_rows()[0].largest
+    assert largest.shape == (n, 8192) and largest.dtype == torch.bfloat16  # the MLP's hidden features
+    softmax = max((r for r in audit.rows.values() if r.op == "aten::_softmax"), key=lambda r: r.largest.nbytes)
+    assert softmax.largest.dtype == torch.float32 and softmax.largest.numel <= 1 << 26
