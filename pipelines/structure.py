@@ -14,7 +14,14 @@ from torch import nn
 
 from pixal3d.config import CascadeConfig, StructureConfig
 
-from .flow_stage import CONDITION_INPUTS, DEFAULT_CHUNKS, draw_noise, extractor, sample, stage_condition
+from .flow_stage import (
+    CONDITION_INPUTS,
+    DEFAULT_CHUNKS,
+    draw_noise,
+    extractor,
+    sample,
+    stage_condition,
+)
 from .stage import CascadeStage
 from .state import RunState
 from .working_set import attention_route_bytes, structure_bytes

@@ -28,6 +28,7 @@ second call above what was allocated before it (PyTorch profiler memory events).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -131,7 +132,7 @@ def measure(keys: int, queries: int, gamma: float) -> list[dict[str, object]]:
         start = time.perf_counter()
         out = method(q, k, v)
         seconds = time.perf_counter() - start
-        _, peak = peak_allocated_bytes(lambda: method(q, k, v))
+        _, peak = peak_allocated_bytes(functools.partial(method, q, k, v))
         max_err, mean_err = relative_errors(out, ref)
         cast_max, cast_mean = relative_errors(out.bfloat16(), ref)
         rows.append({"keys": keys, "queries": queries, "method": name, "result_dtype": str(out.dtype),
@@ -145,16 +146,18 @@ def report(rows: Sequence[dict[str, object]], args: argparse.Namespace) -> str:
     lines = [
         "# Attention accuracy at long key lengths (CPU)",
         "",
-        f"`python scripts/bench_attention.py -o benchmarks/attention.md` — torch {torch.__version__}, "
-        f"{platform.machine()}, {torch.get_num_threads()} threads; {HEADS} heads × {HEAD_DIM}, bf16 inputs, q/k "
-        f"RMS-normed to {args.gamma:g}·sqrt({HEAD_DIM}), {args.queries} queries per key length (rows are "
-        "independent: the error of a row does not depend on how many are computed). Reference: fp64 attention of "
-        "the same bf16 values. Max error: max |out − ref| / max |ref|; mean: mean |out − ref| / mean |ref|. "
-        "Peak: the CPU allocator's peak above what was allocated before the call. The two `mpsgraph_*` rows are "
-        "emulations on the CPU (see the script's docstring), not measurements on a Mac.",
+        (f"`python scripts/bench_attention.py --queries {args.queries} -o benchmarks/attention.md` — torch "
+         f"{torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads (other jobs shared the two "
+         f"cores: times are indicative); {HEADS} heads × {HEAD_DIM}, bf16 inputs, q/k RMS-normed to "
+         f"{args.gamma:g}·sqrt({HEAD_DIM}), v ~ N(0, 1), {args.queries} queries per key length (rows are independent: "
+         "the error of a row does not depend on how many are computed). Reference: fp64 attention of the same bf16 "
+         "values. Max error: max |out − ref| / max |ref|; mean: mean |out − ref| / mean |ref| — of each method's "
+         "result before its cast to bf16 (`result`), then after it (bf16 rounding, ~2e-3, is the floor there). "
+         "Peak: the CPU allocator's peak during the call above what was allocated before it. The two `mpsgraph_*` "
+         "rows are emulations on the CPU (see the script's docstring), not measurements on a Mac."),
         "",
-        "| keys | method | result | max rel. error | mean rel. error | max / mean after the bf16 cast | time (s) "
-        "| peak memory |",
+        ("| keys | method | result | max rel. error | mean rel. error | max / mean after the bf16 cast | time (s) "
+         "| peak memory |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -171,7 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=256)
     parser.add_argument("--gamma", type=float, default=1.5)
     parser.add_argument("-o", "--output", type=Path, help="also write the markdown page (and a .json beside it)")
+    parser.add_argument("--from-json", type=Path, help="rebuild the page from an earlier run's .json (no measuring)")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        rows = json.loads(args.from_json.read_text())
+        args.queries = rows[0]["queries"]
+        page = report(rows, args)
+        print(page)
+        if args.output is not None:
+            args.output.write_text(page, encoding="utf-8")
+        return 0
     peak_allocated_bytes(lambda: torch.ones(1))  # the profiler's first start is slow: not in any row
     rows = []
     for keys in args.keys:

@@ -9,6 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipelines import working_set as ws
+from pipelines.build import build_stages
+from pipelines.pipeline import Pixal3D, with_attention_route_of
+from pipelines.stage import StageBudget
+from pixal3d import memory_budget as mb
 from pixal3d.audit import STANDIN, mps_audit
 from pixal3d.config import ATTENTION_ROUTES, ConfigError, load_config
 from pixal3d.nn import attention as attn
@@ -22,11 +27,6 @@ from pixal3d.nn.attention import (
     resolve_route,
     set_attention_route,
 )
-from pipelines import working_set as ws
-from pipelines.build import build_stages
-from pipelines.pipeline import Pixal3D, with_attention_route_of
-from pipelines.stage import StageBudget
-from pixal3d import memory_budget as mb
 from scripts.bench_attention import peak_allocated_bytes, reference, rms_normed_inputs
 from tests.cascade_fixtures import tiny, tiny_cache  # noqa: F401
 
@@ -171,3 +171,18 @@ def test_on_mps_the_1536_decode_tiles_so_no_tensor_exceeds_2_to_the_32_bytes():
     at_1024 = next(s for s in build_stages(load_config("configs/1024_cascade.yaml")) if s.name == "decode")
     assert at_1024.fitted(StageBudget(200 * 2**30, 2 * 2**30, array_bytes=2**32)).tile_plan is None
     assert attn.device_array_bytes("cpu") is None and attn.device_array_bytes("cuda:0") is None
+
+
+def test_under_a_tight_budget_the_fp32_route_gets_smaller_chunks_than_sdpa():
+    """The route's fp32 copies of k, v and the output are held beside the weights: for the same budget its
+    score chunks shrink where sdpa's need not, and a budget sdpa just fits is refused for it."""
+    texture = next(s for s in build_stages(load_config("configs/1024_cascade.yaml")) if s.name == "texture")
+    [fp32_stage] = with_attention_route_of([texture], "fp32_chunked")
+    six = StageBudget(6 * 2**30, int(3.75 * 2**30), explicit=True)
+    assert texture.fitted(six).chunks is None  # sdpa: the default chunks fit
+    chunks = fp32_stage.fitted(six).chunks
+    assert chunks is not None and chunks.attention_scores < attn.SCORE_BUDGET
+    tight = StageBudget(int(5.5 * 2**30), int(3.75 * 2**30), explicit=True)
+    assert texture.fitted(tight).chunks is not None
+    with pytest.raises(mb.MemoryBudgetError, match="texture"):
+        fp32_stage.fitted(tight)

@@ -38,7 +38,6 @@ from .norms import MultiHeadRMSNorm
 from .rope import apply_rope
 
 QueryChunk = int | None | Literal["auto"]
-Route = Literal["auto", "sdpa", "fp32_chunked"]
 ROUTES: tuple[str, ...] = ("auto", "sdpa", "fp32_chunked")
 
 SCORE_BUDGET = 1 << 26  # score elements per chunk (256 MiB in fp32) on devices without fused kernels
