@@ -27,7 +27,6 @@ from pixal3d.memory_budget import (
     ATTENTION_SCORE_COPIES,
     FlowChunks,
     attention_score_elements,
-    chunk_sizes,
     naf_chunk_elements,
     plan_flow_stage,
 )
@@ -39,6 +38,7 @@ from pixal3d.models.conditioning import (
     negative_condition,
     select_naf_mode,
 )
+from pixal3d.nn.limits import kernel_limits
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.parallel import parallel_sample
 from pixal3d.pipeline_json import Normalization
@@ -170,10 +170,11 @@ class SparseFlowStage(CascadeStage):
         return out
 
     def bounded(self) -> contextlib.AbstractContextManager[None]:
-        """The chunk sizes the budget chose, for the stage's run (nothing changes without a budget)."""
+        """The chunk sizes the budget chose, for the stage's run (nothing changes without a budget): the kernels
+        of this thread see them (``pixal3d.nn.limits``), another pipeline's stage running meanwhile does not."""
         if self.chunks is None:
             return contextlib.nullcontext()
-        return chunk_sizes(attention_scores=self.chunks.attention_scores, naf_elements=self.chunks.naf_elements)
+        return kernel_limits(attention_scores=self.chunks.attention_scores, naf_elements=self.chunks.naf_elements)
 
 
 class HrFlowStage(SparseFlowStage):

@@ -8,15 +8,13 @@ at the released models' widths on the CPU (``scripts/bench_full_work.py``, bench
 - ``plan_decode(budget, ...)``: untiled when the decode fits, else the ``TilePlan`` (start level, voxels
   per tile) that does; ``MemoryBudgetError`` when even the smallest tile cannot;
 - ``attention_score_elements`` / ``naf_chunk_elements``: chunk sizes of the two chunked kernels for the
-  bytes left, applied with ``chunk_sizes(...)``;
+  bytes left (the stage runs with them: ``pixal3d.nn.limits``);
 - ``parse_budget("8G")``: binary units (G = GiB).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -208,26 +206,9 @@ def naf_chunk_elements(free_bytes: float, *, element_size: int = 4, default: int
     return max(floor, int(free_bytes // (NAF_CHUNK_COPIES * element_size)))
 
 
-@contextlib.contextmanager
-def chunk_sizes(*, attention_scores: int | None = None, naf_elements: int | None = None) -> Iterator[None]:
-    """Run a block with other chunk sizes for the query-chunked attention and NAF (restored on exit)."""
-    from .models import naf
-    from .nn import attention
-
-    saved = attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS
-    try:
-        if attention_scores is not None:
-            attention.SCORE_BUDGET = attention_scores
-        if naf_elements is not None:
-            naf._CHUNK_ELEMENTS = naf_elements
-        yield
-    finally:
-        attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS = saved
-
-
 @dataclass(frozen=True)
 class FlowChunks:
-    """Chunk sizes of a flow stage's two chunked kernels (pass them to ``chunk_sizes``)."""
+    """Chunk sizes of a flow stage's two chunked kernels (run with them: ``pixal3d.nn.limits.kernel_limits``)."""
 
     attention_scores: int
     naf_elements: int

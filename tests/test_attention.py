@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from pixal3d.nn.attention import (
-    SCORE_BUDGET,
     MultiHeadSelfAttention,
     attention,
     auto_query_chunk,
     packed_attention,
+    score_budget,
 )
 from pixal3d.nn.norms import MultiHeadRMSNorm
 from pixal3d.nn.rope import apply_rope, grid_positions, rope_phases
@@ -75,7 +75,7 @@ def test_auto_chunk_bounds_scores_on_cpu():
 
 
 def test_auto_chunking_keeps_30k_token_scores_bounded(monkeypatch):
-    """At 32768 tokens × 12 heads every SDPA call sees at most SCORE_BUDGET scores (shapes only, on meta)."""
+    """At 32768 tokens × 12 heads every SDPA call sees at most score_budget() scores (shapes only, on meta)."""
     seen = []
     real_sdpa = F.scaled_dot_product_attention
 
@@ -87,7 +87,7 @@ def test_auto_chunking_keeps_30k_token_scores_bounded(monkeypatch):
     q = torch.empty(32768, 12, 128, device="meta", dtype=torch.bfloat16)
     out = packed_attention(q, q, q, [slice(0, 32768)])
     assert out.shape == q.shape
-    assert len(seen) > 1 and max(seen) <= SCORE_BUDGET
+    assert len(seen) > 1 and max(seen) <= score_budget()
 
 
 def test_packed_attention_one_sample_equals_dense():

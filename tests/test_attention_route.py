@@ -17,6 +17,7 @@ from pixal3d import memory_budget as mb
 from pixal3d.audit import STANDIN, mps_audit
 from pixal3d.config import ATTENTION_ROUTES, ConfigError, load_config
 from pixal3d.nn import attention as attn
+from pixal3d.nn.limits import kernel_limits
 from pixal3d.nn.attention import (
     MultiHeadSelfAttention,
     attention,
@@ -109,17 +110,17 @@ def test_chunk_length_keeps_scores_within_budget_and_under_2_to_the_32_bytes():
     assert 4 * 12 * 200_000 * huge <= 2**32 < 4 * 12 * 200_000 * (huge + 1)
 
 
-def test_fp32_chunked_peak_scratch_is_within_its_estimate_and_the_budget(monkeypatch):
-    monkeypatch.setattr(attn, "SCORE_BUDGET", 12 * 4000 * 50)  # 50 queries a chunk
-    q, k, v = rms_normed_inputs(400, 4000)
-    _, peak = peak_allocated_bytes(lambda: fp32_chunked_attention(q, k, v).bfloat16())
-    estimate = fp32_chunked_scratch_bytes(1, 12, 400, 4000, 128)
-    assert peak <= estimate
-    held = 4 * 12 * (2 * 4000 * 128 + 400 * 128)  # fp32 k, v and output
-    assert peak - held <= 2 * 4 * attn.score_budget() + 4 * 12 * 50 * 256  # two score copies + q and product
-    # control: one chunk of all 400 queries needs more than the budget allows
-    _, whole = peak_allocated_bytes(lambda: fp32_chunked_attention(q, k, v, chunk=400))
-    assert whole - held > 2 * 4 * attn.score_budget()
+def test_fp32_chunked_peak_scratch_is_within_its_estimate_and_the_budget():
+    with kernel_limits(attention_scores=12 * 4000 * 50):  # 50 queries a chunk
+        q, k, v = rms_normed_inputs(400, 4000)
+        _, peak = peak_allocated_bytes(lambda: fp32_chunked_attention(q, k, v).bfloat16())
+        estimate = fp32_chunked_scratch_bytes(1, 12, 400, 4000, 128)
+        assert peak <= estimate
+        held = 4 * 12 * (2 * 4000 * 128 + 400 * 128)  # fp32 k, v and output
+        assert peak - held <= 2 * 4 * attn.score_budget() + 4 * 12 * 50 * 256  # two score copies + q and product
+        # control: one chunk of all 400 queries needs more than the budget allows
+        _, whole = peak_allocated_bytes(lambda: fp32_chunked_attention(q, k, v, chunk=400))
+        assert whole - held > 2 * 4 * attn.score_budget()
 
 
 def test_the_config_key_and_the_plan_reason_name_the_route(tiny):
@@ -142,13 +143,13 @@ def test_the_memory_plan_counts_the_fp32_routes_chunk_memory():
     stages = build_stages(load_config("configs/1024_cascade.yaml"))
     sdpa = {s.name: s.working_set() for s in stages}
     fp32 = {s.name: s.working_set() for s in with_attention_route_of(stages, "fp32_chunked")}
-    extra = ws.attention_route_bytes("fp32_chunked", 20_000, attn.SCORE_BUDGET)
-    assert extra == fp32_chunked_scratch_bytes(1, 12, 20_000, 20_000, 128, budget=attn.SCORE_BUDGET) > 0
+    extra = ws.attention_route_bytes("fp32_chunked", 20_000, attn.score_budget())
+    assert extra == fp32_chunked_scratch_bytes(1, 12, 20_000, 20_000, 128, budget=attn.score_budget()) > 0
     assert fp32["shape_1024"] - sdpa["shape_1024"] == extra
     assert fp32["texture"] - sdpa["texture"] == extra
     assert fp32["structure"] > sdpa["structure"] and fp32["shape_512"] > sdpa["shape_512"]
     assert fp32["decode"] == sdpa["decode"]  # no attention there
-    assert ws.attention_route_bytes("sdpa", 20_000, attn.SCORE_BUDGET) == 0
+    assert ws.attention_route_bytes("sdpa", 20_000, attn.score_budget()) == 0
 
 
 def test_the_plan_says_which_attention_route_runs(tiny):
@@ -181,7 +182,7 @@ def test_under_a_tight_budget_the_fp32_route_gets_smaller_chunks_than_sdpa():
     six = StageBudget(6 * 2**30, int(3.75 * 2**30), explicit=True)
     assert texture.fitted(six).chunks is None  # sdpa: the default chunks fit
     chunks = fp32_stage.fitted(six).chunks
-    assert chunks is not None and chunks.attention_scores < attn.SCORE_BUDGET
+    assert chunks is not None and chunks.attention_scores < attn.score_budget()
     tight = StageBudget(int(5.5 * 2**30), int(3.75 * 2**30), explicit=True)
     assert texture.fitted(tight).chunks is not None
     with pytest.raises(mb.MemoryBudgetError, match="texture"):

@@ -60,17 +60,27 @@ def test_the_budget_bounds_the_decode_estimate():
     assert {k: v for k, v in bounded.items() if k != "decode"} == {k: v for k, v in free.items() if k != "decode"}
 
 
-def test_chunk_sizes_shrink_with_the_memory_left_and_are_restored():
-    from pixal3d.models import naf
-    from pixal3d.nn import attention
+def test_chunk_sizes_shrink_with_the_memory_left_and_are_restored_in_this_thread_only():
+    import threading
+
+    from pixal3d.nn.attention import score_budget
+    from pixal3d.nn.limits import current_limits, kernel_limits
 
     assert mb.attention_score_elements(64 * GIB) == 1 << 26  # the default when it fits
     assert mb.attention_score_elements(96 * 2**20) < 1 << 26
     assert mb.naf_chunk_elements(24 * 2**20) < 1 << 23
-    before = attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS
-    with mb.chunk_sizes(attention_scores=1 << 20, naf_elements=1 << 18):
-        assert (attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS) == (1 << 20, 1 << 18)
-    assert (attention.SCORE_BUDGET, naf._CHUNK_ELEMENTS) == before
+    before = score_budget(), current_limits().naf_elements
+    assert before == (1 << 26, 1 << 23)
+    seen = {}
+    with kernel_limits(attention_scores=1 << 20, naf_elements=1 << 18):
+        assert (score_budget(), current_limits().naf_elements) == (1 << 20, 1 << 18)
+        with kernel_limits(naf_elements=1 << 19):  # one limit changed, the other kept
+            assert (score_budget(), current_limits().naf_elements) == (1 << 20, 1 << 19)
+        other = threading.Thread(target=lambda: seen.update(other=(score_budget(), current_limits().naf_elements)))
+        other.start()
+        other.join()
+    assert seen["other"] == before  # another thread never saw this block's limits
+    assert (score_budget(), current_limits().naf_elements) == before
 
 
 def test_flow_stage_chunks_default_when_they_fit_shrink_when_short_and_refuse_when_hopeless():

@@ -36,10 +36,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from ..nn.limits import current_limits
 from .loading import CheckpointError, register_model
 from .projection import read_pixels, sample_map
 
-_CHUNK_ELEMENTS = 1 << 23  # gathered value elements per attention chunk (32 MiB in fp32)
 _BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
 _SAMPLE_MAP_BYTES = 256 << 20  # one channel chunk of the sparse map ``NAF.sample`` bilinear-samples
 
@@ -233,7 +233,7 @@ class NAF(nn.Module):
         value_flat = values[0].reshape(channels, -1).T.reshape(patch_h * patch_w, self.heads, -1)  # [hw, n, dv]
         queries = queries.reshape(queries.shape[0], self.heads, -1)  # [P, n, dk]
         out = queries.new_empty(queries.shape[0], channels)
-        chunk = max(1, _CHUNK_ELEMENTS // (k * k * channels))
+        chunk = max(1, current_limits().naf_elements // (k * k * channels))
         for begin in range(0, queries.shape[0], chunk):
             sl = slice(begin, begin + chunk)
             index = ((start_y[sl, None] + window)[:, :, None] * patch_w

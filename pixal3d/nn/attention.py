@@ -34,13 +34,13 @@ from torch import nn
 
 from ..audit.limits import MPSGRAPH_ARRAY_BYTES
 from ..audit.standin import STANDIN
+from .limits import current_limits
 from .norms import MultiHeadRMSNorm
 from .rope import apply_rope
 
 QueryChunk = int | None | Literal["auto"]
 ROUTES: tuple[str, ...] = ("auto", "sdpa", "fp32_chunked")
 
-SCORE_BUDGET = 1 << 26  # score elements per chunk (256 MiB in fp32) on devices without fused kernels
 MPS_ARRAY_BYTES = MPSGRAPH_ARRAY_BYTES  # MPSGraph: "total bytes of NDArray > 2**32" (pytorch/pytorch#149261)
 FP32_ROUTE_DEVICES = ("mps",)  # device types whose ``auto`` route is fp32_chunked
 
@@ -51,8 +51,9 @@ def device_array_bytes(device: torch.device | str) -> int | None:
 
 
 def score_budget() -> int:
-    """Score elements one query chunk may hold (``SCORE_BUDGET``; a memory budget may lower it)."""
-    return SCORE_BUDGET
+    """Score elements one query chunk may hold: the running stage's limit (``pixal3d.nn.limits``, per thread;
+    a memory budget may lower it)."""
+    return current_limits().attention_scores
 
 
 def check_route(route: str) -> str:
