@@ -50,7 +50,6 @@ from pixal3d.config import (
 from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
-from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import ImageError, probe_image
 from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings
 from pixal3d.staging import Policy, StageRecord
@@ -175,7 +174,7 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
                 return 0
             return _run_batch(pipe, prepared, args)  # several images, or a run to keep in a work directory
     except BaseException as err:  # classify() decides; anything it does not know is re-raised
-        failure = classify(err, started=started)
+        failure = _classify(err, started=started)
         if failure is None:
             raise
         if isinstance(parallel, ParallelRuntime):
@@ -189,6 +188,19 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
 def _fail(failure: Failure) -> int:
     print(f"pixal3d-image-to-mesh: error: {failure.message}", file=sys.stderr)
     return failure.exit_code
+
+
+FLAGS = {"memory_budget": "--memory-budget", "seed": "--seed", "fov": "--fov"}
+"""The command's flag for each library setting its errors name (``SettingError.setting``)."""
+
+
+def _classify(err: BaseException, *, started: bool) -> Failure | None:
+    """``classify``, with an error about one setting prefixed by the flag that set it."""
+    failure = classify(err, started=started)
+    setting = getattr(err, "setting", None)
+    if failure is not None and setting in FLAGS:
+        failure = replace(failure, message=f"{FLAGS[setting]}: {failure.message}")
+    return failure
 
 
 def _skip_line(name: str, message: str) -> None:
@@ -275,18 +287,8 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
     plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel,
-                        memory_budget=memory_budget(args.memory_budget))
+                        memory_budget=args.memory_budget)
     return Prepared(plan, jobs, rejected, everything)
-
-
-def memory_budget(text: str | None) -> int | str | None:
-    """``--memory-budget`` as bytes, ``"auto"`` or None; a size that cannot be read is a ``UsageError``."""
-    if text is None or text == "auto":
-        return text
-    try:
-        return parse_budget(text)
-    except ValueError as err:
-        raise UsageError(f"--memory-budget: {err}") from None
 
 
 def _unusable(config: CascadeConfig, path: Path) -> ImageError | None:

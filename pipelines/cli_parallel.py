@@ -29,7 +29,7 @@ from pixal3d.parallel import (
 )
 from pixal3d.parallel.topology import Topology
 
-from .cli import UsageError, _fail, _main, default_device, memory_budget, parse_device
+from .cli import UsageError, _classify, _fail, _main, default_device, parse_device
 from .errors import Failure, classify
 from .parallel import rank_device
 from .pipeline import Pixal3D
@@ -58,7 +58,7 @@ def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
     """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0."""
     try:
         plan = Pixal3D.plan(load_config(args.config), policy=args.memory_policy, device=runtime.device,
-                            memory_budget=memory_budget(args.memory_budget),
+                            memory_budget=args.memory_budget,
                             parallel=runtime)
         with Pixal3D.from_plan(plan) as pipe:
             pipe.follow()
@@ -67,7 +67,7 @@ def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
         runtime.fail(err)
         return 1 if started else 2
     except BaseException as err:  # classify() decides; anything it does not know goes to run_job
-        failure = classify(err, started=runtime.requests > 0)
+        failure = _classify(err, started=runtime.requests > 0)
         if failure is None:
             raise
         return _fail_follower(failure, err, runtime)

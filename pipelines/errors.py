@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pixal3d.config import ConfigError
+from pixal3d.config import ConfigError, SettingError
 from pixal3d.hub import WeightsError
 from pixal3d.interrupts import Terminated
 from pixal3d.locks import LockedError
@@ -40,7 +40,8 @@ class UsageError(ValueError):
 # Our own exceptions for what a user can cause, by kind. Their messages already name the value, the rule
 # and the next step.
 KINDS: tuple[tuple[type[BaseException], str], ...] = (
-    (UsageError, "usage"), (LockedError, "usage"), (DeviceError, "usage"), (WorkDirError, "usage"),
+    (UsageError, "usage"), (SettingError, "usage"), (LockedError, "usage"), (DeviceError, "usage"),
+    (WorkDirError, "usage"),
     (ConfigError, "config"),
     (ImageError, "input"), (EmptyStructureError, "input"), (WeightsError, "weights"), (CheckpointError, "weights"),
     (NotEnoughMemoryError, "memory"), (PolicyError, "memory"), (MpsMemoryLimitError, "memory"),

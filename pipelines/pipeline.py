@@ -32,14 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pixal3d.config import DEFAULT_SIGMA_MIN, SEED, CascadeConfig, load_config
-from pixal3d.memory_budget import (
-    PROCESS_BYTES,
-    auto_budget,
-    budget_error,
-    format_bytes,
-    models_and_work,
-    parse_budget,
-)
+from pixal3d.memory_budget import budget_error, format_bytes, models_and_work, parse_budget
 from pixal3d.models.preprocess import as_image
 from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
@@ -69,7 +62,7 @@ from pixal3d.staging.mps_memory import (
     apply_mps_memory_limit,
     check_mps_memory_limit,
 )
-from pixal3d.staging.policy import HEADROOM, gib
+from pixal3d.staging.policy import gib, usable
 from pixal3d.telemetry import MemoryMeter
 
 from .build import build_stages
@@ -145,10 +138,10 @@ class RunPlan:
         needs for models and the largest working set."""
         memory = self.memory
         need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
-        usable = int(self.machine.device_available * (1 - HEADROOM))
+        room = usable(self.machine.device_available)
         if self.memory_budget is not None:
-            usable = min(usable, models_and_work(self.memory_budget))
-        return max(0, usable - need)
+            room = min(room, models_and_work(self.memory_budget))
+        return max(0, room - need)
 
     def table(self) -> str:
         """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
@@ -243,7 +236,7 @@ class Pixal3D:
         if topology is not None:  # ranks on one machine share its memory
             machine, shared = machine_share(machine, topology)
         budget = None if memory_budget is None else (
-            auto_budget(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
+            usable(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
         route = resolve_route(config.runtime.attention, device)
         stages = fit_stages(with_attention_route_of(stages, route), sizes, budget, machine)
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
@@ -565,15 +558,15 @@ def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | No
     ``budget`` bounds every stage to it, and one that cannot fit even then raises ``MemoryBudgetError``
     naming the stage, its need and the budget; without one, each stage may use the machine's usable memory
     (its NAF mode is chosen against that, nothing is refused)."""
-    usable = int(machine.device_available * (1 - HEADROOM))
+    total = budget if budget is not None else usable(machine.device_available)
     fitted = []
     for stage in stages:
         weights = sum(sizes.get(m, 0) for m in stage.needs)
         if hasattr(stage, "fitted"):
-            stage = stage.fitted(StageBudget(budget if budget is not None else usable, weights, budget is not None,
+            stage = stage.fitted(StageBudget(total, weights, budget is not None,
                                              array_bytes=device_array_bytes(machine.device)))
-        need = PROCESS_BYTES + weights + int(stage.working_set())
-        if budget is not None and need > budget:
+        need = weights + int(stage.working_set())
+        if budget is not None and need > models_and_work(budget):
             raise budget_error(stage.name, need, budget, f"weights {format_bytes(weights)} and a working set of "
                                                           f"{format_bytes(stage.working_set())}")
         fitted.append(stage)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from pixal3d.config import CascadeConfig
-from pixal3d.memory_budget import PROCESS_BYTES
+from pixal3d.memory_budget import models_and_work
 from pixal3d.staging import Stage
 
 
@@ -37,8 +37,8 @@ class StageBudget:
 
     @property
     def work_bytes(self) -> int:
-        """What the stage's work may use: the total less its models and the interpreter (``PROCESS_BYTES``)."""
-        return self.total_bytes - self.weight_bytes - PROCESS_BYTES
+        """What the stage's work may use: the total less the interpreter and its models."""
+        return models_and_work(self.total_bytes) - self.weight_bytes
 
 
 class CascadeStage(Stage):

@@ -33,6 +33,15 @@ class ConfigError(ValueError):
     """A configuration file is invalid (unknown key, wrong type, value out of range, bad combination)."""
 
 
+class SettingError(ValueError):
+    """A value given for one setting of a run cannot be used. ``setting`` is its library name (the keyword:
+    ``seed``, ``fov``, ``memory_budget``, ...), so a front end can name it its own way (the command: a flag)."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
 # -- declared ranges -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

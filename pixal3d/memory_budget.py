@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .config import SettingError
+
 if TYPE_CHECKING:
     from .models.decoder_tiling import TilePlan
 
@@ -87,9 +89,11 @@ def format_bytes(n: float) -> str:
 
 
 def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBudgetError:
-    """The one-line refusal: the stage, what it needs at least, the budget, and what to change."""
-    return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(need)} ({detail}) but the memory "
-                             f"budget is {format_bytes(budget)}; raise --memory-budget or use a smaller config")
+    """The one-line refusal: the stage, what the process needs at least for it (``need`` bytes of models and
+    work, and the interpreter), the budget, and what to change."""
+    return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(PROCESS_BYTES + need)} ({detail}) but "
+                             f"the memory budget is {format_bytes(budget)}; raise --memory-budget or use a smaller "
+                             f"config")
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": MIB, "MB": MIB, "MIB": MIB,
@@ -97,8 +101,9 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": MIB, "MB": 
 
 
 def models_and_work(budget: int) -> int:
-    """What a process budget leaves for models and work: the budget less the interpreter (``PROCESS_BYTES``)."""
-    return max(0, budget - PROCESS_BYTES)
+    """What a process budget leaves for models and work: the budget less the interpreter (``PROCESS_BYTES``;
+    negative when not even the interpreter fits). The one place the interpreter is taken off a budget."""
+    return budget - PROCESS_BYTES
 
 
 def parse_budget(text: str | int) -> int:
@@ -109,16 +114,12 @@ def parse_budget(text: str | int) -> int:
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(f"memory budget {text!r} is not a size; write e.g. 8G, 7.5GiB or 6000M")
+            raise SettingError("memory_budget", f"memory budget {text!r} is not a size; write e.g. 8G, 7.5GiB or "
+                                                f"6000M")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"memory budget {text!r} must be positive")
+        raise SettingError("memory_budget", f"memory budget {text!r} must be positive")
     return value
-
-
-def auto_budget(available_bytes: int, headroom: float = 0.15) -> int:
-    """``auto``: the memory available now less ``headroom`` (the system and other programs keep running)."""
-    return int(available_bytes * (1 - headroom))
 
 
 # -- the decode -------------------------------------------------------------------------------------
@@ -140,8 +141,7 @@ def decode_largest_tensor(latent_tokens: float, *, levels: int = 4, growth: floa
 
 def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: int = 4,
                 growth: float = REFERENCE_GROWTH, costs: DecodeCosts = DECODE_COSTS,
-                process_bytes: int = PROCESS_BYTES, min_tile_voxels: int = 64,
-                array_bytes: int | None = None) -> TilePlan | None:
+                min_tile_voxels: int = 64, array_bytes: int | None = None) -> TilePlan | None:
     """The decode's ``TilePlan`` within ``budget`` bytes of process memory, or None when untiled fits.
 
     The deepest start level whose untiled prefix fits is chosen (the halo then costs least), and the
@@ -152,22 +152,22 @@ def plan_decode(budget: int, *, latent_tokens: int, weight_bytes: int, levels: i
     """
     from .models.decoder_tiling import TilePlan
 
+    limit = models_and_work(budget)
     voxels_at = [latent_tokens * growth ** i for i in range(levels + 1)]
-    held = process_bytes + weight_bytes + costs.output_bytes * voxels_at[levels]
+    held = weight_bytes + costs.output_bytes * voxels_at[levels]
     fits_arrays = array_bytes is None or decode_largest_tensor(
         latent_tokens, levels=levels, growth=growth, costs=costs) <= ARRAY_MARGIN * array_bytes
-    if fits_arrays and held + costs.fixed_bytes + costs.voxel_bytes * voxels_at[levels] <= budget:
+    if fits_arrays and held + costs.fixed_bytes + costs.voxel_bytes * voxels_at[levels] <= limit:
         return None
     smallest_need = math.inf
     for start in range(levels - 1, -1, -1):
         prefix_peak = max((costs.level_bytes[i] * voxels_at[i + 1] for i in range(start)), default=0.0)
         keep = _prefix_held(start, voxels_at, costs)
-        room = budget - held - keep - costs.fixed_bytes
+        room = limit - held - keep - costs.fixed_bytes
         smallest = min_tile_voxels * growth ** (levels - start)
-        need = max(held + keep + costs.fixed_bytes + costs.voxel_bytes * smallest,
-                   process_bytes + weight_bytes + prefix_peak)
+        need = max(held + keep + costs.fixed_bytes + costs.voxel_bytes * smallest, weight_bytes + prefix_peak)
         smallest_need = min(smallest_need, need)
-        if process_bytes + weight_bytes + prefix_peak > budget or room < costs.voxel_bytes * smallest:
+        if weight_bytes + prefix_peak > limit or room < costs.voxel_bytes * smallest:
             continue
         tile_voxels = room / costs.voxel_bytes
         if array_bytes is not None:  # the prefix's levels whole, a tile's levels within the array limit
@@ -214,8 +214,7 @@ class FlowChunks:
     naf_elements: int
 
 
-def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int,
-                    naf: bool = True, process_bytes: int = PROCESS_BYTES) -> FlowChunks:
+def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int, naf: bool = True) -> FlowChunks:
     """Chunk sizes that keep a flow stage (conditioning, then sampling, the CFG branches one after the
     other) within ``budget``; ``MemoryBudgetError`` when even the smallest chunks do not fit.
 
@@ -224,16 +223,16 @@ def plan_flow_stage(stage: str, budget: int, *, weight_bytes: int, tokens: int,
     """
     default_scores, default_naf = attention_score_elements(math.inf), naf_chunk_elements(math.inf)
     per_token = FLOW_BYTES_PER_TOKEN  # the whole stage's line (the condition and its negative included)
-    held = process_bytes + weight_bytes
-    sampling_left = budget - held - tokens * per_token - FLOW_FIXED_BYTES
+    work = models_and_work(budget) - weight_bytes
+    sampling_left = work - tokens * per_token - FLOW_FIXED_BYTES
     scores = attention_score_elements(ATTENTION_SCORE_COPIES * 2 * default_scores + sampling_left, element_size=2)
-    naf_left = budget - held - tokens * NAF_BYTES_PER_TOKEN - NAF_FIXED_BYTES if naf else math.inf
+    naf_left = work - tokens * NAF_BYTES_PER_TOKEN - NAF_FIXED_BYTES if naf else math.inf
     elements = naf_chunk_elements(NAF_CHUNK_COPIES * 4 * default_naf + naf_left)
     short_scores = ATTENTION_SCORE_COPIES * 2 * (default_scores - attention_score_elements(0, element_size=2))
     short_naf = NAF_CHUNK_COPIES * 4 * (default_naf - naf_chunk_elements(0))
     if sampling_left + short_scores < 0 or naf_left + short_naf < 0:
-        need = held + max(tokens * per_token + FLOW_FIXED_BYTES - short_scores,
-                          tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES - short_naf if naf else 0)
+        need = weight_bytes + max(tokens * per_token + FLOW_FIXED_BYTES - short_scores,
+                                  tokens * NAF_BYTES_PER_TOKEN + NAF_FIXED_BYTES - short_naf if naf else 0)
         raise budget_error(stage, need, budget, f"weights {format_bytes(weight_bytes)} and {tokens} tokens at "
                                                 f"{per_token / 1e3:.0f} kB each with the smallest chunks")
     return FlowChunks(attention_scores=scores, naf_elements=elements)
@@ -277,7 +276,7 @@ def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = No
         plan = plan_decode(budget, latent_tokens=counts.hr_tokens, weight_bytes=decoder_weight_bytes,
                            levels=counts.decoder_levels)
         if plan is not None:
-            decode = budget - decoder_weight_bytes - PROCESS_BYTES
+            decode = models_and_work(budget) - decoder_weight_bytes
     export = (voxels * EXPORT_BYTES_PER_VOXEL + counts.export_faces * EXPORT_BYTES_PER_FACE
               + counts.texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
     return {

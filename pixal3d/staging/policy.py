@@ -12,7 +12,6 @@ The plan reads model sizes from safetensors headers only; no tensor is read to p
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import os
@@ -28,7 +27,12 @@ from .safetensors_header import SafetensorsHeaderError, read_safetensors_header
 logger = logging.getLogger(__name__)
 
 HEADROOM = 0.15
-"""Fraction of available memory the plan leaves free: "fits" means fits in the other 85%."""
+"""Fraction of available memory the plan leaves free: "fits" means fits in the other 85% (``usable``)."""
+
+
+def usable(available: int) -> int:
+    """The part of ``available`` bytes a plan may fill: all of it less ``HEADROOM``."""
+    return int(available * (1 - HEADROOM))
 
 
 class Policy(str, enum.Enum):
@@ -176,10 +180,6 @@ class MemoryPlan:
         return self.all_weights + max((s.working_bytes for s in self.stages), default=0)
 
 
-def _fits(need: int, available: int) -> bool:
-    return need <= available * (1 - HEADROOM)
-
-
 def gib(nbytes: int) -> str:
     """Bytes as GiB with two decimals, e.g. '13.16 GiB'."""
     return f"{nbytes / 2**30:.2f} GiB"
@@ -188,45 +188,42 @@ def gib(nbytes: int) -> str:
 def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = None) -> tuple[Policy, list[str]]:
     """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences. ``limit``: bytes the
     models and the work may use at most (a memory budget less the interpreter), below the machine's own."""
-    pool = machine.device_available
-    usable = f"{gib(int(pool * (1 - HEADROOM)))} usable ({gib(pool)} available less {HEADROOM:.0%} headroom)"
-    if limit is not None and limit < pool * (1 - HEADROOM):
-        usable = f"{gib(limit)} usable (the memory budget; {gib(pool)} available)"
-        pool = int(limit / (1 - HEADROOM)) + 1  # the pool whose usable part (less headroom) is the limit
-        machine = dataclasses.replace(machine, device_available=pool,
-                                      host_available=min(machine.host_available, pool))
-        pool = machine.device_available
+    pool, host = usable(machine.device_available), usable(machine.host_available)  # what may be filled
+    room = f"{gib(pool)} usable ({gib(machine.device_available)} available less {HEADROOM:.0%} headroom)"
+    if limit is not None and limit < pool:
+        room = f"{gib(limit)} usable (the memory budget; {gib(machine.device_available)} available)"
+        pool, host = limit, min(host, limit)
     everything = f"all models resident need {gib(plan.resident_peak)}"
     largest = f"the largest stage needs {gib(plan.staged_peak)}"
     if machine.unified:
-        where = f"unified memory ({machine.device}): models and work share one pool, {usable}"
-        if _fits(plan.resident_peak, pool):
+        where = f"unified memory ({machine.device}): models and work share one pool, {room}"
+        if plan.resident_peak <= pool:
             return Policy.resident, [where, f"{everything}, which fits: keep every model loaded"]
         reasons = [
             where,
             f"{everything}, which does not fit",
             "release idle models to meta and reload them from disk",
         ]
-        if not _fits(plan.staged_peak, pool):
+        if plan.staged_peak > pool:
             reasons.append(f"warning: {largest}, more than usable memory; expect swapping or out-of-memory")
         return Policy.staged, reasons
-    where = f"discrete GPU {machine.name} ({machine.device}): {usable}"
-    if _fits(plan.resident_peak, pool):
+    where = f"discrete GPU {machine.name} ({machine.device}): {room}"
+    if plan.resident_peak <= pool:
         return Policy.resident, [where, f"{everything}, which fits on the GPU: keep every model there"]
     reasons = [where, f"{everything}, which does not fit on the GPU"]
-    host = machine.host_available
-    if _fits(plan.staged_peak, pool) and _fits(plan.all_weights, host):
+    if plan.staged_peak <= pool and plan.all_weights <= host:
         return Policy.offload, reasons + [
             f"{largest}, which fits on the GPU",
-            f"host memory has {gib(host)} available for {gib(plan.all_weights)} of pinned copies: "
-            f"park idle models there instead of reloading them from disk",
+            f"host memory has {gib(machine.host_available)} available for {gib(plan.all_weights)} of pinned "
+            f"copies: park idle models there instead of reloading them from disk",
         ]
-    if not _fits(plan.all_weights, host):
+    if plan.all_weights > host:
         reasons.append(
-            f"host memory ({gib(host)} available) cannot hold pinned copies of {gib(plan.all_weights)}"
+            f"host memory ({gib(machine.host_available)} available) cannot hold pinned copies of "
+            f"{gib(plan.all_weights)}"
         )
     reasons.append("release idle models to meta and reload them from disk")
-    if not _fits(plan.staged_peak, pool):
+    if plan.staged_peak > pool:
         reasons.append(f"warning: {largest}, more than usable GPU memory; expect out-of-memory")
     return Policy.staged, reasons
 
@@ -250,7 +247,7 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine, 
         )
     reasons = [f"requested explicitly (--memory-policy {policy.value})"]
     need = plan.staged_peak if policy in (Policy.staged, Policy.offload) else plan.resident_peak
-    if not _fits(need, machine.device_available):
+    if need > usable(machine.device_available):
         reasons.append(
             f"warning: {policy.value} needs {gib(need)}, {machine.device} has "
             f"{gib(machine.device_available)} available; expect swapping or out-of-memory"
