@@ -48,6 +48,7 @@ class Encode(Stage):
 
 class Denoise(Stage):
     name, needs, inputs, outputs = "denoise", ("denoiser",), ("features", "generator"), ("latent",)
+    draws = "generator"  # its noise: a run resumed after this stage must restore the generator too
 
     def working_set(self) -> int:
         return 3 * WIDTH * 4

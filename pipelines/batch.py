@@ -315,9 +315,8 @@ class _Batch:
         job.records.append(record)
         job.done = k + 1
         if self.store is not None:
-            self.store.save(job.name, job.keys[k], record, _outputs(stage, state), _generator(stage, state))
+            self.store.save(job.name, job.keys[k], record, _outputs(stage, state), _generator(stage, state), _KINDS)
             job.stored = k + 1
-        self._tidy(state, k)
         self._bar.update(1)
         return None
 
@@ -341,7 +340,7 @@ class _Batch:
         disk (the work directory, or a temporary folder) until its next stage."""
         state = job.state
         held = sum(j.held for j in self.jobs if j is not job and j.state is not None)
-        size = state_codec.nbytes([getattr(state, f) for f in _STATE_FIELDS])
+        size = state_codec.nbytes(state)
         if held + size <= self.budget:
             job.held = size
             return
@@ -349,7 +348,7 @@ class _Batch:
         for k in range(job.stored, job.done):
             # the generator as it is now: stages after k that do not read it have left it as k did
             store.save(job.name, job.keys[k], job.records[k], _outputs(self.stages[k], state),
-                       _generator(self.stages[k], state))
+                       _generator(self.stages[k], state), _KINDS)
         job.stored = job.done
         job.state, job.held = None, 0
         logger.debug("batch: %s waits on disk after %s (%d bytes, %d held)", job.name,
@@ -372,15 +371,6 @@ class _Batch:
             if from_records:
                 job.records.append(stored.record)
         return state
-
-    def _tidy(self, state: RunState, k: int) -> None:
-        """Drop what no later stage reads: the decoded input after preprocess, and the DINOv3 feature cache
-        unless the next stage uses the backbone too (a cache: recomputing gives the same bits)."""
-        later = self.stages[k + 1:]
-        if not any("input_image" in s.inputs for s in later):
-            state.input_image = None
-        if not later or "dinov3" not in later[0].needs:
-            state.features = None
 
     def _disk(self) -> WorkDir:
         """Where states wait between stages: the work directory, else a folder of this process under the
@@ -436,7 +426,7 @@ class _Batch:
         return self.trace.with_name(f"{self.trace.stem}.{job.name}{self.trace.suffix}")
 
 
-_STATE_FIELDS = tuple(f for f in RunState.__dataclass_fields__ if f not in ("generator", "callback", "parallel"))
+_KINDS = state_codec.declared_kinds(RunState)
 
 
 def _outputs(stage: Any, state: RunState) -> dict[str, Any]:
@@ -445,8 +435,8 @@ def _outputs(stage: Any, state: RunState) -> dict[str, Any]:
 
 
 def _generator(stage: Any, state: RunState) -> torch.Generator | None:
-    """The generator to store with ``stage``'s outputs: the run's, if the stage draws from it."""
-    return state.generator if "generator" in stage.inputs else None
+    """The generator to store with ``stage``'s outputs: the one it draws from, if any (``Stage.draws``)."""
+    return getattr(state, stage.draws) if stage.draws is not None else None
 
 
 def _input_digest(source: Any) -> str:

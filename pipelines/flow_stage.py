@@ -126,6 +126,8 @@ class SparseFlowStage(CascadeStage):
     ``frugal`` (about a third of the memory, ~1e-7 from the reference)."""
 
     config: ShapeConfig
+    caches = ("features",)
+    draws = "generator"
     naf_mode: str = "auto"
     attention_route: str = "sdpa"  # the resolved attention route (the plan sets it for the run's device)
     chunks: FlowChunks | None = None

@@ -65,6 +65,7 @@ from pixal3d.staging.mps_memory import (
 from pixal3d.staging.policy import gib, usable
 from pixal3d.telemetry import MemoryMeter
 
+from . import state_codec
 from .build import build_stages
 from .loaders import model_loaders, with_attention_route
 from .parallel import (
@@ -227,7 +228,8 @@ class Pixal3D:
             parallel_notes.append(describe_parallel(settings, topology))
             if topology.pp_degree > 1:  # this rank holds (and the plan counts) its shard of each flow model
                 shards = {s.flow_model: shard_selector(s.flow_model, topology) for s in flow_stages(stages)}
-        check_stages(stages, provides=provides, state_type=state_type)  # before anything is read
+        check_stages(stages, provides=provides, state_type=state_type,  # before anything is read
+                     storable=state_codec.storable(state_type))
         needs = {s.name: tuple(s.needs) for s in stages}
         models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
         sizes, notes = planned_sizes(config.weights, models=models, select=shards)

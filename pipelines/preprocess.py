@@ -30,6 +30,7 @@ class PreprocessStage(CascadeStage):
     section = "weights"  # weights.rembg: the background remover, if any
     inputs = ("input_image",)
     outputs = ("image",)
+    caches = ("input_image",)  # the decoded input is dropped after this stage (it can be decoded again)
 
     def __init__(self, *, remover: str | None):
         self.remover = remover

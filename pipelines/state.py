@@ -5,12 +5,16 @@ wrote and writes its own, as its ``inputs`` and ``outputs`` declare. Tensors liv
 except the noise, which is drawn from the run's CPU generator (reference §7.1) and kept on the CPU as
 drawn. ``cond`` holds the current stage's image conditioning only: stages declare it transient, so the
 runner fingerprints it and clears it when the stage ends and the large projected features do not
-outlive their stage.
+outlive their stage. ``features`` is a cache of the flow stages (kept only while consecutive stages
+use it); ``input_image`` one of preprocess.
+
+Every field a stage writes declares how it is stored between stages (``stored(kind)``, a kind of
+``state_codec``): a stage writing a field without one is refused when the cascade is built.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +26,11 @@ from pixal3d.pipeline_json import Normalization
 PROVIDED = ("input_image", "generator", "device", "fov_deg", "shape_normalization", "tex_normalization",
             "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""
+
+
+def stored(kind: str) -> Any:
+    """A field stages write, stored as ``kind`` (``state_codec.KINDS``) in a work directory or a spilled batch."""
+    return field(default=None, metadata={"codec": kind})
 
 
 @dataclass
@@ -39,30 +48,30 @@ class RunState:
     callback: Callable[[dict[str, Any]], None] | None = None  # progress reports (Pixal3D.run)
     parallel: Any = None                      # pixal3d.parallel.ParallelRuntime under torchrun (rank 0), else None
     # preprocess
-    image: Any = None                         # PIL.Image, RGB, object cropped and composited on black
+    image: Any = stored("image")                          # PIL.Image, RGB, object cropped and composited on black
     # camera
-    camera: Any = None                        # pixal3d.models.camera.Camera
+    camera: Any = stored("camera")                        # pixal3d.models.camera.Camera
     features: Any = None                      # FeatureCache: DINOv3 tokens once per (image, size); first use
     # structure
-    ss_noise: torch.Tensor | None = None      # [1, C, R, R, R] f32, CPU
-    ss_latent: torch.Tensor | None = None     # [1, C, R, R, R] f32
-    coords_lr: torch.Tensor | None = None     # [N_lr, 4] int32 (b, x, y, z), lexicographic
+    ss_noise: torch.Tensor | None = stored("tensor")      # [1, C, R, R, R] f32, CPU
+    ss_latent: torch.Tensor | None = stored("tensor")     # [1, C, R, R, R] f32
+    coords_lr: torch.Tensor | None = stored("tensor")     # [N_lr, 4] int32 (b, x, y, z), lexicographic
     # shape_512
-    lr_noise: torch.Tensor | None = None      # [N_lr, 32] f32, CPU
-    lr_latent: SparseTensor | None = None     # de-normalized shape latent on coords_lr
+    lr_noise: torch.Tensor | None = stored("tensor")      # [N_lr, 32] f32, CPU
+    lr_latent: SparseTensor | None = stored("sparse")     # de-normalized shape latent on coords_lr
     # upsample
-    coords_hr: torch.Tensor | None = None     # [N_hr, 4] int32, unique (sorted)
-    hr_resolution: int | None = None          # decode resolution after the token budget
+    coords_hr: torch.Tensor | None = stored("tensor")     # [N_hr, 4] int32, unique (sorted)
+    hr_resolution: int | None = stored("value")           # decode resolution after the token budget
     # shape_1024
-    hr_noise: torch.Tensor | None = None      # [N_hr, 32] f32, CPU
-    shape_latent: SparseTensor | None = None  # de-normalized shape latent on coords_hr
+    hr_noise: torch.Tensor | None = stored("tensor")      # [N_hr, 32] f32, CPU
+    shape_latent: SparseTensor | None = stored("sparse")  # de-normalized shape latent on coords_hr
     # texture
-    tex_noise: torch.Tensor | None = None     # [N_hr, 32] f32, CPU
-    tex_latent: SparseTensor | None = None    # de-normalized texture latent on coords_hr
+    tex_noise: torch.Tensor | None = stored("tensor")     # [N_hr, 32] f32, CPU
+    tex_latent: SparseTensor | None = stored("sparse")    # de-normalized texture latent on coords_hr
     # decode
-    fields: DualGridFields | None = None
-    pbr: PbrVoxels | None = None
+    fields: DualGridFields | None = stored("dataclass")
+    pbr: PbrVoxels | None = stored("dataclass")
     # export
-    mesh: Any = None                          # pixal3d.mesh.export.ExportedMesh (GLB bytes + report)
+    mesh: Any = stored("mesh")                            # pixal3d.mesh.export.ExportedMesh (GLB bytes + report)
     # per stage, transient
     cond: dict[str, Any] | None = None        # the stage's image conditioning {'global', 'proj'}

@@ -17,7 +17,8 @@ entry in the description saying how to rebuild it:
 
 Tensors are stored bit for bit (safetensors keeps dtype, shape and bytes), so a decoded state fingerprints
 as the one that was encoded. Only the classes in ``_DATACLASSES`` are rebuilt: a description never names an
-arbitrary class to import.
+arbitrary class to import. Each ``RunState`` field a stage writes declares its kind (``state.stored``):
+``storable`` lists them for the build-time check, and ``encode`` refuses a value of another kind.
 """
 from __future__ import annotations
 
@@ -39,14 +40,34 @@ _DATACLASSES: dict[str, type] = {"DualGridFields": DualGridFields, "PbrVoxels": 
 """Dataclasses of tensors (and plain fields) that ``decode`` may rebuild, by name."""
 
 
+KINDS = ("value", "tensor", "sparse", "camera", "image", "mesh", "dataclass")
+"""The kinds of value this codec stores (the table above)."""
+
+
 class StateCodecError(ValueError):
     """A value has no encoding, or a stored description does not match its tensors."""
 
 
-def encode(values: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``{field: value}`` → (CPU tensors for safetensors, a JSON-ready description of every field)."""
+def declared_kinds(state_type: type) -> dict[str, str]:
+    """Field → the kind it declares (``state.stored``), for the fields of dataclass ``state_type`` that do."""
+    return {f.name: f.metadata["codec"] for f in dataclasses.fields(state_type) if "codec" in f.metadata}
+
+
+def storable(state_type: type) -> set[str]:
+    """The fields of ``state_type`` this codec can store: those that declare one of ``KINDS``."""
+    return {name for name, kind in declared_kinds(state_type).items() if kind in KINDS}
+
+
+def encode(values: Mapping[str, Any], kinds: Mapping[str, str] | None = None
+           ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``{field: value}`` → (CPU tensors for safetensors, a JSON-ready description of every field). With
+    ``kinds`` (``declared_kinds``), a value of another kind than its field declares is refused."""
     tensors: dict[str, torch.Tensor] = {}
     described = {name: _encode(name, value, tensors) for name, value in values.items()}
+    for name, entry in described.items():
+        if kinds is not None and values[name] is not None and entry["kind"] != kinds.get(name):
+            raise StateCodecError(f"field {name!r} declares {kinds.get(name)!r} but holds a "
+                                  f"{type(values[name]).__name__} (stored as {entry['kind']!r})")
     return _unshared(tensors), described
 
 

@@ -41,6 +41,8 @@ class StructureStage(CascadeStage):
     inputs = CONDITION_INPUTS
     outputs = ("ss_noise", "ss_latent", "coords_lr")
     transient = ("cond",)
+    caches = ("features",)
+    draws = "generator"
     attention_route = "sdpa"  # the resolved attention route (the plan sets it for the run's device)
 
     def __init__(self, config: StructureConfig):

@@ -178,10 +178,10 @@ class WorkDir:
 
     # -- writing ------------------------------------------------------------------------------
     def save(self, image: str, key: StageKey, record: StageRecord, outputs: Mapping[str, Any],
-             generator: torch.Generator | None) -> None:
-        """Write the stage's outputs (and ``generator``'s state: pass it for a stage that reads the generator),
-        then its record; each atomically, the record last."""
-        tensors, fields = state_codec.encode(outputs)
+             generator: torch.Generator | None, kinds: Mapping[str, str] | None = None) -> None:
+        """Write the stage's outputs (each of the kind ``kinds`` declares, when given; and ``generator``'s state:
+        pass it for a stage that draws from the generator), then its record; each atomically, the record last."""
+        tensors, fields = state_codec.encode(outputs, kinds)
         if generator is not None:
             tensors[GENERATOR_KEY] = generator.get_state()
         data, meta = self._paths(image, key.stage)

@@ -72,8 +72,14 @@ class _Vague(StructureStage):
         return None
 
 
+class _Unstorable(StructureStage):
+    outputs = (*StructureStage.outputs, "features")  # a cache: RunState declares no codec for it
+
+
 @pytest.mark.parametrize(("stage", "message"), [(_Orphan, r"'structure' reads \['tex_latent'\]"),
-                                                (_Vague, "'structure' .*declares no working-set estimate")])
+                                                (_Vague, "'structure' .*declares no working-set estimate"),
+                                                (_Unstorable, r"'structure' writes \['features'\], which have no "
+                                                              r"codec")])
 def test_bad_stage_declarations_are_refused_before_any_file_is_read(tiny, monkeypatch, stage, message):
     def no_reading(*args, **kwargs):
         raise AssertionError("nothing may be read before the stages are checked")

@@ -17,6 +17,7 @@ from pixal3d.staging import (
     Stage,
     StageGraphError,
     StageRunner,
+    check_stages,
 )
 from tests.substitute_pipeline import build, make_loaders
 
@@ -29,6 +30,8 @@ class State:
     feats: torch.Tensor | None = None
     scratch: torch.Tensor | None = None
     y: torch.Tensor | None = None
+    gen: torch.Generator | None = None
+    memo: torch.Tensor | None = None
 
 
 class Encode(Stage):
@@ -89,6 +92,69 @@ def test_other_declaration_errors_name_the_stage():
         runner([Encode(), Greedy()])
     with pytest.raises(PolicyError, match="resolved first"):
         runner(policy="auto")
+
+
+def test_a_stage_that_draws_from_a_generator_must_say_so():
+    class Noisy(Decode):
+        inputs = ("feats", "gen")
+
+        def run(self, state, models):
+            state.y = models["decoder"](state.feats) + torch.randn(1, generator=state.gen)
+    state = State(x=torch.ones(2, 16), gen=torch.Generator().manual_seed(0))
+    run = StageRunner([Encode(), Noisy()], make_loaders(), provides=("x", "gen"), state_type=State)
+    run.run_stage("encode", state)
+    with pytest.raises(StageGraphError, match=r"'decode' drew from 'gen' without declaring it"):
+        run.run_stage("decode", state)
+
+    class Declared(Noisy):
+        draws = "gen"
+    run = StageRunner([Encode(), Declared()], make_loaders(), provides=("x", "gen"), state_type=State)
+    assert [r.stage for r in run.run(state)] == ["encode", "decode"]  # control: declared, it runs
+
+    class Undeclared(Declared):
+        inputs = ("feats",)
+    with pytest.raises(StageGraphError, match=r"'decode' draws from 'gen' but does not read it"):
+        StageRunner([Encode(), Undeclared()], make_loaders(), provides=("x", "gen"), state_type=State)
+
+
+def test_a_cache_lives_only_while_consecutive_stages_use_it_and_a_later_reader_is_refused():
+    class Memo(Encode):
+        caches = ("memo",)
+
+        def run(self, state, models):
+            super().run(state, models)
+            state.memo = torch.ones(1)
+
+    class KeepsMemo(Decode):
+        caches = ("memo",)
+    seen = {}
+
+    class Peek(Decode):
+        name, inputs, outputs = "peek", ("y",), ()
+
+        def run(self, state, models):
+            seen["memo"] = state.memo
+    for second, kept in ((Decode(), False), (KeepsMemo(), True)):
+        state = State(x=torch.ones(2, 16))
+        run = StageRunner([Memo(), second, Peek()], make_loaders(), provides=("x",), state_type=State)
+        run.run_stage("encode", state)
+        assert (state.memo is not None) == kept  # kept only when the next stage caches it too
+        run.run_stage("decode", state)
+        run.run_stage("peek", state)
+        assert state.memo is None and seen["memo"] is None  # dropped after the last stage that uses it
+
+    class Reader(Peek):
+        inputs = ("y", "memo")
+    with pytest.raises(StageGraphError, match=r"'peek' reads \['memo'\], which stage 'encode' caches and a stage "
+                                              r"in between drops"):
+        StageRunner([Memo(), Decode(), Reader()], make_loaders(), provides=("x",), state_type=State)
+    StageRunner([Memo(), KeepsMemo(), Reader()], make_loaders(), provides=("x",), state_type=State)  # control
+
+
+def test_an_output_the_state_cannot_store_is_refused_when_storable_is_given():
+    check_stages([Encode(), Decode()], provides=("x",), state_type=State, storable={"feats", "y"})
+    with pytest.raises(StageGraphError, match=r"'decode' writes \['y'\], which have no codec"):
+        check_stages([Encode(), Decode()], provides=("x",), state_type=State, storable={"feats"})
 
 
 @pytest.mark.parametrize(("policy", "loaded_after"), [("staged", []), ("resident", ["encoder", "decoder"]),

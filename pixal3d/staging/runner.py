@@ -7,13 +7,20 @@ Vocabulary (used across ``pixal3d.staging``):
 - its *inputs* are the state fields it reads, its *outputs* the fields it writes; outputs are
   fingerprinted after the stage returns (``fingerprint.py``). *Transient* outputs are fingerprinted,
   then cleared: large per-stage data (image conditioning, say) that must not outlive its stage;
+- its *caches* are fields it may fill and reuse that can always be made again with the same bits (a
+  decoded input, backbone features): neither fingerprinted nor stored, and cleared after the stage
+  unless the next stage reads or caches them too;
+- it *draws* from a generator field (its noise): the generator's state is part of what the stage leaves
+  (a batch stores it with the stage's outputs); a stage that changes a generator it reads without
+  declaring it is stopped with ``StageGraphError``;
 - its *working set* is the estimated memory it needs beyond its models' weights, in bytes;
 - the *state* is any object holding those fields (typically a dataclass); the fields set before the
   first stage are what the run *provides*.
 
 The runner checks the declarations when it is built, before any model loads: unique names, a working
 set per stage, every input provided or written by an earlier stage, every field a field of the state
-type, a loader for every need. Each ``run_stage`` is ``registry.enter(name)`` (which releases, parks or
+type, a loader for every need, a drawn generator among the inputs, a cache not dropped before a later
+stage reads it, and (given ``storable``) every output a field the state can store. Each ``run_stage`` is ``registry.enter(name)`` (which releases, parks or
 keeps idle models according to the policy), ``stage.run(state, models)`` under ``torch.no_grad``, then
 the fingerprints of its outputs. Pipeline-specific code (the Pixal3D cascade) lives outside this package.
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -39,13 +46,15 @@ logger = logging.getLogger(__name__)
 
 class Stage:
     """One step of a pipeline. Subclass and set ``name``, ``needs``, ``inputs``, ``outputs`` (and
-    ``transient``), implement ``run`` and ``working_set``."""
+    ``transient``, ``caches``, ``draws``: see the module docstring), implement ``run`` and ``working_set``."""
 
     name: str = ""
     needs: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     transient: tuple[str, ...] = ()
+    caches: tuple[str, ...] = ()
+    draws: str | None = None
 
     def working_set(self) -> int | None:
         """Estimated bytes beyond the weights of ``needs`` (activations, buffers); ``None``: not declared,
@@ -78,7 +87,7 @@ class StageRecord:
 
 
 def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state_type: type | None = None,
-                 loaders: Mapping[str, Any] | None = None) -> None:
+                 loaders: Mapping[str, Any] | None = None, storable: Collection[str] | None = None) -> None:
     """Raise ``StageGraphError`` naming the first declaration that cannot work (see the module docstring)."""
     names = [s.name for s in stages]
     if "" in names or len(set(names)) != len(names):
@@ -90,12 +99,12 @@ def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state
     if known is not None and available - known:
         raise StageGraphError(f"the run provides {sorted(available - known)}, which are not fields of "
                               f"{state_type.__name__}")
-    for stage in stages:
+    for k, stage in enumerate(stages):
         if stage.working_set() is None:
             raise StageGraphError(f"stage {stage.name!r} ({type(stage).__name__}) declares no working-set "
                                   f"estimate; implement working_set() (return 0 if it needs nothing to speak of)")
         if known is not None:
-            unknown = [f for f in (*stage.inputs, *stage.outputs, *stage.transient) if f not in known]
+            unknown = [f for f in (*stage.inputs, *stage.outputs, *stage.transient, *stage.caches) if f not in known]
             if unknown:
                 raise StageGraphError(f"stage {stage.name!r} names {unknown}, which are not fields of "
                                       f"{state_type.__name__}")
@@ -103,7 +112,19 @@ def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state
         if missing:
             raise StageGraphError(f"stage {stage.name!r} reads {missing}, which no earlier stage writes and the "
                                   f"run does not provide; available then: {sorted(available)}")
-        available.update(stage.outputs)
+        if stage.draws is not None and stage.draws not in stage.inputs:
+            raise StageGraphError(f"stage {stage.name!r} draws from {stage.draws!r} but does not read it; add it "
+                                  f"to its inputs")
+        if storable is not None and (unstorable := [f for f in stage.outputs if f not in storable]):
+            raise StageGraphError(f"stage {stage.name!r} writes {unstorable}, which have no codec: the state "
+                                  f"cannot store them between stages; declare how (or make them transient)")
+        for later, reader in enumerate(stages[k + 2:], k + 2):  # a cache is dropped after its stage ...
+            dropped = [f for f in stage.caches if f in reader.inputs and not all(
+                f in s.inputs or f in s.caches for s in stages[k + 1:later])]  # ... unless each stage keeps it
+            if dropped:
+                raise StageGraphError(f"stage {reader.name!r} reads {dropped}, which stage {stage.name!r} "
+                                      f"caches and a stage in between drops; cache or read it there too")
+        available.update(stage.outputs, stage.caches)
         if loaders is not None:
             absent = [m for m in stage.needs if m not in loaders]
             if absent:
@@ -206,22 +227,38 @@ class StageRunner:
         return self._registry
 
     def run_stage(self, stage: Stage | str, state: Any) -> StageRecord:
-        """Enter ``stage``, run it over ``state``, fingerprint its outputs (transient ones then cleared)."""
+        """Enter ``stage``, run it over ``state``, fingerprint its outputs (transient ones then cleared), then
+        clear the caches the next stage does not use."""
         stage = self.stage(stage) if isinstance(stage, str) else stage
         registry = self.registry
         registry.enter(stage.name)
         used: set[str] = set()
+        undrawn = {f: g.get_state() for f in stage.inputs
+                   if f != stage.draws and isinstance(g := getattr(state, f), torch.Generator)}
         start = time.perf_counter()
         with torch.no_grad():
             stage.run(state, _UsageView(registry, used))
         seconds = time.perf_counter() - start
+        drawn = [f for f, before in undrawn.items() if not torch.equal(getattr(state, f).get_state(), before)]
+        if drawn:
+            raise StageGraphError(f"stage {stage.name!r} drew from {drawn[0]!r} without declaring it (draws = "
+                                  f"{drawn[0]!r}): a batch resumed after it would repeat its noise")
         prints: dict[str, str] = {}
         for name in (*stage.outputs, *stage.transient):
             prints.update(fingerprints(getattr(state, name), name))
         for name in stage.transient:
             setattr(state, name, None)
+        following = self._following(stage.name)
+        for name in stage.caches:
+            if following is None or (name not in following.inputs and name not in following.caches):
+                setattr(state, name, None)
         logger.debug("stage %s: %.2f s, used %s", stage.name, seconds, sorted(used))
         return StageRecord(stage.name, seconds, sorted(used), prints)
+
+    def _following(self, name: str) -> Stage | None:
+        """The stage run after the one called ``name`` (None after the last)."""
+        names = [s.name for s in self._stages]
+        return self._stages[names.index(name) + 1] if name in names[:-1] else None
 
     def run(self, state: Any, *, on_stage: Callable[[Stage], None] | None = None) -> list[StageRecord]:
         """Run every stage in order over ``state``; one record per stage."""
