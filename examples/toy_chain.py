@@ -3,7 +3,7 @@
     python examples/toy_chain.py
 
 Each stage declares the model it needs, the state fields it reads and writes, and its working set; the
-runner loads a model when its stage first asks for it and, under the ``staged`` policy, releases it when
+executor runs them in order, the runner loads a model when its stage first asks for it and, under the ``staged`` policy, releases it when
 the run moves on. Both policies give the same fingerprints; staged holds one model at a time.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pixal3d.staging import Event, Stage, StageRunner
+from pixal3d.staging import Event, Executor, Stage, StageRunner
 
 WIDTH = 512  # one Linear(512, 512) in fp32 is 1 MiB
 
@@ -87,7 +87,7 @@ def run_chain(policy: str, seed: int = 0) -> tuple[dict[str, str], int]:
     state = ChainState(generator=torch.Generator().manual_seed(seed), image=torch.ones(1, WIDTH))
     with StageRunner([Encode(), Denoise(), Decode()], LOADERS, provides=("generator", "image"),
                      state_type=ChainState, policy=policy, events=held) as runner:
-        records = runner.run(state)
+        records = Executor(runner).run(state)
     return {k: v for r in records for k, v in r.fingerprints.items()}, held.peak
 
 

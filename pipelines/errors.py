@@ -25,7 +25,6 @@ from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
 from pixal3d.staging import PolicyError, StageGraphError
 from pixal3d.staging.mps_memory import MpsMemoryLimitError
 
-from .pipeline import DeviceError, NotEnoughMemoryError
 from .structure import EmptyStructureError
 from .work_dir import WorkDirError
 
@@ -35,6 +34,14 @@ EXIT_BEFORE_RUN = 2
 
 class UsageError(ValueError):
     """Bad inputs, outputs or options on the command line (or in a batch or web request)."""
+
+
+class NotEnoughMemoryError(RuntimeError):
+    """Even the smallest-footprint policy needs more memory than the machine has available."""
+
+
+class DeviceError(ValueError):
+    """The device asked for does not exist on this machine (or this torch build)."""
 
 
 # Our own exceptions for what a user can cause, by kind. Their messages already name the value, the rule

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,8 +42,8 @@ from pixal3d.parallel.session import announce, exchange, receive
 from pixal3d.parallel.shard import shard_tensor_names
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
-from pixal3d.staging import Machine, Stage, StageRunner
-from pixal3d.telemetry import MemoryMeter
+from pixal3d.staging import Machine, Stage
+from pixal3d.staging.executor import Executor, Hook, Item
 
 FOLLOWER_PROVIDED = ("parallel",)
 
@@ -210,52 +210,60 @@ def job_record(runtime: ParallelRuntime, ranks: list[dict[str, Any]]) -> dict[st
             "ranks": ranks}
 
 
-class Leader:
-    """Rank 0's side of the job: frames each image for the followers and ends the job."""
+class Leader(Hook):
+    """Rank 0's side of the job, as a hook of its executor: frames each image for the followers, gathers every
+    rank's report, ends the job. The followers are told of an image only at its first flow stage, so an image
+    that fails before (unreadable, no object) never reaches them: the error is this image's alone and the job
+    can go on. An error after that tells the followers and stops the job."""
 
     def __init__(self, runtime: ParallelRuntime, stages: Sequence[Stage]):
         self.runtime = runtime
+        self.stages = list(stages)
         self.signature = flow_signature(stages)
         self.images = 0
         self.stopped: str | None = None  # why the job can run no more images
         self._pending: str | None = None  # the image being run, until the followers are told of it
+        self._joined: Item | None = None  # the image the followers are in
 
-    @contextmanager
-    def image(self, label: str) -> Iterator[None]:
-        """Around one image's run. The followers are told of it only at ``join`` (its first flow stage), so an
-        image that fails before (unreadable, no object) never reaches them: the error is this image's alone and
-        the job can go on. An error after that tells the followers and stops the job."""
-        if self.stopped is not None:
-            raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
-        self._pending = label
-        try:
-            yield
-        except BaseException as err:
-            if self._pending is None:  # the followers are in this image: they stop with it
-                self.stopped = f"{type(err).__name__}: {err}"
-                self.runtime.fail(err)
-            raise
-        finally:
-            self._pending = None
+    def before(self, item: Item, k: int) -> None:
+        """An image's first stage: refuse it if the job has stopped; before its first flow stage: announce it."""
+        if self._joined is not item and self._pending is None:
+            if self.stopped is not None:
+                raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
+            self._pending, self._joined = item.label, None
+        if getattr(self.stages[k], "flow_model", None) is not None:
+            self._join(item)
 
-    def join(self) -> None:
-        """Before the image's first flow stage (and before its report): announce it to the followers."""
+    def failed(self, item: Item, error: BaseException) -> None:
+        """The followers are in this image: they stop with it, and so does the job."""
+        if self._joined is item:
+            self.abort(error)
+        self._pending = self._joined = None
+
+    def _join(self, item: Item) -> None:
         if self._pending is not None:
             announce(self.runtime, {"kind": "image", "index": self.images, "input": self._pending,
                                     "flows": self.signature})
             self.images += 1
-            self._pending = None
+            self._pending, self._joined = None, item
 
     def abort(self, err: BaseException) -> None:
-        """Stop the job because of ``err`` (raised on rank 0 outside ``run``): the followers stop too."""
+        """Stop the job because of ``err``: the followers stop too."""
         if self.stopped is None:
             self.stopped = f"{type(err).__name__}: {err}"
         self.runtime.fail(err)
 
-    def gather(self, rows: Sequence[Any]) -> dict[str, Any]:
-        """Every rank's report of this image (call inside ``image``): the ``parallel`` record."""
-        self.join()  # a run that reached no flow stage (``until``) is still reported by every rank
-        return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
+    def gather(self, item: Item, rows: Sequence[Any]) -> dict[str, Any]:
+        """Every rank's report of ``item`` (its last step): the ``parallel`` record. A run that reached no flow
+        stage (``until``) is still reported by every rank."""
+        self._join(item)
+        try:
+            return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
+        except BaseException as err:
+            self.abort(err)
+            raise
+        finally:
+            self._pending = self._joined = None
 
     def close(self) -> None:
         """Tell the followers there are no more images (once; not after a failure: they have stopped)."""
@@ -264,29 +272,26 @@ class Leader:
             announce(self.runtime, {"kind": "end"})
 
 
-def follow(runtime: ParallelRuntime, runner: StageRunner, targets: list[Callable[[Any], None]]) -> int:
-    """A follower's loop: per announced image, its flow stages, then its report; returns the number of
-    images when rank 0 ends the job. ``targets`` is the runner's event relay (the memory meter joins it).
-    Any error here is told to every other rank before it propagates."""
-    mine = flow_signature([s for s in runner.stages if isinstance(s, FollowerStage)])
-    images = 0
-    try:
-        while True:
+def follow(runtime: ParallelRuntime, executor: Executor, meter: Any) -> int:
+    """A follower's loop: each image rank 0 announces through ``executor`` (its flow stages, then
+    ``BetweenImages``), then its report from ``meter`` (the executor's memory hook); returns the number of
+    images when rank 0 ends the job. Any error here is told to every other rank before it propagates."""
+    mine = flow_signature([s for s in executor.stages if isinstance(s, FollowerStage)])
+
+    def announced() -> Iterator[Item]:
+        for index in itertools.count():
             command = receive(runtime)
             if command.get("kind") == "end":
-                return images
+                return
             _check_flows(runtime.topology.rank, mine, command["flows"])
-            with MemoryMeter(None, device=runtime.device, meta={"rank": runtime.topology.rank}) as meter:
-                targets[:] = [meter.on_event]
-                try:
-                    state = FollowerState(parallel=runtime)
-                    for flow in command["flows"]:
-                        runner.run_stage(flow["stage"], state)
-                    runner.run_stage(BetweenImages.name, state)
-                finally:
-                    targets.clear()
-            exchange(runtime, rank_report(runtime, meter.report()))
+            yield Item(index, str(command.get("input")), None, label=str(command.get("input")))
+
+    images = 0
+    try:
+        for item in executor.by_item(announced()):
+            exchange(runtime, rank_report(runtime, meter.meter_for(item).report()))
             images += 1
+        return images
     except BaseException as err:
         runtime.fail(err)
         raise

@@ -10,10 +10,11 @@ safetensors headers, working sets from the stages' own estimates) and which memo
 prints the plan in between, and ``--plan`` stops there). Models load when their stage first asks for
 them; the policy decides where they live between stages and between runs. ``close()`` releases them.
 
-Under torchrun, ``parallel=ParallelSettings(...)`` (or a runtime from ``init_parallel``) spreads the flow
-stages over the job's ranks (``parallel.py``): rank 0 runs images, every other rank calls ``follow()``.
-``run_batch`` takes several images stage by stage (each model loaded once per batch) and can resume from a
-work directory (``batch.py``; one process only).
+Every run goes through one executor (``pixal3d.staging.executor``): ``run`` is a batch of one, ``run_batch``
+takes several images stage by stage (each model loaded once per batch) or image by image and can resume from
+a work directory (``batch.py``, ``work_dir.py``). Under torchrun, ``parallel=ParallelSettings(...)`` (or a
+runtime from ``init_parallel``) spreads the flow stages over the job's ranks (``parallel.py``): rank 0 runs
+images, every other rank calls ``follow()``.
 """
 from __future__ import annotations
 
@@ -22,18 +23,17 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from pixal3d.config import DEFAULT_SIGMA_MIN, SEED, CascadeConfig, load_config
+import pixal3d
+from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, SettingError, load_config
 from pixal3d.memory_budget import budget_error, format_bytes, models_and_work, parse_budget
-from pixal3d.models.preprocess import as_image
+from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
 from pixal3d.parallel.topology import Topology
@@ -50,7 +50,6 @@ from pixal3d.staging import (
     Machine,
     MemoryPlan,
     Policy,
-    StageRecord,
     StageRunner,
     check_stages,
     detect_machine,
@@ -62,11 +61,14 @@ from pixal3d.staging.mps_memory import (
     apply_mps_memory_limit,
     check_mps_memory_limit,
 )
+from pixal3d.staging.executor import Executor
 from pixal3d.staging.policy import gib, usable
 from pixal3d.telemetry import MemoryMeter
 
 from . import state_codec
+from .batch import IMAGE_KINDS, BatchItem, BatchOrder, ImageItem, Meter, Progress, Relay, default_order, image_items
 from .build import build_stages
+from .errors import DeviceError, NotEnoughMemoryError, classify
 from .loaders import model_loaders, with_attention_route
 from .parallel import (
     FOLLOWER_PROVIDED,
@@ -87,24 +89,12 @@ from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage, StageBudget
 from .state import PROVIDED, RunState
-
-if TYPE_CHECKING:
-    from .batch import BatchItem
+from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_digests
 
 logger = logging.getLogger(__name__)
 
-MAX_SEED = int(SEED.high)
-
 Loader = Callable[[], nn.Module]
 Parallel = ParallelSettings | ParallelRuntime | None
-
-
-class NotEnoughMemoryError(RuntimeError):
-    """Even the smallest-footprint policy needs more memory than the machine has available."""
-
-
-class DeviceError(ValueError):
-    """The device asked for does not exist on this machine (or this torch build)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +158,7 @@ class Pixal3D:
         self.config = plan.config
         self.device = plan.device
         self.weights = weights
-        self._relay = _Relay()
+        self._relay = Relay()
         self._runtime = plan.parallel if isinstance(plan.parallel, ParallelRuntime) else runtime
         self._owns_runtime = self._runtime is not None and self._runtime is not plan.parallel
         if plan.parallel is not None and self._runtime is None:
@@ -337,60 +327,106 @@ class Pixal3D:
             events: Callable[[Event], None] | None = None, progress: bool = False,
             callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
             trace_meta: Mapping[str, Any] | None = None, name: str | None = None) -> Result:
-        """Take one image through every stage and return the ``Result`` (nothing is written to disk).
+        """Take one image through every stage and return the ``Result`` (nothing is written to disk): a batch of
+        one (``run_batch``), whose errors are raised.
 
         image:    a path, a PIL image or a uint8 array (RGBA: the alpha marks the object)
         seed:     the run's seed (default: the config's); the run owns a CPU generator seeded with it
         fov:      horizontal field of view in degrees (default: the config's, else MoGe-2, else 49.1)
         events:   also receives this run's registry events (loads, releases, stage changes)
         progress: tqdm bars for stages, sampler steps and export steps
-        callback: ``{"kind": "stage", "stage", "index", "stages"}`` as each stage starts and
-                  ``{"kind": "step", "stage", "step", "steps"}`` after each sampler step
+        callback: ``{"kind": "stage", "stage", "index", "stages", "image", "image_index", "images"}`` as each
+                  stage starts and ``{"kind": "step", "stage", "step", "steps", ...}`` after each sampler step
         trace:    also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
         name:     what run.json calls the input (default: the path, or "<image>")
         """
+        items = image_items([image], seed=seed, default_seed=self.config.seed, labels=[name] if name else None)
+        [item] = self._execute(items, "image", fov=fov, events=events, progress=progress, callback=callback,
+                               trace=trace, trace_meta=trace_meta)
+        return item.result
+
+    def run_batch(self, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
+                  fov: float | None = None, names: Sequence[str] | None = None, order: BatchOrder | None = None,
+                  work_dir: str | Path | None = None, state_budget: int | None = None,
+                  events: Callable[[Event], None] | None = None, progress: bool = False,
+                  callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
+                  trace_meta: Mapping[str, Any] | None = None) -> Iterator[BatchItem]:
+        """Run several images, stage by stage across the batch (each model loaded once per batch) or image by
+        image, optionally resuming from a work directory; yields one ``BatchItem`` per image (its ``Result``, or
+        the error that stopped it) as it finishes (``pipelines.batch``).
+
+        seed:         one seed for every image, or one per image (default: the config's)
+        names:        what outputs, records and reports call each image (default: the file's stem, else image<i>)
+        order:        ``stage`` or ``image`` (default: ``default_order(policy)``)
+        work_dir:     keep every stage's outputs there and resume from what is already there
+        state_budget: bytes of image states kept in memory between stages (default: ``RunPlan.state_budget()``);
+                      0 keeps every state on disk
+        the rest:     as for ``run`` (``trace``: one file for a stage-ordered batch, ``<stem>.<name><suffix>``
+                      per image for an image-ordered one; ``callback`` reports carry the image's name and index)
+
+        An item's ``result.state`` holds every stage output (not the decoded input image, nor the backbone
+        features: caches, dropped after their stages).
+        """
+        order = order or default_order(self.policy)
+        if order not in ("image", "stage"):
+            raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
+        if self._runtime is not None and (order == "stage" or work_dir is not None):
+            raise ValueError("under torchrun the other ranks follow rank 0 image by image: a parallel batch runs in "
+                             "image order without a work directory")
+        items = image_items(images, seed=seed, default_seed=self.config.seed, names=names)
+        run = self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
+                            progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True)
+        return (item.batch_item([s.name for s in self.stages]) for item in run)
+
+    def _execute(self, items: list[ImageItem], order: BatchOrder, *, fov: float | None, work_dir: str | Path | None = None,
+                 state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
+                 callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
+                 trace_meta: Mapping[str, Any] | None, isolate: bool = False) -> Iterator[ImageItem]:
+        """``items`` through the executor in ``order``; what ``run`` and ``run_batch`` share."""
         if self.is_follower:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
                                f"and run images on rank 0")
-        seed = self.config.seed if seed is None else check_seed(seed)
         check_fov(fov)
-        label = name or (str(image) if isinstance(image, (str, Path)) else "<image>")
-        with self._leader.image(label) if self._leader is not None else nullcontext():  # followers join its flows
-            return self._run(image, seed, fov, label, events, progress, callback, trace, trace_meta)
+        stages = self.stages
+        bar = Progress([s.name for s in stages], progress=progress, callback=callback)
+        meter = Meter(self._relay, lambda: self._runner.registry, device=self.device, trace=trace,
+                      several=len(items) > 1, events=events, meta={"policy": self.policy.value, **(trace_meta or {})})
+        store = StateStore(stages, self.device, work=WorkDir(work_dir) if work_dir is not None else None,
+                           budget=self.run_plan.state_budget() if state_budget is None else state_budget,
+                           kinds=state_codec.declared_kinds(RunState))
+        keyed = work_dir is not None or order == "stage"
+        digests = weights_digests(self.weights) if keyed else {}
 
-    def _run(self, image: Any, seed: int, fov: float | None, label: str, events: Callable[[Event], None] | None,
-             progress: bool, callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
-             trace_meta: Mapping[str, Any] | None) -> Result:
-        image = as_image(image)
-        self.run_plan.check_input(image)  # before the first stage loads anything
-        state = self.new_state(image, seed=seed, fov=fov, progress=progress, callback=callback)
-        stages = self._runner.stages
-        bar = tqdm(total=len(stages), desc=Path(label).name, unit="stage", disable=not progress)
-        meta = {"input": label, "policy": self.policy.value, "seed": seed, **(trace_meta or {})}
-        with self.metered(trace, meta, events) as meter:
+        def open_item(item: ImageItem) -> None:
+            """Refuse an unusable input before its first stage; key its stages (for the store)."""
             try:
-                records = []
-                for index, stage in enumerate(stages):
-                    bar.set_postfix_str(stage.name)
-                    if callback is not None:
-                        callback({"kind": "stage", "stage": stage.name, "index": index, "stages": len(stages)})
-                    if index == 0:
-                        self.open_window(stage.name, meter)
-                    if self._leader is not None and getattr(stage, "flow_model", None) is not None:
-                        self._leader.join()  # the followers join this image's flow stages from here
-                    records.append(self._runner.run_stage(stage, state))
-                    bar.update(1)
-            finally:
-                bar.close()
-        return self.result(label, seed, state, records, meter)
+                if isinstance(item.source, (str, Path)):
+                    probe_image(item.source)  # not an image, or too small: from its header
+                self.run_plan.check_input(item.source)  # e.g. no alpha and no remover
+                provided = {"input_image": input_digest(item.source) if keyed else None, "generator": item.seed,
+                            "fov_deg": fov, "device": str(self.device),
+                            "shape_normalization": repr(self.weights.shape_normalization),
+                            "tex_normalization": repr(self.weights.tex_normalization)}
+            except OSError as err:
+                raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
+            if keyed:  # what decides each stage's outputs, for the records (work dir) and spilled states
+                item.keys = stage_keys(stages, provided, digests, {"torch": torch.__version__,
+                                                                    "pixal3d": pixal3d.__version__})
 
-    def run_batch(self, images: Sequence[Any], **options: Any) -> Iterator[BatchItem]:
-        """Run several images, stage by stage across the batch (each model loaded once per batch) or image by
-        image, optionally resuming from a work directory; yields one ``BatchItem`` per image (its ``Result``, or
-        the error that stopped it) as it finishes. Options: see ``pipelines.batch.run_batch``."""
-        from .batch import run_batch
+        def start(item: ImageItem, k: int) -> RunState:
+            reads_input = any("input_image" in s.inputs for s in stages[k:])
+            return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=fov,
+                                  progress=progress, callback=bar.callback_for(item))
 
-        return run_batch(self, images, **options)
+        def alone(item: ImageItem, err: BaseException) -> bool:
+            """Whether ``err`` is this image's alone (``IMAGE_KINDS``, and no parallel job stopped by it)."""
+            failure = classify(err, started=True)
+            return failure is not None and failure.kind in IMAGE_KINDS and self.job_stopped is None
+
+        executor = Executor(self._runner, start, store=store, open=open_item, isolate=alone if isolate else None,
+                            hooks=[bar, meter, *([self._leader] if self._leader is not None else [])],
+                            finish=lambda item: self._result(item, meter.meter_for(item)))
+        return executor.by_stage(items) if order == "stage" else executor.by_item(items)
 
     # -- what runs and batches share -------------------------------------------------------------
     def new_state(self, image: Any, *, seed: int, fov: float | None = None, progress: bool = False,
@@ -402,42 +438,20 @@ class Pixal3D:
             shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
             progress=progress, callback=callback, parallel=self._runtime)
 
-    @contextmanager
-    def metered(self, trace: str | Path | None, meta: Mapping[str, Any],
-                events: Callable[[Event], None] | None = None) -> Iterator[MemoryMeter]:
-        """A memory meter (writing ``trace`` when given) that, with ``events``, hears the registry meanwhile."""
-        with MemoryMeter(Path(trace) if trace is not None else None, device=self.device, meta=dict(meta)) as meter:
-            self._relay.targets = [meter.on_event, *([events] if events is not None else [])]
-            try:
-                yield meter
-            finally:
-                self._relay.targets = []
-
-    def open_window(self, stage: str, meter: MemoryMeter) -> None:
-        """Before a meter's first stage: a run that failed in this stage left the registry there, so entering it
-        emits no stage event; open the stage's window by hand."""
-        if self._runner.registry.stage == stage:
-            meter.mark(stage)
-
-    def result(self, label: str, seed: int, state: RunState, records: list[StageRecord],
-               meter: MemoryMeter | None) -> Result:
+    def _result(self, item: ImageItem, meter: MemoryMeter | None) -> Result:
         """The ``Result`` of one image: its state, its stage records (peaks filled in from ``meter``'s windows of
         the same stage names when the record has none) and the meter's rows."""
         rows = meter.report() if meter is not None else []
         peaks = {row.stage: row for row in rows}
-        for record in records:
+        for record in item.records:
             if record.stage in peaks and record.peak_process_bytes is None:
                 record.peak_process_bytes = peaks[record.stage].peak_process
                 record.peak_device_bytes = peaks[record.stage].peak_device
-        parallel = self._leader.gather(rows) if self._leader is not None else None  # every rank's peaks
-        return Result(input=label, seed=seed, config=self.config, device=self.device, policy=self.policy,
-                      policy_reasons=self.run_plan.reasons, state=state, stages=records,
+        parallel = self._leader.gather(item, rows) if self._leader is not None else None  # every rank's peaks
+        return Result(input=item.label, seed=item.seed, config=self.config, device=self.device, policy=self.policy,
+                      policy_reasons=self.run_plan.reasons, state=item.state, stages=item.records,
                       memory=[row.to_dict() for row in rows], parallel=parallel, choices=self.run_plan.choices(),
                       memory_budget=self.run_plan.memory_budget)
-
-    def state_budget(self) -> int:
-        """Bytes a batch may keep in image states between stages (``RunPlan.state_budget``)."""
-        return self.run_plan.state_budget()
 
     def follow(self) -> int:
         """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0
@@ -446,7 +460,10 @@ class Pixal3D:
         if not self.is_follower:
             raise RuntimeError("rank 0 leads the parallel job (or there is none): call run(image) for each image "
                                "and close() at the end; follow() is for the other ranks")
-        return follow(self._runtime, self._runner, self._relay.targets)
+        meter = Meter(self._relay, lambda: self._runner.registry, device=self._runtime.device,
+                      meta={"rank": self._runtime.topology.rank})
+        executor = Executor(self._runner, lambda item, k: FollowerState(parallel=self._runtime), hooks=[meter])
+        return follow(self._runtime, executor, meter)
 
     def close(self) -> None:
         """Release every loaded model (a later ``run`` loads them again). In a parallel job, rank 0 tells the
@@ -472,28 +489,10 @@ class Pixal3D:
         self.close()
 
 
-class _Relay:
-    """The registry's one event sink, forwarding to whoever listens to the current run."""
-
-    def __init__(self) -> None:
-        self.targets: list[Callable[[Event], None]] = []
-
-    def __call__(self, event: Event) -> None:
-        for target in self.targets:
-            target(event)
-
-
 def check_fov(fov: float | None) -> None:
-    """A ``ValueError`` unless ``fov`` is None or a field of view in (0, 180) degrees."""
+    """A ``SettingError`` unless ``fov`` is None or a field of view in (0, 180) degrees."""
     if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
-        raise ValueError(f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
-
-
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int a ``torch.Generator`` accepts, or a ``ValueError`` saying the range (``config.SEED``)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
-        raise ValueError(f"seed {seed!r} is not {SEED.describe()}; pass e.g. seed=42")
-    return seed
+        raise SettingError("fov", f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
 
 
 def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mapping[str, CascadeStage] | None = None,

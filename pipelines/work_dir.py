@@ -18,6 +18,11 @@ read the generator) and recomputes from ``structure``; a changed export setting 
 
 Both files are written atomically (``pixal3d.files``), the safetensors first: a kill at any instant leaves
 either the complete record or none (a leftover temporary file is removed on the next open).
+
+``StateStore`` is the executor's store (``pixal3d.staging.executor.Store``) over these records: with a work
+directory every stage is saved as it finishes and a run resumes from what is there; with or without one, a
+state that does not fit the batch's state budget waits on disk between stages (without one, in a folder of
+this process under ``spill_root()``) and is restored for its next stage.
 """
 from __future__ import annotations
 
@@ -26,22 +31,31 @@ import enum
 import hashlib
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.hub import cache_root
+from pixal3d.models.preprocess import ImageError
 from pixal3d.staging import (
     SafetensorsHeaderError,
     Stage,
     StageRecord,
     read_safetensors_header,
 )
+from pixal3d.staging.executor import Item, Store
 
 from . import state_codec
 
@@ -258,3 +272,135 @@ class WorkDir:
         if header.metadata.get("key") != key.digest:
             return f"{data.name} belongs to another run"
         return None
+
+
+# -- the executor's store ---------------------------------------------------------------------------
+def spill_root() -> Path:
+    """Where batches without a work dir keep states between stages: ``<pixal3d cache>/batch-spill``, on disk
+    beside the weights. Not the system temporary folder: that is memory (tmpfs) on many Linux systems, and
+    spilling is what a batch does when memory is short."""
+    return cache_root() / "batch-spill"
+
+
+def new_spill_folder() -> Path:
+    """A fresh folder under ``spill_root()`` named after this process; the folders of processes that no longer
+    run (a batch killed before it could clean up) are removed first."""
+    root = spill_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+
+
+class StateStore(Store):
+    """States between stages for items that carry their stage keys (``item.keys``): every stage recorded in
+    ``work`` (when given) and resumed from it; a state kept in memory while the states held stay within
+    ``budget`` bytes, else on disk until ``restore``. ``kinds``: each output field's codec kind."""
+
+    def __init__(self, stages: Sequence[Stage], device: torch.device, *, work: WorkDir | None, budget: int,
+                 kinds: Mapping[str, str]):
+        self.stages, self.device, self.work, self.budget, self.kinds = list(stages), device, work, budget, kinds
+        self._held: dict[int, int] = {}    # item index -> bytes its state holds in memory
+        self._stored: dict[int, int] = {}  # item index -> leading stages whose outputs are on disk
+        self._spill: WorkDir | None = None
+
+    def resume(self, item: Item) -> int:
+        if self.work is None:
+            return 0
+        done, note = self.work.scan(item.name, item.keys)
+        if note:
+            logger.warning("work dir %s: %s", self.work.root, note)
+            item.notes.append(note)
+        self._stored[item.index] = done
+        return done
+
+    def saved(self, item: Item, k: int) -> None:
+        if self.work is not None:
+            self._save(self.work, item, k)
+            self._stored[item.index] = k + 1
+
+    def between(self, item: Item, k: int) -> bool:
+        size = state_codec.nbytes(item.state)
+        held = sum(n for index, n in self._held.items() if index != item.index)
+        if held + size <= self.budget:
+            self._held[item.index] = size
+            return True
+        disk = self._disk()
+        for i in range(self._stored.get(item.index, 0), item.done):
+            self._save(disk, item, i)  # the generator as it is now: stages after i that do not draw left it so
+        self._stored[item.index] = item.done
+        self._held.pop(item.index, None)
+        logger.debug("batch: %s waits on disk after %s (%d bytes, %d held)", item.name, self.stages[k].name, size,
+                     held)
+        return False
+
+    def restore(self, item: Item, k: int, state: Any) -> None:
+        resumed = len(item.records) < k  # taken from the work directory: the records come from there too
+        for i in range(k):
+            stored = self._disk().load(item.name, item.keys[i], self.device)
+            for name, value in stored.outputs.items():
+                setattr(state, name, value)
+            if stored.generator_state is not None:
+                getattr(state, self.stages[i].draws).set_state(stored.generator_state)
+            if resumed:
+                item.records.append(stored.record)
+
+    def forget(self, item: Item) -> None:
+        self._held.pop(item.index, None)
+
+    def close(self) -> None:
+        if self._spill is not None:
+            shutil.rmtree(self._spill.root, ignore_errors=True)
+            self._spill = None
+
+    def _disk(self) -> WorkDir:
+        """The work directory, else this process's spill folder (made when first needed)."""
+        if self.work is not None:
+            return self.work
+        if self._spill is None:
+            self._spill = WorkDir(new_spill_folder())
+        return self._spill
+
+    def _save(self, disk: WorkDir, item: Item, k: int) -> None:
+        stage, state = self.stages[k], item.state
+        disk.save(item.name, item.keys[k], item.records[k], {name: getattr(state, name) for name in stage.outputs},
+                  getattr(state, stage.draws) if stage.draws is not None else None, self.kinds)
+
+
+def input_digest(source: Any) -> str:
+    """sha256 of the input: the file's bytes, or an in-memory image's mode, size and pixels."""
+    digest = hashlib.sha256()
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    elif isinstance(source, Image.Image):
+        digest.update(f"{source.mode}|{source.size}|".encode())
+        digest.update(source.tobytes())
+    elif isinstance(source, np.ndarray):
+        digest.update(f"{source.dtype}|{source.shape}|".encode())
+        digest.update(np.ascontiguousarray(source).tobytes())
+    else:
+        raise ImageError(f"the input must be a path, a PIL image or a uint8 array, not {type(source).__name__}")
+    return digest.hexdigest()
+
+
+def weights_digests(weights: Any) -> dict[str, str]:
+    """Model name → its files' path, size and modification time (a Hub snapshot path names the revision)."""
+    def stat(path: Path) -> str:
+        info = path.stat()
+        return f"{path}|{info.st_size}|{info.st_mtime_ns}"
+
+    out = {}
+    for name, path in weights.safetensors().items():
+        parts = [stat(path)]
+        config = path.with_suffix(".json")
+        if name in weights.checkpoints and config.exists():
+            parts.append(stat(config))
+        out[name] = ";".join(parts)
+    out["rembg"] = f"rembg:{weights.rembg}"
+    if weights.moge is not None:
+        out["moge"] = str(weights.moge)
+    return out

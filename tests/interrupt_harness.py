@@ -24,7 +24,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from pipelines import Pixal3D, batch, cli, flow_stage, work_dir
+from pipelines import Pixal3D, cli, flow_stage, work_dir
+from pixal3d.staging import executor
 
 
 def _records(work: Path) -> list[list[str]]:
@@ -47,15 +48,20 @@ def _instrument(step: dict, log_fd: int) -> None:
         return (at.get("event") == event and current["image"] == at.get("image")
                 and current["stage"] == at.get("stage"))
 
-    original_step = batch._Batch._step
+    class Log(executor.Hook):
+        """Told by the executor as each (image, stage) starts: logs it, and delivers a stage-start signal."""
 
-    def logged_step(self, job, k):
-        current.update(image=job.name, stage=self.stages[k].name)
-        os.write(log_fd, f"{job.name} {self.stages[k].name}\n".encode())
-        if hit("stage"):
-            os.kill(os.getpid(), number)
-        return original_step(self, job, k)
-    batch._Batch._step = logged_step
+        def before(self, item, k):
+            current.update(image=item.name, stage=item.at)
+            os.write(log_fd, f"{item.name} {item.at}\n".encode())
+            if hit("stage"):
+                os.kill(os.getpid(), number)
+
+    original_init = executor.Executor.__init__
+
+    def with_log(self, *args, hooks=(), **kwargs):
+        original_init(self, *args, hooks=(*hooks, Log()), **kwargs)
+    executor.Executor.__init__ = with_log
 
     original_sample = flow_stage.sample_flow_euler
 

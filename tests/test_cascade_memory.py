@@ -23,7 +23,7 @@ RUN = textwrap.dedent("""
     import psutil, torch
     from torch import nn
     from pixal3d.models.loading import load_model, register_model
-    from pixal3d.staging import Stage, StageRunner
+    from pixal3d.staging import Executor, Stage, StageRunner
     from pixal3d.telemetry.linux import process_memory
 
     @register_model("Blob")
@@ -45,7 +45,7 @@ RUN = textwrap.dedent("""
     runner = StageRunner([Use(i) for i in range(count)], loaders, policy=policy)
     sums = {}
     before = psutil.Process().memory_info().rss
-    runner.run(sums)
+    Executor(runner).run(sums)
     # VmHWM: this process's own peak. (ru_maxrss is kept across exec, so it would start at the RSS the
     # parent, a pytest process, had when it forked this one.)
     peak = process_memory()[1]

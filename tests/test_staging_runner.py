@@ -12,6 +12,7 @@ import torch
 
 from pixal3d.staging import (
     EventLog,
+    Executor,
     Policy,
     PolicyError,
     Stage,
@@ -109,7 +110,7 @@ def test_a_stage_that_draws_from_a_generator_must_say_so():
     class Declared(Noisy):
         draws = "gen"
     run = StageRunner([Encode(), Declared()], make_loaders(), provides=("x", "gen"), state_type=State)
-    assert [r.stage for r in run.run(state)] == ["encode", "decode"]  # control: declared, it runs
+    assert [r.stage for r in Executor(run).run(state)] == ["encode", "decode"]  # control: declared, it runs
 
     class Undeclared(Declared):
         inputs = ("feats",)
@@ -166,7 +167,7 @@ def test_each_policy_places_idle_models_as_its_placement_says(policy, loaded_aft
         run.registry  # noqa: B018 -- building the registry preloads under eager
         assert sorted(builds) == ["decoder", "encoder"] and log.of_kind("stage") == []
     state = State(x=torch.ones(2, 16))
-    records = run.run(state)
+    records = Executor(run).run(state)
     assert [r.stage for r in records] == ["encode", "decode"]
     assert [r.used for r in records] == [["encoder"], ["decoder"]]
     released = [e.model for e in log.of_kind("release")]
@@ -180,14 +181,14 @@ def test_each_policy_places_idle_models_as_its_placement_says(policy, loaded_aft
 def test_offload_parks_idle_models_instead_of_releasing_them():
     log = EventLog()
     run = runner(policy=Policy.offload, events=log)
-    run.run(State(x=torch.ones(2, 16)))
+    Executor(run).run(State(x=torch.ones(2, 16)))
     assert [(e.model, e.note) for e in log.of_kind("release")] == [("encoder", "parked in host memory")]
     assert "encoder" in run.registry.loaded()
 
 
 def test_outputs_are_fingerprinted_and_transient_fields_cleared_after_their_stage():
     state = State(x=torch.ones(2, 16))
-    records = runner().run(state)
+    records = Executor(runner()).run(state)
     assert set(records[0].fingerprints) == {"feats", "scratch"}
     assert state.scratch is None and state.feats is not None
     expected = build("decoder")(build("encoder")(torch.ones(2, 16)))
@@ -200,10 +201,10 @@ def test_replace_swaps_a_stage_by_name_and_checks_it():
             state.y = models["decoder"](state.feats) / 2
     run = runner()
     full = State(x=torch.ones(2, 16))
-    run.run(full)
+    Executor(run).run(full)
     run.replace("decode", Halve())
     half = State(x=torch.ones(2, 16))
-    run.run(half)
+    Executor(run).run(half)
     assert torch.equal(half.y, full.y / 2)
     with pytest.raises(KeyError, match="no stage 'refine'"):
         run.replace("refine", Halve())

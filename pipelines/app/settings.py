@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pixal3d.config import CascadeConfig, ConfigError
 from pixal3d.staging import Policy
 
-from ..pipeline import check_seed
+from ..batch import check_seed
 
 TEXTURE_SIZES = (256, 512, 1024, 2048, 4096)
 

@@ -3,7 +3,8 @@ loads lazily and releases per stage, RNG preservation, shared instances, and the
 
 Pipeline-agnostic: nothing here imports the rest of pixal3d. A pipeline author needs:
 
-- ``Stage`` and ``StageRunner`` (``runner.py``): declare stages, run them, get ``StageRecord``s;
+- ``Stage`` and ``StageRunner`` (``runner.py``): declare stages, enter and run one, get ``StageRecord``s;
+- ``Executor`` (``executor.py``): every run's loop over items × stages, with a ``Store`` and ``Hook``s;
 - ``Policy``, ``MemoryPlan``, ``detect_machine``, ``resolve_policy``, ``format_plan`` (``policy.py``):
   choose where idle models live from the plan and the machine;
 - ``StagedModels`` (``registry.py``) when driving stages by hand; ``SharedInstances`` for one module
@@ -11,6 +12,7 @@ Pipeline-agnostic: nothing here imports the rest of pixal3d. A pipeline author n
 - ``Event`` / ``EventLog`` to watch loads and releases; ``fingerprints`` to compare runs bit for bit.
 """
 from .events import Event, EventLog, EventSink
+from .executor import Executor, Hook, Item, Store
 from .fingerprint import fingerprints
 from .policy import (
     Machine,
@@ -38,6 +40,9 @@ __all__ = [
     "Event",
     "EventLog",
     "EventSink",
+    "Executor",
+    "Hook",
+    "Item",
     "Machine",
     "MemoryPlan",
     "OutsideStageError",
@@ -52,6 +57,7 @@ __all__ = [
     "StageGraphError",
     "StageRecord",
     "StageRunner",
+    "Store",
     "StagedModels",
     "check_stages",
     "detect_machine",

@@ -22,7 +22,8 @@ set per stage, every input provided or written by an earlier stage, every field 
 type, a loader for every need, a drawn generator among the inputs, a cache not dropped before a later
 stage reads it, and (given ``storable``) every output a field the state can store. Each ``run_stage`` is ``registry.enter(name)`` (which releases, parks or
 keeps idle models according to the policy), ``stage.run(state, models)`` under ``torch.no_grad``, then
-the fingerprints of its outputs. Pipeline-specific code (the Pixal3D cascade) lives outside this package.
+the fingerprints of its outputs; the executor (``executor.py``) drives the stages over items. Pipeline-specific
+code (the Pixal3D cascade) lives outside this package.
 """
 from __future__ import annotations
 
@@ -259,15 +260,6 @@ class StageRunner:
         """The stage run after the one called ``name`` (None after the last)."""
         names = [s.name for s in self._stages]
         return self._stages[names.index(name) + 1] if name in names[:-1] else None
-
-    def run(self, state: Any, *, on_stage: Callable[[Stage], None] | None = None) -> list[StageRecord]:
-        """Run every stage in order over ``state``; one record per stage."""
-        records = []
-        for stage in self._stages:
-            if on_stage is not None:
-                on_stage(stage)
-            records.append(self.run_stage(stage, state))
-        return records
 
     def close(self) -> None:
         """Release every model (the registry is rebuilt on the next run)."""
