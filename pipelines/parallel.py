@@ -15,6 +15,10 @@
 
 Every message is a request of the job (``pixal3d.parallel.session``), so a failure on any rank, inside
 a flow stage or not, stops every rank within the job's timeout, each naming the failed rank.
+
+Parallelism reaches ``Pixal3D`` in two places only: the plan is transformed for this rank (``rank_plan``:
+its device, its stages, the shards the plan counts, its share of the machine) and rank 0's executor gets
+the ``Leader`` hook. The job's settings or an already joined runtime are told apart here, nowhere else.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from pixal3d.parallel import (
     ParallelRuntime,
     ParallelSettings,
     PeerFailedError,
+    init_parallel,
     load_flow_shard,
     parallel_sample,
 )
@@ -44,6 +49,8 @@ from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Machine, Stage
 from pixal3d.staging.executor import Executor, Hook, Item
+
+from .state import PROVIDED, RunState
 
 FOLLOWER_PROVIDED = ("parallel",)
 
@@ -109,6 +116,59 @@ class BetweenImages(Stage):
 def follower_stages(stages: Sequence[Stage]) -> list[Stage]:
     """A follower's stages: one ``FollowerStage`` per flow stage of the cascade, then ``BetweenImages``."""
     return [*(FollowerStage(s) for s in flow_stages(stages)), BetweenImages()]
+
+
+# -- the plan of one rank ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankPlan:
+    """This rank's part of a parallel job, decided with the plan: the settings, where this rank sits, its
+    device, and the job's runtime when the caller joined it before planning (else ``join`` joins it)."""
+
+    settings: ParallelSettings
+    topology: Topology
+    device: torch.device
+    runtime: ParallelRuntime | None = None
+
+    @property
+    def follower(self) -> bool:
+        """Whether this rank only joins rank 0's flow stages (``Pixal3D.follow``)."""
+        return self.topology.rank != 0
+
+    def stages(self, stages: Sequence[Stage]) -> tuple[Stage, ...]:
+        """The stages this rank runs: all of them on rank 0, the flow stages' shards elsewhere; the warmup is
+        checked against the cascade's samplers first."""
+        check_warmup(self.settings, stages)
+        return tuple(follower_stages(stages)) if self.follower else tuple(stages)
+
+    def state(self) -> tuple[tuple[str, ...], type]:
+        """What this rank's runs provide, and their state type."""
+        return (FOLLOWER_PROVIDED, FollowerState) if self.follower else (PROVIDED, RunState)
+
+    def shards(self, stages: Sequence[Stage]) -> dict[str, Callable[[Iterable[str]], set[str]]]:
+        """Flow model → the tensor names this rank's shard holds, for the plan (pp > 1; else whole models)."""
+        if self.topology.pp_degree <= 1:
+            return {}
+        return {s.flow_model: shard_selector(s.flow_model, self.topology) for s in flow_stages(stages)}
+
+    def note(self) -> str:
+        return describe_parallel(self.settings, self.topology)
+
+    def join(self) -> tuple[ParallelRuntime, bool]:
+        """The job's runtime, and whether it was joined here (and is this pipeline's to close)."""
+        if self.runtime is not None:
+            return self.runtime, False
+        return init_parallel(self.settings, device=self.device), True
+
+
+def rank_plan(parallel: ParallelSettings | ParallelRuntime | None, device: torch.device) -> RankPlan | None:
+    """``parallel`` (settings under torchrun, or a runtime from ``init_parallel``) as this rank's plan; None
+    for one process (no settings, or mode ``none``: today's path exactly)."""
+    if parallel is None or (isinstance(parallel, ParallelSettings) and parallel.mode == "none"):
+        return None
+    if isinstance(parallel, ParallelRuntime):
+        return RankPlan(parallel.settings, parallel.topology, parallel.device, parallel)
+    topology = Topology.from_env(parallel)
+    return RankPlan(parallel, topology, rank_device(device, topology))
 
 
 # -- checks, before anything loads -----------------------------------------------------------------

@@ -35,8 +35,7 @@ from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, SettingError, load_
 from pixal3d.memory_budget import budget_error, format_bytes, models_and_work, parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
-from pixal3d.parallel import ParallelRuntime, ParallelSettings, init_parallel
-from pixal3d.parallel.topology import Topology
+from pixal3d.parallel import ParallelRuntime, ParallelSettings
 from pixal3d.pipeline_json import (
     PIPELINE_MODELS,
     ResolvedWeights,
@@ -71,19 +70,15 @@ from .build import build_stages
 from .errors import DeviceError, NotEnoughMemoryError, classify
 from .loaders import model_loaders, with_attention_route
 from .parallel import (
-    FOLLOWER_PROVIDED,
     FollowerState,
     Leader,
+    RankPlan,
     check_blocks,
-    check_warmup,
-    describe_parallel,
     flow_stages,
     follow,
-    follower_stages,
     machine_share,
-    rank_device,
+    rank_plan,
     shard_loaders,
-    shard_selector,
 )
 from .preprocess import rembg_loader
 from .result import Result
@@ -94,7 +89,6 @@ from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_dig
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[], nn.Module]
-Parallel = ParallelSettings | ParallelRuntime | None
 
 
 @dataclass(frozen=True)
@@ -110,18 +104,22 @@ class RunPlan:
     reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()
     mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
-    parallel: Parallel = None                # the job's settings (or runtime) under torchrun, else None
-    rank: int = 0                            # this process's rank in that job; ranks != 0 follow rank 0
-    memory_budget: int | None = None         # bytes every stage's work was bounded to (--memory-budget)
+    parallel: RankPlan | None = None         # this rank's part of the job under torchrun, else None
+    memory_budget: int | None = None         # bytes every stage's work was bounded to (memory_budget)
 
     def choices(self) -> dict[str, Any]:
         """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
         return {s.name: s.choices() for s in self.stages if getattr(s, "choices", None) and s.choices()}
 
     @property
+    def rank(self) -> int:
+        """This process's rank in the parallel job (0 without one); ranks != 0 follow rank 0."""
+        return self.parallel.topology.rank if self.parallel is not None else 0
+
+    @property
     def follower(self) -> bool:
         """Whether this process only joins rank 0's flow stages (``Pixal3D.follow``)."""
-        return self.parallel is not None and self.rank != 0
+        return self.parallel is not None and self.parallel.follower
 
     def state_budget(self) -> int:
         """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
@@ -153,36 +151,36 @@ class Pixal3D:
     """The cascade ready to run: stages, resolved weights, a policy and a model registry."""
 
     def __init__(self, plan: RunPlan, weights: ResolvedWeights, *, strict: bool = False, preserve_rng: bool = True,
-                 wrap_loader: Callable[[str, Loader], Loader] | None = None, runtime: ParallelRuntime | None = None):
+                 wrap_loader: Callable[[str, Loader], Loader] | None = None, runtime: ParallelRuntime | None = None,
+                 owns_runtime: bool = False):
         self.run_plan = plan
         self.config = plan.config
         self.device = plan.device
         self.weights = weights
         self._relay = Relay()
-        self._runtime = plan.parallel if isinstance(plan.parallel, ParallelRuntime) else runtime
-        self._owns_runtime = self._runtime is not None and self._runtime is not plan.parallel
-        if plan.parallel is not None and self._runtime is None:
+        self._runtime, self._owns_runtime = runtime, owns_runtime
+        if plan.parallel is not None and runtime is None:
             raise ValueError("a parallel plan needs the job's runtime: build the pipeline with Pixal3D.from_plan")
         if plan.mps_limit is not None:
             apply_mps_memory_limit(plan.mps_limit)
         remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
-        if self._runtime is not None:  # flow models load as this rank's shards
-            flows = [s.flow_model for s in flow_stages(plan.stages)]
-            loaders = shard_loaders(loaders, weights, flows, self._runtime)
+        if runtime is not None:  # flow models load as this rank's shards
+            loaders = shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(plan.stages)], runtime)
         loaders = with_attention_route(loaders, self.config.runtime.attention)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
-        provides, state_type = (FOLLOWER_PROVIDED, FollowerState) if plan.follower else (PROVIDED, RunState)
+        provides, state_type = plan.parallel.state() if plan.parallel is not None else (PROVIDED, RunState)
         self._runner = StageRunner(plan.stages, loaders, provides=provides, state_type=state_type,
                                    policy=plan.policy, events=self._relay, strict=strict, preserve_rng=preserve_rng)
-        self._leader = Leader(self._runtime, plan.stages) if self._runtime is not None and not plan.follower else None
+        self._leader = Leader(runtime, plan.stages) if runtime is not None and not plan.follower else None
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
     def plan(config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
              device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-             until: str | None = None, parallel: Parallel = None, memory_budget: int | str | None = None) -> RunPlan:
+             until: str | None = None, parallel: ParallelSettings | ParallelRuntime | None = None,
+             memory_budget: int | str | None = None) -> RunPlan:
         """The memory plan and the resolved policy; reads only ``pipeline.json`` and safetensors headers.
 
         ``replace`` swaps stages by name, ``until`` ends the cascade after the named stage. Raises
@@ -196,77 +194,72 @@ class Pixal3D:
         against torchrun's environment and the config (``ParallelConfigError``). Ranks != 0 plan only their
         part: the flow stages, on shards of the flow models (the plan counts each rank's shard).
         """
+        # 1. config and device; this rank's part of a parallel job (its device: cuda:<local rank>)
         config = load_config(config) if isinstance(config, (str, Path)) else config
         device = check_device(torch.device(device)) if device is not None else default_device()
+        rank = rank_plan(parallel, device)
+        device = rank.device if rank is not None else device
+        # 2. the samplers' settings the config leaves to pipeline.json
         pipeline = planned_pipeline_json(config.weights)
         if pipeline is None:  # not on disk, not reachable: one error naming it and every other missing file
             planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
         config = resolve_samplers(config, pipeline)
+        # 3. stages, this rank's part of them, their declarations checked before anything is read
         stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
-        provides, state_type, rank, parallel_notes, shards, topology = PROVIDED, RunState, 0, [], {}, None
-        if isinstance(parallel, ParallelSettings) and parallel.mode == "none":
-            parallel = None  # today's path exactly
-        if parallel is not None:
-            settings = parallel.settings if isinstance(parallel, ParallelRuntime) else parallel
-            topology = parallel.topology if isinstance(parallel, ParallelRuntime) else Topology.from_env(settings)
-            device = parallel.device if isinstance(parallel, ParallelRuntime) else rank_device(device, topology)
-            check_warmup(settings, stages)
-            rank = topology.rank
-            if rank != 0:
-                stages = tuple(follower_stages(stages))
-                provides, state_type = FOLLOWER_PROVIDED, FollowerState
-            parallel_notes.append(describe_parallel(settings, topology))
-            if topology.pp_degree > 1:  # this rank holds (and the plan counts) its shard of each flow model
-                shards = {s.flow_model: shard_selector(s.flow_model, topology) for s in flow_stages(stages)}
-        check_stages(stages, provides=provides, state_type=state_type,  # before anything is read
-                     storable=state_codec.storable(state_type))
+        stages = rank.stages(stages) if rank is not None else stages
+        provides, state_type = rank.state() if rank is not None else (PROVIDED, RunState)
+        check_stages(stages, provides=provides, state_type=state_type, storable=state_codec.storable(state_type))
+        # 4. weight sizes, from safetensors headers (a pipeline rank counts its shard of each flow model)
         needs = {s.name: tuple(s.needs) for s in stages}
         models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
-        sizes, notes = planned_sizes(config.weights, models=models, select=shards)
-        machine = detect_machine(device)
-        shared = None
-        if topology is not None:  # ranks on one machine share its memory
-            machine, shared = machine_share(machine, topology)
+        sizes, notes = planned_sizes(config.weights, models=models, select=rank.shards(stages) if rank else {})
+        # 5. the machine (ranks on one machine share it)
+        machine, shared = detect_machine(device), None
+        if rank is not None:
+            machine, shared = machine_share(machine, rank.topology)
+        # 6. the budget, and every stage fitted to it (or to the machine's usable memory) and to the attention route
         budget = None if memory_budget is None else (
             usable(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
-        route = resolve_route(config.runtime.attention, device)
-        stages = fit_stages(with_attention_route_of(stages, route), sizes, budget, machine)
+        stages = fit_stages(with_attention_route_of(stages, resolve_route(config.runtime.attention, device)), sizes,
+                            budget, machine)
+        # 7. the memory plan; refused when one stage's weights alone do not fit
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
-        limit = None if budget is None else models_and_work(budget)
-        chosen, reasons = resolve_policy(policy, memory, machine, limit=limit)
+        # 8. the policy, within the budget
+        chosen, reasons = resolve_policy(policy, memory, machine, limit=None if budget is None else
+                                         models_and_work(budget))
         reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget)
         reasons.append(describe_route(config.runtime.attention, device))
+        # 9. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
         mps_limit = None
-        if device.type == "mps":  # refuse an allocator setting that lets the run swap, before any load
+        if device.type == "mps":
             mps_limit = check_mps_memory_limit()
             reasons.append(mps_limit.describe())
             if mps_limit.lets_swap:  # PyTorch's default: the run lowers it (from_plan), as said here
                 reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
-        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons), (*notes, *parallel_notes),
-                       mps_limit, parallel, rank, budget)
+        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons),
+                       (*notes, *([rank.note()] if rank else [])), mps_limit, rank, budget)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
                   wrap_loader: Callable[[str, Loader], Loader] | None = None) -> Pixal3D:
-        """Fetch (unless offline) and verify the weights ``plan`` needs, and build the pipeline on it.
+        """Fetch (unless offline) and verify the weights ``plan`` needs, and build the pipeline on it. Under
+        torchrun the job is joined first, so that a failure on any rank from here on stops every rank.
 
         strict:       a model asked for outside its stage's needs raises
         preserve_rng: False only for the control test that shows why loads must not move the generators
         wrap_loader:  ``(name, loader) -> loader``, e.g. a benchmark measuring memory around each load
         """
-        if not isinstance(plan.parallel, ParallelSettings):
-            return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader)
-        # Join the job first, so that a failure on any rank from here on stops every rank.
-        runtime = init_parallel(plan.parallel, device=plan.device)
+        runtime, owned = plan.parallel.join() if plan.parallel is not None else (None, False)
         try:
             return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader,
-                       runtime=runtime)
+                       runtime=runtime, owns_runtime=owned)
         except BaseException as err:
-            runtime.fail(err)
-            runtime.close()
+            if owned:  # joined here: the other ranks stop too
+                runtime.fail(err)
+                runtime.close()
             raise
 
     @staticmethod
@@ -274,14 +267,14 @@ class Pixal3D:
         names = plan.model_names()
         weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names)
         if plan.parallel is not None:  # every pipeline rank needs a block of every flow: N <= blocks
-            settings = plan.parallel.settings if isinstance(plan.parallel, ParallelRuntime) else plan.parallel
-            check_blocks(settings, weights, [s.flow_model for s in flow_stages(plan.stages)])
+            check_blocks(plan.parallel.settings, weights, [s.flow_model for s in flow_stages(plan.stages)])
         return weights
 
     @classmethod
     def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
                     device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-                    until: str | None = None, parallel: Parallel = None, memory_budget: int | str | None = None,
+                    until: str | None = None, parallel: ParallelSettings | ParallelRuntime | None = None,
+                    memory_budget: int | str | None = None,
                     **options: Any) -> Pixal3D:
         """``from_plan(plan(config, ...), **options)``: a config file or object, the policy (``auto``
         chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage,
