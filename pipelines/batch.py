@@ -38,13 +38,13 @@ from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
-from pixal3d.config import SEED, SettingError
 from pixal3d.staging import Event, Policy, StagedModels
 from pixal3d.staging.executor import Hook, Item
 from pixal3d.telemetry import MemoryMeter
 
 from .errors import Failure, classify
 from .result import Result
+from .state import check_seed
 from .work_dir import StageKey
 
 BatchOrder = Literal["image", "stage"]
@@ -55,13 +55,6 @@ IMAGE_KINDS = ("input", "memory")
 def default_order(policy: Policy) -> BatchOrder:
     """``stage`` where a model that leaves memory must be read again (staged, offload), else ``image``."""
     return "stage" if policy in (Policy.staged, Policy.offload) else "image"
-
-
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int a ``torch.Generator`` accepts, or a ``SettingError`` saying the range (``config.SEED``)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
-        raise SettingError("seed", f"seed {seed!r} is not {SEED.describe()}; pass e.g. seed=42")
-    return seed
 
 
 @dataclass

@@ -1,19 +1,20 @@
 """``pixal3d-image-to-mesh``: one image (or several, or a folder) in, one textured GLB per image out.
 
     pixal3d-image-to-mesh input.png [-o out.glb] [--config configs/1024_cascade.yaml] [--seed N]
-        [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--device D]
+        [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--memory-budget SIZE] [--device D]
         [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--batch-order image|stage] [--work-dir DIR] [--quiet]
         [--parallel none|cfg|pipefusion|both [--pp N] [--patches M] [--warmup W] [--parallel-timeout S]]
 
-Before any weight is read the inputs, outputs and options are checked and the memory plan and the
-chosen policy are printed (``--plan`` prints them and exits). Each stage shows a progress bar (and each
-sampler step one); at the end a table gives every stage's seconds and peak memory, and
-``<output>.run.json`` records the run. Errors a user can cause (``pipelines.errors.classify``: missing
-input, an image without alpha and no remover, missing weights, not enough memory, invalid config, an
-output that cannot be written or that another run is writing, a full disk) print one line on stderr and
-exit non-zero (2 before the run starts, 1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it).
-The GLB, its run.json and its latents appear together or not at all; no partial or temporary file is
-ever left.
+One path: the command checks its inputs, outputs and options before any weight is read, prints the memory
+plan and the chosen policy (``--plan`` prints them and exits), then hands every usable input to
+``Pixal3D.run_batch`` (one input is a batch of one) with the seed and field of view, and writes each
+image's GLB, ``<output>.run.json`` and latents as it comes, with its per-stage table (``Result.table``).
+Errors a user can cause (``pipelines.errors.classify``: missing input, an image without alpha and no
+remover, missing weights, not enough memory, invalid config, an output that cannot be written or that
+another run is writing, a full disk) print one line on stderr and exit non-zero (2 before the run starts,
+1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it); a library error about one setting is named by
+its flag (``FLAGS``). The GLB, its run.json and its latents appear together or not at all; no partial or
+temporary file is ever left.
 
 Several inputs (or a folder) are a batch (``pipelines.batch``): stage by stage under staged/offload, so each
 model loads once per batch. An input that is not a usable image is reported in one line and skipped, the
@@ -21,8 +22,12 @@ others are written; a summary line and ``batch.json`` beside the outputs end it,
 any image failed. With ``--work-dir`` every stage's outputs are kept as they finish: the same command run
 again resumes where it stopped, also after a SIGKILL.
 
-Under torchrun, ``--parallel`` spreads the flow stages over the job's processes (``cli_parallel.py``):
-rank 0 does everything above, the other ranks join its flow stages and write nothing.
+Under torchrun, ``--parallel`` spreads the flow stages over the job's processes. Every rank joins the job
+(``init_parallel``) before it reads a config or a weight, so that a failure anywhere after that reaches every
+rank; rank 0 then runs the command as above (image by image), the other ranks plan their part (the flow
+stages on shards of the flow models) and follow rank 0 (``Pixal3D.follow``), writing nothing. An error every
+rank sees alike (``ParallelConfigError``) is printed by rank 0 only; any other by the rank that has it, a rank
+stopped by another's failure naming that rank. Exit codes: 2 before the first image, 1 during the run.
 """
 from __future__ import annotations
 
@@ -40,39 +45,31 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pixal3d.config import (
-    CameraConfig,
-    CascadeConfig,
-    ConfigError,
-    load_config,
-    shipped_config,
-)
+from pixal3d.config import CascadeConfig, load_config, shipped_config
 from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import ImageError, probe_image
-from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings
-from pixal3d.staging import Policy, StageRecord
+from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, init_parallel
+from pixal3d.parallel.topology import Topology
+from pixal3d.staging import Policy
 from pixal3d.staging.policy import gib
-from pixal3d.telemetry import format_bytes
 
 from .batch import BatchItem, default_order
-from .errors import Failure, UsageError, classify, one_line
-from .pipeline import (
-    DeviceError,
-    Pixal3D,
-    RunPlan,
-    check_device,
-    check_inputs,
-    default_device,
-)
-from .result import Result, run_json_path
+from .camera import CameraStage
+from .errors import DeviceError, Failure, UsageError, classify, one_line
+from .parallel import rank_device
+from .pipeline import Pixal3D, RunPlan, check_device, check_inputs, default_device
+from .result import run_json_path
+from .state import check_fov, check_seed
 from .work_dir import LOCK as WORK_DIR_LOCK
 from .work_dir import WorkDir
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 OUR_LOGGERS = ("pixal3d", "pipelines", "pixal3d-image-to-mesh")
+FLAGS = {"memory_budget": "--memory-budget", "seed": "--seed", "fov": "--fov"}
+"""The command's flag for each library setting its errors name (``SettingError.setting``)."""
 
 logger = logging.getLogger("pixal3d-image-to-mesh")
 _log_handler: logging.Handler | None = None
@@ -140,17 +137,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
     try:
         settings = parallel_settings(args)
+        if settings is None:
+            return _command(args)
+        topology = Topology.from_env(settings)
+        if args.plan:  # each rank can plan; rank 0 prints its plan, nobody joins a job
+            return _command(args, settings) if topology.rank == 0 else 0
+        runtime = init_parallel(settings, device=rank_device(parse_device(args.device) if args.device else
+                                                             default_device(), topology))
     except (UsageError, ParallelConfigError) as err:  # the same on every rank: said once
-        return _fail(classify(err, started=False)) if launch_rank() == 0 else 2
-    if settings is not None:
-        from .cli_parallel import run_job
+        return _fail(_classify(err, started=False)) if launch_rank() == 0 else 2
+    try:
+        return _command(args, runtime, runtime=runtime) if topology.rank == 0 else _follow(args, runtime)
+    except BaseException as err:  # an unforeseen error: the other ranks stop too, then the traceback
+        runtime.fail(err)
+        raise
+    finally:
+        runtime.close()
 
-        return run_job(args, settings)
-    return _main(args)
 
-
-def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime | None = None) -> int:
-    """Everything one process does, rank 0's part of a parallel job included."""
+def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime | None = None, *,
+             runtime: ParallelRuntime | None = None) -> int:
+    """Everything one process does (rank 0's part of a parallel job included): check, plan, run, write."""
     started = False
     try:
         with terminate_as_exception(), ExitStack() as held:
@@ -159,39 +166,51 @@ def _main(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime
                 _skip_line(path.name, one_line(err))
             if args.plan or not args.quiet:
                 print(prepared.plan.table(), flush=True)
-                if parallel is None and _several(args):
+                if _several(args):
                     print(_batch_line(prepared, args), flush=True)
             if args.plan:
                 return 0
             pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
             started = True
-            if parallel is not None and _several(args):
-                return _run_parallel_images(pipe, prepared, args)
-            if parallel is not None or (not _several(args) and args.work_dir is None):
-                # one image (under --parallel too: the other ranks follow its flow stages): Pixal3D.run
-                for input_path, output_path in prepared.jobs:
-                    _run_one(pipe, input_path, output_path, args)
-                return 0
-            return _run_batch(pipe, prepared, args)  # several images, or a run to keep in a work directory
+            return _run(pipe, prepared, args)
     except BaseException as err:  # classify() decides; anything it does not know is re-raised
         failure = _classify(err, started=started)
         if failure is None:
             raise
-        if isinstance(parallel, ParallelRuntime):
-            parallel.fail(err)  # the other ranks stop too (nothing happens if they already know)
+        if runtime is not None:
+            runtime.fail(err)  # the other ranks stop too (nothing happens if they already know)
         if failure.kind == "interrupted" and args.work_dir is not None:
             failure = replace(failure, message=f"{failure.message}; run the same command again to resume from "
                                                f"{args.work_dir}")
         return _fail(failure)
 
 
+def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
+    """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0."""
+    try:
+        plan = Pixal3D.plan(load_config(args.config), policy=args.memory_policy, device=runtime.device,
+                            memory_budget=args.memory_budget, parallel=runtime)
+        with Pixal3D.from_plan(plan) as pipe:
+            pipe.follow()
+    except ParallelConfigError as err:  # rank 0 says it, or names this rank when only this one has it
+        started = runtime.requests > 0  # rank 0 has announced an image
+        runtime.fail(err)
+        return 1 if started else 2
+    except BaseException as err:  # classify() decides; anything it does not know goes to main
+        failure = _classify(err, started=runtime.requests > 0)
+        if failure is None:
+            raise
+        runtime.fail(err)
+        message = failure.message if failure.message.startswith("rank ") else \
+            f"rank {runtime.topology.rank}: {failure.message}"
+        print(f"pixal3d-image-to-mesh: error: {message}", file=sys.stderr)
+        return failure.exit_code
+    return 0
+
+
 def _fail(failure: Failure) -> int:
     print(f"pixal3d-image-to-mesh: error: {failure.message}", file=sys.stderr)
     return failure.exit_code
-
-
-FLAGS = {"memory_budget": "--memory-budget", "seed": "--seed", "fov": "--fov"}
-"""The command's flag for each library setting its errors name (``SettingError.setting``)."""
 
 
 def _classify(err: BaseException, *, started: bool) -> Failure | None:
@@ -249,20 +268,19 @@ class Prepared(NamedTuple):
 
 def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None
              ) -> Prepared:
-    # 1. config (with the command's overrides); ranges are the config's own (pixal3d.config)
+    # 1. config and the run's settings: ranges are the config's own (pixal3d.config) and the run's (state.py)
     config = load_config(args.config)
     if args.seed is not None:
-        config = _override(config, "--seed", seed=args.seed)
-    if args.fov is not None:
-        config = _override(config, "--fov", camera=CameraConfig(fov_deg=args.fov))
+        check_seed(args.seed)
+    check_fov(args.fov)
     if parallel is not None and (args.work_dir is not None or args.batch_order == "stage"):
         raise UsageError("--work-dir and --batch-order stage need one process; under --parallel the other ranks "
                          "follow rank 0 image by image: drop them, or run without --parallel")
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
-    #    batch (one process) a bad one costs only itself: reported, skipped, counted in the summary
+    #    batch a bad one costs only itself: reported, skipped, counted in the summary
     inputs = everything = collect_inputs(args.inputs)
     rejected: list[tuple[Path, ImageError]] = []
-    if _several(args) and parallel is None:
+    if _several(args):
         rejected = [(path, err) for path in inputs if (err := _unusable(config, path)) is not None]
         if len(rejected) == len(inputs):
             raise UsageError(f"none of the {len(inputs)} inputs is a usable image; the first: "
@@ -285,9 +303,11 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
             held.enter_context(exclusive_lock(args.work_dir / WORK_DIR_LOCK, wait=False,
                                               what=str(args.work_dir), owner="another run"))
     device = parse_device(args.device) if args.device else default_device()
-    # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it)
+    # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it); with --fov
+    #    every image has its field of view, so no camera model is planned or fetched
+    replace_stages = {"camera": CameraStage(None, use_moge=False)} if args.fov is not None else None
     plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel,
-                        memory_budget=args.memory_budget)
+                        memory_budget=args.memory_budget, replace=replace_stages)
     return Prepared(plan, jobs, rejected, everything)
 
 
@@ -331,14 +351,6 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
                                 timeout_s=args.parallel_timeout)
     settings.check_world_size(world)
     return settings
-
-
-def _override(config: CascadeConfig, option: str, **changes: Any) -> CascadeConfig:
-    """``config.with_overrides(...)``; a value outside the config's declared range names the option."""
-    try:
-        return config.with_overrides(where=option, **changes)
-    except ConfigError as err:
-        raise UsageError(str(err)) from None
 
 
 def parse_device(text: str) -> torch.device:
@@ -429,63 +441,16 @@ def check_writable(folder: Path, option: str = "-o") -> None:
 
 
 # -- 2. the run ----------------------------------------------------------------------------------
-def _run_one(pipe: Pixal3D, input_path: Path, output_path: Path, args: argparse.Namespace) -> Result:
-    """One image with ``Pixal3D.run``: a single input, or each image under --parallel."""
-    trace = _trace_path(args.trace, input_path, several=len(args.inputs) > 1 or args.inputs[0].is_dir())
-    result = pipe.run(input_path, progress=not args.quiet, trace=trace)
-    latents = args.keep_latents / f"{input_path.stem}.latents.pt" if args.keep_latents is not None else None
-    result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
-                        command=["pixal3d-image-to-mesh", *args.argv])
-    if not args.quiet:
-        print(stage_table(result.stages))
-        print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}); "
-              f"run record {run_json_path(output_path)}", flush=True)
-    return result
-
-
-def _run_parallel_images(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
-    """Several inputs under --parallel: image by image, the other ranks following each one's flow stages. An
-    image that fails before its first flow stage (no object, say) never reached them: it is one line and the
-    job goes on; an error after that stops every rank, as any error does. Ends with the batch's summary line
-    and batch.json, exit 1 when an image failed."""
-    items: list[BatchItem] = []
-    for index, (input_path, output_path) in enumerate(prepared.jobs):
-        item = BatchItem(index=index, name=input_path.stem, input=str(input_path), seed=pipe.config.seed)
-        try:
-            item = replace(item, result=_run_one(pipe, input_path, output_path, args))
-        except Exception as err:  # noqa: BLE001 - classify() decides; the rest is re-raised
-            failure = classify(err, started=True)
-            if failure is None or pipe.job_stopped is not None:
-                raise
-            _skip_line(input_path.name, failure.message)
-            item = replace(item, error=err, failure=failure)
-        items.append(item)
-    return _summary(args, items, prepared, "image")
-
-
-def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:
-    """How a batch will go: its order, and under stage order how much of the image
-    states waits in memory between stages (the rest on disk)."""
-    order = args.batch_order or default_order(prepared.plan.policy)
-    room = prepared.plan.state_budget()
-    how = ("image by image" if order != "stage" else
-           f"stage by stage, image states kept in memory up to {gib(room)} between stages (more wait on disk)"
-           if room > 0 else "stage by stage, image states waiting on disk between stages (the largest stage "
-           "leaves no memory for them)")
-    images = len(prepared.jobs)
-    return (f"batch: {images} image{'s' if images != 1 else ''}, {how}"
-            + (f"; records in {args.work_dir}" if args.work_dir else ""))
-
-
-def _run_batch(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
+def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
     """Every usable input through ``Pixal3D.run_batch``; each result written as it comes. One input: its error
     is the command's. Several: a failed image is one line and the others go on; the summary ends it."""
     several = _several(args)
-    order = args.batch_order or default_order(prepared.plan.policy)
+    order = _order(prepared.plan, args)
     outputs = dict(prepared.jobs)
     items: list[BatchItem] = []
-    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], order=order, work_dir=args.work_dir,
-                                progress=not args.quiet, trace=args.trace)) as batch:
+    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], seed=args.seed, fov=args.fov,
+                                order=order, work_dir=args.work_dir, progress=not args.quiet,
+                                trace=args.trace)) as batch:
         for item in batch:
             items.append(item)
             if item.ok:
@@ -493,8 +458,13 @@ def _run_batch(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> i
             elif not several:
                 raise item.error
             else:
-                _skip_line(item.name, item.message)
+                _skip_line(Path(item.input).name, item.message)
     return _summary(args, items, prepared, order) if several else 0
+
+
+def _order(plan: RunPlan, args: argparse.Namespace) -> str:
+    """``--batch-order``, else the policy's default; image by image under ``--parallel`` (the other ranks follow)."""
+    return "image" if plan.parallel is not None else args.batch_order or default_order(plan.policy)
 
 
 def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None:
@@ -503,10 +473,24 @@ def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None
     result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
                         command=["pixal3d-image-to-mesh", *args.argv])
     if not args.quiet:
-        print(stage_table(result.stages))
+        print(result.table())
         resumed = f", {len(item.resumed)} stages from {args.work_dir}" if item.resumed else ""
         print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}{resumed}); "
               f"run record {run_json_path(output_path)}", flush=True)
+
+
+def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:
+    """How a batch will go: its order, and under stage order how much of the image
+    states waits in memory between stages (the rest on disk)."""
+    order = _order(prepared.plan, args)
+    room = prepared.plan.state_budget()
+    how = ("image by image" if order != "stage" else
+           f"stage by stage, image states kept in memory up to {gib(room)} between stages (more wait on disk)"
+           if room > 0 else "stage by stage, image states waiting on disk between stages (the largest stage "
+           "leaves no memory for them)")
+    images = len(prepared.jobs)
+    return (f"batch: {images} image{'s' if images != 1 else ''}, {how}"
+            + (f"; records in {args.work_dir}" if args.work_dir else ""))
 
 
 def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Prepared, order: str) -> int:
@@ -549,19 +533,6 @@ def _trace_path(trace: Path | None, input_path: Path, *, several: bool) -> Path 
     if trace is None or not several:
         return trace
     return trace.with_name(f"{trace.stem}.{input_path.stem}{trace.suffix}")
-
-
-def stage_table(records: Sequence[StageRecord]) -> str:
-    """stage | seconds | peak process memory | peak device memory (text table)."""
-    rows = [("stage", "seconds", "peak memory", "peak device")]
-    for r in records:
-        rows.append((r.stage, f"{r.seconds:.2f}", format_bytes(r.peak_process_bytes), format_bytes(r.peak_device_bytes)))
-    rows.append(("total", f"{sum(r.seconds for r in records):.2f}", "", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 import pixal3d
-from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, SettingError, load_config
+from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, load_config
 from pixal3d.memory_budget import budget_error, format_bytes, models_and_work, parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
@@ -83,7 +82,7 @@ from .parallel import (
 from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage, StageBudget
-from .state import PROVIDED, RunState
+from .state import PROVIDED, RunState, check_fov
 from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_digests
 
 logger = logging.getLogger(__name__)
@@ -480,12 +479,6 @@ class Pixal3D:
             else:
                 self._runtime.fail(exc)
         self.close()
-
-
-def check_fov(fov: float | None) -> None:
-    """A ``SettingError`` unless ``fov`` is None or a field of view in (0, 180) degrees."""
-    if fov is not None and not (math.isfinite(fov) and 0.0 < fov < 180.0):
-        raise SettingError("fov", f"field of view {fov} is not in (0, 180) degrees; pass e.g. fov=49")
 
 
 def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mapping[str, CascadeStage] | None = None,

@@ -25,8 +25,12 @@ from pixal3d.files import (
 from pixal3d.mesh.export import ExportedMesh
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.staging import Policy, StageRecord
+from pixal3d.telemetry import format_bytes, text_table
 
 from .state import RunState
+
+STAGE_COLUMNS = ("stage", "seconds", "peak memory", "peak device", "models used", "loaded")
+"""The per-stage table's columns (``Result.stage_rows``): the command prints it, the web app shows it."""
 
 
 def versions() -> dict[str, str]:
@@ -101,6 +105,30 @@ class Result:
         """Wall seconds of all stages."""
         return sum(r.seconds for r in self.stages)
 
+    def stage_rows(self) -> list[list[str]]:
+        """One row per stage (``STAGE_COLUMNS``): seconds, peak process and device memory, the models it used,
+        and what was loaded in its window (count and bytes, from the memory meter); a ``setup`` row first when
+        an eager policy loaded every model before the first stage; a total last."""
+        windows = {row["stage"]: row for row in self.memory}
+        rows = []
+        setup = windows.get("setup", {})
+        if setup.get("loads"):
+            rows.append(["setup", f"{setup['seconds']:.2f}", format_bytes(setup.get("peak_process")),
+                         format_bytes(setup.get("peak_device")), "-",
+                         f"{setup['loads']} ({format_bytes(setup.get('loaded_bytes', 0))})"])
+        for record in self.stages:
+            window = windows.get(record.stage, {})
+            loads = window.get("loads", 0)
+            loaded = f"{loads} ({format_bytes(window.get('loaded_bytes', 0))})" if loads else "-"
+            rows.append([record.stage, f"{record.seconds:.2f}", format_bytes(record.peak_process_bytes),
+                         format_bytes(record.peak_device_bytes), ", ".join(record.used) or "-", loaded])
+        rows.append(["total", f"{self.seconds:.2f}", "", "", "", ""])
+        return rows
+
+    def table(self) -> str:
+        """``stage_rows`` as text (``pixal3d.telemetry.text_table``)."""
+        return text_table(STAGE_COLUMNS, self.stage_rows())
+
     # -- files -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the GLB to ``path`` atomically (no partial file, ever); returns the path."""
@@ -155,6 +183,7 @@ class Result:
             "config_file": self.config.source,
             "config": to_dict(self.config),
             "seed": self.seed,
+            "fov_deg": s.fov_deg,
             "device": str(self.device),
             "policy": self.policy.value,
             "policy_reasons": list(self.policy_reasons),

@@ -1,18 +1,18 @@
 """A ``Result`` without running the cascade, for tests of what happens around a run (writing, locking,
 signals, errors): the command's write path sees a real ``Result`` whose GLB is a few known bytes.
 
-``patch_run(glb=...)`` replaces ``Pixal3D.run`` so that the command plans, resolves the (tiny) weights
-and writes exactly as it does after a real run, in a fraction of a second. Usable from a subprocess:
+``patch_run(glb=...)`` replaces ``Pixal3D.run_batch`` (the command's one way to run) so that the command
+plans, resolves the (tiny) weights and writes exactly as it does after a real run, in a fraction of a second. Usable from a subprocess:
 ``python -c "from tests.stub_result import patch_run; patch_run(); ..."``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from pipelines import Pixal3D, Result
+from pipelines import BatchItem, Pixal3D, Result
 from pipelines.state import RunState
 from pixal3d.mesh.export import ExportedMesh, ExportReport
 from pixal3d.staging import Policy
@@ -30,17 +30,24 @@ def stub_result(config: Any, *, input: str = "<image>", seed: int = 42, glb: byt
                   policy_reasons=("stub",), state=state, stages=[], memory=[])
 
 
-def stub_run(*, glb: bytes = STUB_GLB, before: Callable[[Pixal3D, Any], None] | None = None) -> Callable[..., Result]:
-    """A replacement for ``Pixal3D.run`` returning ``stub_result`` (``before(self, image)`` is called first)."""
+def stub_run(*, glb: bytes = STUB_GLB, before: Callable[[Pixal3D, Any], None] | None = None
+             ) -> Callable[..., Iterator[BatchItem]]:
+    """A replacement for ``Pixal3D.run_batch`` yielding one ``stub_result`` per image (``before(self, image)`` is
+    called first)."""
 
-    def run(self: Pixal3D, image: Any, *, seed: int | None = None, **_: Any) -> Result:
-        if before is not None:
-            before(self, image)
-        return stub_result(self.config, input=str(image), seed=self.config.seed if seed is None else seed, glb=glb)
+    def run_batch(self: Pixal3D, images: Sequence[Any], *, seed: int | None = None,
+                  names: Sequence[str] | None = None, **_: Any) -> Iterator[BatchItem]:
+        seed = self.config.seed if seed is None else seed
+        for index, image in enumerate(images):
+            if before is not None:
+                before(self, image)
+            name = names[index] if names is not None else f"image{index}"
+            yield BatchItem(index, name, str(image), seed, result=stub_result(self.config, input=str(image),
+                                                                              seed=seed, glb=glb))
 
-    return run
+    return run_batch
 
 
 def patch_run(**options: Any) -> None:
-    """Replace ``Pixal3D.run`` for the rest of the process (subprocess tests; in-process use monkeypatch)."""
-    Pixal3D.run = stub_run(**options)
+    """Replace ``Pixal3D.run_batch`` for the rest of the process (subprocess tests; in-process use monkeypatch)."""
+    Pixal3D.run_batch = stub_run(**options)

@@ -88,7 +88,7 @@ def test_an_image_with_alpha_passes_the_check(tmp_path, capsys, tiny_cache):
 def test_cpu_out_of_memory_during_the_run_is_one_line_and_exit_1(tiny_cache, tmp_path, capsys, monkeypatch):
     def allocate(self, image, **_):
         np.empty((2**40, 2**20), np.uint8)  # 1 EiB: numpy's _ArrayMemoryError, a MemoryError
-    monkeypatch.setattr(Pixal3D, "run", allocate)
+    monkeypatch.setattr(Pixal3D, "run_batch", allocate)
     out = tmp_path / "out" / "o.glb"
     code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
     line = _one_error_line(err)
@@ -261,7 +261,7 @@ def test_a_full_disk_while_generating_the_demo_weights_is_one_line_and_leaves_no
 
 
 def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cache, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(Pixal3D, "run", stub_run(glb=b"glTF" * 64))
+    monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF" * 64))
     out = tmp_path / "out" / "x.glb"
     with file_size_limit(2048):  # the 256-byte GLB fits, the run.json (~4 KiB) does not
         code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
@@ -271,7 +271,7 @@ def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cach
 
 
 def test_keep_latents_on_a_full_disk_is_one_line_naming_the_file(tiny_cache, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(Pixal3D, "run", stub_run())
+    monkeypatch.setattr(Pixal3D, "run_batch", stub_run())
     out, latents = tmp_path / "out" / "x.glb", tmp_path / "lat"
     with file_size_limit(64 * 1024):  # GLB (16 KiB) and run.json (~4 KiB) fit, the latents (~130 KiB) do not
         code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--keep-latents", latents)
@@ -319,7 +319,7 @@ def test_a_second_run_writing_the_same_output_is_refused(tiny_cache, tmp_path, c
         while not started.exists():
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.05)
-        monkeypatch.setattr(Pixal3D, "run", stub_run(glb=b"glTF second run"))
+        monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF second run"))
         code, _, err = _run(capsys, *args)
         line = _one_error_line(err)
         assert code == 2 and "another run" in line and str(out) in line
@@ -363,7 +363,7 @@ def test_a_device_index_that_does_not_exist_is_refused_without_blaming_the_weigh
 
 # -- item 12: what run.json says ---------------------------------------------------------------------------
 def test_run_json_export_path_is_the_output(tiny_cache, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(Pixal3D, "run", stub_run())
+    monkeypatch.setattr(Pixal3D, "run_batch", stub_run())
     out = tmp_path / "out" / "x.glb"
     code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
     assert code == 0, err

@@ -17,15 +17,14 @@ from typing import Any
 
 from pixal3d.files import write_json_atomic
 from pixal3d.models.preprocess import ImageError
-from pixal3d.telemetry import format_bytes
 
 from ..pipeline import RunPlan
+from ..result import STAGE_COLUMNS as TABLE_HEADERS
 from ..result import Result, run_json_path
 from .errors import error_line
 from .settings import JobSettings
 from .worker import Worker
 
-TABLE_HEADERS = ("stage", "seconds", "peak memory", "peak device", "models used", "loaded")
 REFUSAL = "cannot run on this machine: "
 NO_IMAGE = ("no image: upload a PNG, JPEG or WebP (an RGBA image's alpha marks the object), or pick the example")
 
@@ -195,25 +194,5 @@ def _save(result: Result, glb: Path, trace: Path, settings: JobSettings) -> JobO
     record = result.record(output=glb, command=["pixal3d-app", "--config", result.config.source])
     record["app_settings"] = vars(settings)
     write_json_atomic(run_json_path(glb), record)
-    return JobOutputs(glb=glb, record=run_json_path(glb), trace=trace, table=stage_rows(result),
+    return JobOutputs(glb=glb, record=run_json_path(glb), trace=trace, table=result.stage_rows(),
                       seconds=result.seconds, policy=result.policy.value)
-
-
-def stage_rows(result: Result) -> list[list[str]]:
-    """One row per stage (``TABLE_HEADERS``): seconds, peak process and device memory, the models it used, and
-    what was loaded in its window (count and bytes, from the memory meter)."""
-    windows = {row["stage"]: row for row in result.memory}
-    rows = []
-    setup = windows.get("setup", {})
-    if setup.get("loads"):  # an eager policy loads every model before the first stage
-        rows.append(["setup", f"{setup['seconds']:.2f}", format_bytes(setup.get("peak_process")),
-                     format_bytes(setup.get("peak_device")), "-",
-                     f"{setup['loads']} ({format_bytes(setup.get('loaded_bytes', 0))})"])
-    for record in result.stages:
-        window = windows.get(record.stage, {})
-        loads = window.get("loads", 0)
-        loaded = f"{loads} ({format_bytes(window.get('loaded_bytes', 0))})" if loads else "-"
-        rows.append([record.stage, f"{record.seconds:.2f}", format_bytes(record.peak_process_bytes),
-                     format_bytes(record.peak_device_bytes), ", ".join(record.used) or "-", loaded])
-    rows.append(["total", f"{result.seconds:.2f}", "", "", "", ""])
-    return rows

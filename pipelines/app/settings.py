@@ -7,13 +7,12 @@ set depends on them); the memory policy is the plan's.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from pixal3d.config import CascadeConfig, ConfigError
 from pixal3d.staging import Policy
 
-from ..batch import check_seed
+from ..state import check_fov, check_seed
 
 TEXTURE_SIZES = (256, 512, 1024, 2048, 4096)
 
@@ -34,8 +33,10 @@ class JobSettings:
             check_seed(self.seed)
         except ValueError as err:
             raise ConfigError(f"seed: {err}") from None
-        if self.fov is not None and not (math.isfinite(self.fov) and 0.0 < self.fov < 180.0):
-            raise ConfigError(f"field of view {self.fov} is not in (0, 180) degrees; use e.g. 49, or automatic")
+        try:
+            check_fov(self.fov)
+        except ValueError as err:
+            raise ConfigError(f"{err}, or automatic") from None
         if self.policy not in {p.value for p in Policy}:
             raise ConfigError(f"memory policy {self.policy!r} is not one of {[p.value for p in Policy]}")
 

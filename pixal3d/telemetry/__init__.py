@@ -15,12 +15,12 @@ object with ``to_dict()`` or a dict with ``kind``, ``model``, ``stage``, ``bytes
 per-stage table of a trace (or two traces side by side) and plots memory over time."""
 from .meter import MemoryMeter, event_dict
 from .readers import MemoryProbe, ProcessMemory, SystemMemory, system_memory
-from .report import comparison_json, comparison_table, stage_table
+from .report import comparison_json, comparison_table, stage_table, text_table
 from .trace import StageRow, Summary, read_trace, summarize
 from .units import format_bytes, parse_duration, parse_size
 
 __all__ = [
     "MemoryMeter", "MemoryProbe", "ProcessMemory", "StageRow", "Summary", "SystemMemory",
     "comparison_json", "comparison_table", "event_dict", "format_bytes", "parse_duration",
-    "parse_size", "read_trace", "stage_table", "summarize", "system_memory",
+    "parse_size", "read_trace", "stage_table", "summarize", "system_memory", "text_table",
 ]

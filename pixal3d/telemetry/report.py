@@ -1,6 +1,7 @@
 """Per-stage memory tables, as text and JSON, for one trace or two traces side by side."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .trace import StageRow, Summary, peak_of
@@ -16,10 +17,12 @@ def _cells(row: StageRow | None) -> tuple[str, ...]:
             format_bytes(row.loaded_bytes), f"{row.load_seconds:.1f}", f"{row.seconds:.1f}")
 
 
-def _table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Rows under a header and a rule, the first column left-aligned and the others right-aligned: every
+    per-stage table of the project (this module's, the command's and the web app's rows) is printed so."""
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(line, widths))) for line in [header, *body]]
+                       for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -42,7 +45,7 @@ def stage_table(summary: Summary) -> str:
     if swap["start"] is not None:
         notes.append(f"swap used: {format_bytes(swap['start'])} at start, "
                      f"{format_bytes(swap['peak'])} peak, {format_bytes(swap['end'])} at end")
-    return "\n".join([_table(_HEADER, body), *notes])
+    return "\n".join([text_table(_HEADER, body), *notes])
 
 
 def _stage_order(first: list[StageRow], second: list[StageRow]) -> list[str]:
@@ -81,7 +84,7 @@ def comparison_table(first: Summary, second: Summary, labels: tuple[str, str] = 
     body = [(name, *pair(a.get(name), b.get(name))) for name in _stage_order(first.rows, second.rows)]
     body.append(("total", format_bytes(first.peak_process), format_bytes(second.peak_process),
                  f"{first.duration:.1f}", f"{second.duration:.1f}"))
-    return _table(header, body)
+    return text_table(header, body)
 
 
 def comparison_json(first: Summary, second: Summary,
