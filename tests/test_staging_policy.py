@@ -1,9 +1,7 @@
-"""Device policy: sizes from safetensors headers, the auto choice per machine, offload refusal, the table."""
-import os
+"""Device policy: the memory plan from model sizes, the auto choice per machine, offload refusal, the table."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from pixal3d.staging import (
     Machine,
@@ -14,7 +12,7 @@ from pixal3d.staging import (
     format_plan,
     resolve_policy,
 )
-from pixal3d.staging.policy import choose_policy, model_sizes, placement, safetensors_nbytes
+from pixal3d.staging.policy import choose_policy, placement
 
 GB = 10**9
 GiB = 2**30
@@ -48,39 +46,6 @@ def test_plan_totals():
     assert PLAN.all_weights == 17 * GB
     assert PLAN.staged_peak == int(9.5 * GB)  # texture: 1 + 4 weights, 4.5 working
     assert PLAN.resident_peak == int(21.5 * GB)
-
-
-def test_sizes_come_from_real_safetensors_files(tmp_path):
-    a = {"w": torch.zeros(100, 10), "b": torch.zeros(10, dtype=torch.float16)}
-    b1, b2 = {"x": torch.zeros(7, dtype=torch.int64)}, {"y": torch.zeros(3, 3, dtype=torch.bfloat16)}
-    save_file(a, tmp_path / "a.safetensors", metadata={"format": "pt"})
-    save_file(b1, tmp_path / "b1.safetensors")
-    save_file(b2, tmp_path / "b2.safetensors")
-    shards = [tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"]
-    sizes = model_sizes({"a": tmp_path / "a.safetensors", "b": shards})
-    assert sizes == {"a": 4000 + 20, "b": 56 + 18}
-    plan = MemoryPlan.from_files(
-        {"a": tmp_path / "a.safetensors"},
-        {"s1": ["a", "onnx"], "s2": []},
-        {"s2": 5},
-        extra_model_bytes={"onnx": 1},
-    )
-    assert [(s.name, s.weight_bytes, s.working_bytes) for s in plan.stages] == [("s1", 4021, 0), ("s2", 0, 5)]
-
-
-def test_sizes_are_read_from_the_header_without_reading_tensors(tmp_path):
-    path = tmp_path / "m.safetensors"
-    save_file({"w": torch.zeros(1000)}, path)
-    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
-    os.truncate(path, header_end)  # the tensor data is gone; the header is enough
-    assert safetensors_nbytes(path) == 4000
-
-
-def test_a_file_that_is_not_safetensors_is_a_clear_error(tmp_path):
-    path = tmp_path / "model.bin"
-    path.write_bytes(b"PK\x03\x04 a zip file, not safetensors")
-    with pytest.raises(PolicyError, match="model.bin"):
-        safetensors_nbytes(path)
 
 
 def test_plan_needs_a_size_for_every_model():

@@ -7,8 +7,8 @@ Pipeline-agnostic: nothing here imports the rest of pixal3d. A pipeline author n
 - ``Executor`` (``executor.py``): every run's loop over items × stages, with a ``Store`` and ``Hook``s;
 - ``Policy``, ``MemoryPlan``, ``detect_machine``, ``resolve_policy``, ``format_plan`` (``policy.py``):
   choose where idle models live from the plan and the machine;
-- ``StagedModels`` (``registry.py``) when driving stages by hand; ``SharedInstances`` for one module
-  under several names; ``preserved_rng`` around code that may draw from the global generators;
+- ``StagedModels`` (``registry.py``) when driving stages by hand; ``preserved_rng`` around code that
+  may draw from the global generators;
 - ``Event`` / ``EventLog`` to watch loads and releases; ``fingerprints`` to compare runs bit for bit.
 """
 from .events import Event, EventLog, EventSink
@@ -34,7 +34,6 @@ from .safetensors_header import (
     SafetensorsHeaderError,
     read_safetensors_header,
 )
-from .share import SharedInstances
 
 __all__ = [
     "Event",
@@ -52,7 +51,6 @@ __all__ = [
     "ReleasedModuleError",
     "SafetensorsHeader",
     "SafetensorsHeaderError",
-    "SharedInstances",
     "Stage",
     "StageGraphError",
     "StageRecord",

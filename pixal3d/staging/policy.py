@@ -8,13 +8,12 @@ Policies (the command's ``--memory-policy``):
 - ``eager``: load everything up front and keep it — the reference behaviour, for comparisons.
 - ``auto``: choose from the memory plan and the machine, with the reasons as text.
 
-The plan reads model sizes from safetensors headers only; no tensor is read to plan.
+A plan is built from model sizes the pipeline read from safetensors headers (no tensor is read to plan).
 """
 from __future__ import annotations
 
 import enum
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,6 @@ import psutil
 import torch
 
 from .registry import IdlePlacement
-from .safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
 logger = logging.getLogger(__name__)
 
@@ -89,23 +87,6 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
     raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
 
 
-def safetensors_nbytes(path: str | os.PathLike) -> int:
-    """Bytes of tensor data in a safetensors file, from its header alone (no tensor is read)."""
-    try:
-        return read_safetensors_header(path, check_length=False).data_bytes
-    except SafetensorsHeaderError as err:
-        raise PolicyError(f"cannot plan with {os.fspath(path)!r}: {err}") from None
-
-
-def model_sizes(files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]]) -> dict[str, int]:
-    """Model name → bytes, from each model's safetensors file (or list of shards)."""
-    sizes = {}
-    for name, paths in files.items():
-        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-        sizes[name] = sum(safetensors_nbytes(p) for p in paths)
-    return sizes
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """One stage: the models it needs, their weight bytes and the estimated working set."""
@@ -151,17 +132,6 @@ class MemoryPlan:
             for s, needs in stages.items()
         )
         return cls(dict(model_bytes), plans)
-
-    @classmethod
-    def from_files(
-        cls,
-        files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]],
-        stages: Mapping[str, Sequence[str]],
-        working_bytes: Mapping[str, int] | None = None,
-        extra_model_bytes: Mapping[str, int] | None = None,
-    ) -> MemoryPlan:
-        """``build`` with sizes read from safetensors headers (plus known sizes of non-safetensors models)."""
-        return cls.build({**model_sizes(files), **(extra_model_bytes or {})}, stages, working_bytes)
 
     @property
     def all_weights(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
@@ -53,9 +53,8 @@ class StagedModels(Mapping[str, nn.Module]):
     ``items`` do, as for any Mapping). ``pinned`` names are never released by ``enter``.
     ``idle`` says where idle models go: ``"release"`` (to ``meta``), ``"park"`` (host memory, for discrete
     GPUs) or ``"keep"`` (nothing moves; ``enter`` only changes the stage).
-    Events go to ``events`` (any callable taking an ``Event``). Names whose loaders come from one
-    ``SharedInstances.loader`` share one instance: loaded once, released once, when no stage being
-    entered needs any of them.
+    Events go to ``events`` (any callable taking an ``Event``). Names whose loaders return one
+    instance share it: released once, when no stage being entered needs any of them.
     """
 
     def __init__(
@@ -133,19 +132,10 @@ class StagedModels(Mapping[str, nn.Module]):
         """Names whose module is in memory now (on its device or parked in host memory)."""
         return [name for name, slot in self._slots.items() if slot.module is not None]
 
-    def peek(self, name: str) -> nn.Module | None:
-        """The loaded module for ``name`` without loading, unparking or stage checks; None if not loaded."""
-        return self._slot(name).module
-
     def pin(self, name: str) -> None:
         """Never release ``name`` on ``enter`` (``close`` still releases it)."""
         self._slot(name)
         self._pinned.add(name)
-
-    def unpin(self, name: str) -> None:
-        """Let ``enter`` release ``name`` again."""
-        self._slot(name)
-        self._pinned.discard(name)
 
     # -- stage changes ---------------------------------------------------------------------
 
@@ -163,13 +153,11 @@ class StagedModels(Mapping[str, nn.Module]):
             and id(slot.module) not in self._parked
         ]
         staying = [n for n in self.loaded() if n not in idle]
-        wanted = {self._share_key(n) for n in [*needs, *self._pinned]} - {None}
         released = False
         for names, module in self._by_instance(idle):
             users = [n for n in staying if self._slots[n].module is module]
-            if users or any(self._share_key(n) in wanted for n in names):
-                # A shared instance: one of its users is still needed, so it stays whole.
-                logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users or needs)
+            if users:  # one instance under several names, one of them still needed: it stays whole
+                logger.debug("%s not needed at %r but kept: shared with %s", names, stage, users)
             elif self._idle == "park":
                 self._park(names, module, stage)
             else:
@@ -253,10 +241,6 @@ class StagedModels(Mapping[str, nn.Module]):
             module = self._slots[name].module
             groups.setdefault(id(module), ([], module))[0].append(name)
         return list(groups.values())
-
-    def _share_key(self, name: str) -> Hashable | None:
-        """The key of a ``SharedInstances.loader``, so equal keys are known to share before loading."""
-        return getattr(self._slots[name].loader, "share_key", None)
 
     def _release(self, names: list[str], module: nn.Module, stage: str | None, *, collect: bool = True) -> None:
         others = [s.module for s in self._slots.values() if s.module is not None and s.module is not module]
