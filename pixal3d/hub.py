@@ -29,22 +29,11 @@ from typing import Any
 from pixal3d.config import WeightSource
 from pixal3d.staging.safetensors_header import SafetensorsHeaderError
 from pixal3d.staging.safetensors_header import read_safetensors_header as _read_header
+from pixal3d.weights_errors import CorruptWeightsError, MissingWeightsError, WeightsError
 
 logger = logging.getLogger(__name__)
 
 TensorSelector = Callable[[Iterable[str]], Iterable[str]]  # a file's tensor names -> the ones to count
-
-
-class WeightsError(RuntimeError):
-    """Base class: the weights a config names cannot be used."""
-
-
-class MissingWeightsError(WeightsError):
-    """Files a run needs are not on disk (and could not be downloaded)."""
-
-
-class CorruptWeightsError(WeightsError):
-    """A weights file exists but is truncated, corrupt or a git-lfs pointer."""
 
 
 def cache_root() -> Path:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from pixal3d.hub import WeightsError
+from pixal3d.weights_errors import WeightsError
 from pixal3d.locks import exclusive_lock
 
 logger = logging.getLogger(__name__)
