@@ -55,7 +55,7 @@ def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_j
     record = json.loads(out.record.read_text())
     assert record["config"]["export"]["texture_size"] == 128 and record["config"]["export"]["decimation_target"] == 2000
     assert record["app_settings"] == {"seed": 42, "fov": None, "policy": "resident", "texture_size": 128,
-                                      "face_budget": 2000}
+                                      "face_budget": 2000, "memory_budget": None}
     stages = [s.name for s in worker.pipeline.stages]
     assert [row[0] for row in out.table] == [*stages, "total"]
     assert all(row[2].endswith(("MiB", "GiB")) for row in out.table[:-1]), out.table  # peak memory from the meter
@@ -133,6 +133,14 @@ def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_cha
         assert worker.plan(JobSettings(policy="staged", texture_size=512)).memory.stages[-1].working_bytes > \
             worker.plan(JobSettings(policy="staged", texture_size=128)).memory.stages[-1].working_bytes
         assert worker.prepare(JobSettings(policy="resident", texture_size=512)).policy.value == "resident"
+        # the memory budget is the plan's too: another budget, another pipeline, fitted and recorded with it
+        budgeted = worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="2G"))
+        assert budgeted.run_plan.memory_budget == 2 * 2**30
+        assert worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="2G")) is budgeted
+        auto = worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="auto"))
+        assert auto is not budgeted and auto.run_plan.memory_budget > 0
+        assert worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="auto")) is auto
+        assert worker.prepare(JobSettings(policy="resident", texture_size=512)) is not auto  # control: no budget
     finally:
         worker.close()
 
@@ -150,6 +158,7 @@ def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(wor
 
 @pytest.mark.parametrize("settings, rule", [
     ({"seed": -1}, "seed"), ({"fov": 200.0}, "field of view"), ({"policy": "fast"}, "memory policy"),
+    ({"memory_budget": "lots"}, "memory budget 'lots' is not a size.*or auto"),
 ])
 def test_settings_out_of_range_are_config_errors_naming_the_setting(settings, rule):
     with pytest.raises(ConfigError, match=rule):

@@ -2,7 +2,7 @@
 
 Seed and field of view are arguments of ``Pixal3D.run``; the texture size and the face budget are
 ``export`` settings, so they make a new config (and with it a new plan, since the export stage's working
-set depends on them); the memory policy is the plan's.
+set depends on them); the memory policy and the memory budget are the plan's.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pixal3d.config import CascadeConfig, ConfigError
+from pixal3d.memory_budget import parse_budget
 from pixal3d.staging import Policy
 
 from ..state import check_fov, check_seed
@@ -20,13 +21,15 @@ TEXTURE_SIZES = (256, 512, 1024, 2048, 4096)
 @dataclass(frozen=True)
 class JobSettings:
     """One job's choices. ``fov`` None: automatic (the config's field of view, else MoGe-2); ``texture_size`` and
-    ``face_budget`` None: the config's."""
+    ``face_budget`` None: the config's; ``memory_budget``: a size such as ``8G``, ``auto`` (the memory available
+    now less the plan's headroom) or None (no budget), as ``Pixal3D.plan`` takes it."""
 
     seed: int = 42
     fov: float | None = None
     policy: str = "auto"
     texture_size: int | None = None
     face_budget: int | None = None
+    memory_budget: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -37,6 +40,11 @@ class JobSettings:
             check_fov(self.fov)
         except ValueError as err:
             raise ConfigError(f"{err}, or automatic") from None
+        if self.memory_budget not in (None, "auto"):
+            try:
+                parse_budget(self.memory_budget)
+            except ValueError as err:
+                raise ConfigError(f"{err}, or auto") from None
         if self.policy not in {p.value for p in Policy}:
             raise ConfigError(f"memory policy {self.policy!r} is not one of {[p.value for p in Policy]}")
 

@@ -53,6 +53,8 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                 texture = gr.Dropdown(textures, value=export.texture_size, label="texture size", elem_id="texture")
                 faces = gr.Number(value=export.decimation_target, precision=0, minimum=4, label="face budget",
                                   elem_id="faces")
+                budget = gr.Textbox(value="", label="memory budget (e.g. 8G, or auto; empty: none)",
+                                    placeholder="auto", elem_id="budget")
                 run = gr.Button("Generate", variant="primary", elem_id="run")
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
@@ -65,20 +67,22 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
         table = gr.Dataframe(headers=list(TABLE_HEADERS), label="per stage", interactive=False, elem_id="stages")
         model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
 
-        def show_plan(policy_: str, texture_: int, faces_: Any) -> str:
+        def show_plan(policy_: str, texture_: int, faces_: Any, budget_: str) -> str:
             try:
-                settings = JobSettings(policy=policy_, texture_size=int(texture_), face_budget=_int(faces_))
+                settings = JobSettings(policy=policy_, texture_size=int(texture_), face_budget=_int(faces_),
+                                       memory_budget=(budget_ or "").strip() or None)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 return f"**{REFUSAL}{error_line(err)}**"
             text = plan_or_refusal(worker, settings)
             return f"**{text}**" if text.startswith(REFUSAL) else _plan_markdown(text)
 
         def on_run(image_: str | None, seed_: Any, fov_auto_: bool, fov_: float, policy_: str, texture_: int,
-                   faces_: Any, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:  # noqa: B008 - Gradio's way
+                   faces_: Any, budget_: str, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:  # noqa: B008 - Gradio's way
             yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
             try:
                 settings = JobSettings(seed=_int(seed_), fov=None if fov_auto_ else float(fov_),
-                                       policy=policy_, texture_size=int(texture_), face_budget=_int(faces_))
+                                       policy=policy_, texture_size=int(texture_), face_budget=_int(faces_),
+                                       memory_budget=(budget_ or "").strip() or None)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
@@ -93,7 +97,7 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                     _status(update.status), figure, gr.skip(), gr.skip(), gr.skip(),
                     _plan_markdown(update.plan) if update.plan else gr.skip())
 
-        settings_inputs = [policy, texture, faces]
+        settings_inputs = [policy, texture, faces, budget]
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
         for component in settings_inputs:
             component.change(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
@@ -101,7 +105,7 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            on_run, [image, seed, fov_auto, fov, policy, texture, faces], [status, plot, model, files, table, plan],
+            on_run, [image, seed, fov_auto, fov, policy, texture, faces, budget], [status, plot, model, files, table, plan],
             concurrency_limit=1, concurrency_id="models", show_progress_on=[status]).then(
             lambda path: path, model, viewer, queue=False)
     return page

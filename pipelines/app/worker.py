@@ -4,8 +4,8 @@ Two cascades at once would need twice the memory the plan promised, so jobs take
 queue already runs them one by one; the lock holds for any other caller too). The pipeline is kept
 between jobs, so its policy decides what stays loaded: ``resident`` and ``eager`` keep their models,
 ``offload`` parks them in host memory, ``staged`` holds none after the export stage. A job whose plan
-differs (another policy, texture size or face budget, or ``auto`` choosing differently) closes the
-pipeline and builds a new one.
+differs (another policy, texture size, face budget or memory budget, or ``auto`` choosing differently)
+closes the pipeline and builds a new one.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Worker:
         self.device = torch.device(device) if device is not None else default_device()
         self._lock = threading.Lock()
         self._pipe: Pixal3D | None = None
+        self._budget: str | None = None  # the memory budget asked for when the kept pipeline was built
 
     @property
     def pipeline(self) -> Pixal3D | None:
@@ -48,7 +49,8 @@ class Worker:
     def plan(self, settings: JobSettings) -> RunPlan:
         """The memory plan and the policy for ``settings`` (headers only; raises ``NotEnoughMemoryError``,
         ``PolicyError``, ``WeightsError``, ``ConfigError`` as ``Pixal3D.plan`` does)."""
-        return Pixal3D.plan(job_config(self.config, settings), policy=settings.policy, device=self.device)
+        return Pixal3D.plan(job_config(self.config, settings), policy=settings.policy, device=self.device,
+                            memory_budget=settings.memory_budget)
 
     def run(self, image: Any, settings: JobSettings, *, name: str | None = None,
             callback: Callable[[dict[str, Any]], None] | None = None, trace: Path | None = None,
@@ -63,7 +65,7 @@ class Worker:
             plan = self.plan(settings)
             if on_start is not None:
                 on_start(plan)
-            pipe = self._pipeline_for(plan)
+            pipe = self._pipeline_for(plan, settings.memory_budget)
             return pipe.run(image, seed=settings.seed, fov=settings.fov, callback=callback, trace=trace, name=name,
                             trace_meta={"app_settings": vars(settings)})
         finally:
@@ -73,18 +75,18 @@ class Worker:
         """The pipeline a job with ``settings`` would run on: the kept one if its plan is the same, else a new one
         (the old one closed first). Fetches and verifies weights; loads no model."""
         with self._lock:
-            return self._pipeline_for(self.plan(settings))
+            return self._pipeline_for(self.plan(settings), settings.memory_budget)
 
-    def _pipeline_for(self, plan: RunPlan) -> Pixal3D:
+    def _pipeline_for(self, plan: RunPlan, budget: str | None) -> Pixal3D:
         current = self._pipe
-        if current is not None and _same_plan(current.run_plan, plan):
+        if current is not None and self._budget == budget and _same_plan(current.run_plan, plan):
             return current
         if current is not None:
             logger.info("plan changed (policy %s → %s); releasing the previous pipeline's models",
                         current.policy.value, plan.policy.value)
             self._pipe = None
             current.close()
-        self._pipe = Pixal3D.from_plan(plan)
+        self._pipe, self._budget = Pixal3D.from_plan(plan), budget
         return self._pipe
 
     def close(self) -> None:
@@ -96,5 +98,6 @@ class Worker:
 
 
 def _same_plan(a: RunPlan, b: RunPlan) -> bool:
-    """Same config, resolved policy and device: the pipeline built for ``a`` serves ``b``."""
-    return a.config == b.config and a.policy == b.policy and a.device == b.device
+    """Same config, resolved policy and device, the stages fitted alike (with the same memory budget asked for,
+    ``auto`` following the memory available when planned): the pipeline built for ``a`` serves ``b``."""
+    return a.config == b.config and a.policy == b.policy and a.device == b.device and a.choices() == b.choices()
