@@ -26,7 +26,7 @@ class CameraStage(CascadeStage):
 
     def __init__(self, fov_deg: float | None, *, use_moge: bool):
         if fov_deg is not None and not 0.0 < fov_deg < 180.0:
-            raise ValueError(f"field of view {fov_deg} degrees is not in (0, 180); pass e.g. --fov 49")
+            raise ValueError(f"field of view {fov_deg} degrees is not in (0, 180); pass e.g. fov=49")
         self.fov_deg = fov_deg
         self.use_moge = use_moge and fov_deg is None
         self.needs = ("moge",) if self.use_moge else ()

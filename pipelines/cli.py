@@ -35,6 +35,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -68,8 +69,18 @@ from .work_dir import WorkDir
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 OUR_LOGGERS = ("pixal3d", "pipelines", "pixal3d-image-to-mesh")
-FLAGS = {"memory_budget": "--memory-budget", "seed": "--seed", "fov": "--fov"}
-"""The command's flag for each library setting its errors name (``SettingError.setting``)."""
+FLAGS = {"memory_budget": "--memory-budget", "policy": "--memory-policy", "seed": "--seed", "fov": "--fov",
+         "work_dir": "--work-dir", "mode": "--parallel", "pp": "--pp", "patches": "--patches", "warmup": "--warmup"}
+"""The command's flag for each library setting: library messages name a setting ``name=value`` (or, for one with
+an underscore, by its name), an error about one setting carries it (``SettingError.setting``)."""
+_VALUED = re.compile(r"\b(%s)=([^\s,;:)]*)" % "|".join(FLAGS))
+_NAMED = re.compile(r"\b(%s)\b(?!=)" % "|".join(name for name in FLAGS if "_" in name))
+
+
+def in_flags(text: str) -> str:
+    """Library words in the command's: ``warmup=2`` becomes ``--warmup 2``, ``memory_budget`` ``--memory-budget``."""
+    text = _VALUED.sub(lambda m: f"{FLAGS[m[1]]} {m[2]}".rstrip(), text)
+    return _NAMED.sub(lambda m: FLAGS[m[1]], text)
 
 logger = logging.getLogger("pixal3d-image-to-mesh")
 _log_handler: logging.Handler | None = None
@@ -165,7 +176,7 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
             for path, err in prepared.rejected:
                 _skip_line(path.name, one_line(err))
             if args.plan or not args.quiet:
-                print(prepared.plan.table(), flush=True)
+                print(in_flags(prepared.plan.table()), flush=True)
                 if _several(args):
                     print(_batch_line(prepared, args), flush=True)
             if args.plan:
@@ -214,16 +225,17 @@ def _fail(failure: Failure) -> int:
 
 
 def _classify(err: BaseException, *, started: bool) -> Failure | None:
-    """``classify``, with an error about one setting prefixed by the flag that set it."""
+    """``classify`` in the command's words (``in_flags``), an error about one setting prefixed by its flag."""
     failure = classify(err, started=started)
+    if failure is None:
+        return None
     setting = getattr(err, "setting", None)
-    if failure is not None and setting in FLAGS:
-        failure = replace(failure, message=f"{FLAGS[setting]}: {failure.message}")
-    return failure
+    prefix = f"{FLAGS[setting]}: " if setting in FLAGS else ""
+    return replace(failure, message=prefix + in_flags(failure.message))
 
 
 def _skip_line(name: str, message: str) -> None:
-    print(f"pixal3d-image-to-mesh: skipped {name}: {message}", file=sys.stderr, flush=True)
+    print(f"pixal3d-image-to-mesh: skipped {name}: {in_flags(message)}", file=sys.stderr, flush=True)
 
 
 def _several(args: argparse.Namespace) -> bool:
@@ -236,10 +248,17 @@ def _configure_logging(*, quiet: bool) -> None:
     global _log_handler
     if _log_handler is None:
         _log_handler = _StderrHandler()
-        _log_handler.setFormatter(logging.Formatter("pixal3d: %(levelname)s: %(message)s"))
+        _log_handler.setFormatter(_InFlags("pixal3d: %(levelname)s: %(message)s"))
         for name in OUR_LOGGERS:
             logging.getLogger(name).addHandler(_log_handler)
     _log_handler.setLevel(logging.ERROR if quiet else logging.WARNING)
+
+
+class _InFlags(logging.Formatter):
+    """Log lines in the command's words (``in_flags``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return in_flags(super().format(record))
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -502,7 +521,7 @@ def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Pre
         output = outputs[Path(item.input)]
         row = {"input": item.input, "name": item.name, "status": "written" if item.ok else "failed",
                "kind": item.failure.kind if item.failure else None, "stage": item.stage,
-               "error": item.message or None, "resumed": list(item.resumed), "notes": list(item.notes)}
+               "error": in_flags(item.message) or None, "resumed": list(item.resumed), "notes": list(item.notes)}
         if item.ok:
             row |= {"output": str(output), "run_record": str(run_json_path(output)),
                     "seconds": round(item.result.seconds, 4)}

@@ -56,7 +56,7 @@ KINDS: tuple[tuple[type[BaseException], str], ...] = (
     (LinkError, "parallel"),
 )
 
-MEMORY_ADVICE = ("close other programs, run with --memory-policy staged, or lower export.texture_size / "
+MEMORY_ADVICE = ("close other programs, run with policy=staged, or lower export.texture_size / "
                  "export.decimation_target in the config")
 # torch raises a plain RuntimeError (not OutOfMemoryError) when a CPU allocation fails, and older builds
 # do the same for MPS; these are the messages (c10/core/impl/alloc_cpu.cpp, the MPS allocator).

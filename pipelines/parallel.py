@@ -177,8 +177,8 @@ def check_warmup(settings: ParallelSettings, stages: Sequence[Stage]) -> None:
     for stage in flow_stages(stages):
         steps = _sampler(stage).steps
         if settings.warmup > steps:
-            raise ParallelConfigError(f"--warmup {settings.warmup} is more than stage {stage.name}'s {steps} sampler "
-                                      f"steps; use --warmup {steps} or less (--warmup {steps} runs that stage "
+            raise ParallelConfigError(f"warmup={settings.warmup} is more than stage {stage.name}'s {steps} sampler "
+                                      f"steps; use warmup={steps} or less (warmup={steps} runs that stage "
                                       f"synchronously: exact)")
 
 
@@ -191,8 +191,8 @@ def check_blocks(settings: ParallelSettings, weights: ResolvedWeights, flow_mode
 
 
 def _too_few_blocks(pp: int, blocks: int, name: str) -> ParallelConfigError:
-    return ParallelConfigError(f"--pp {pp} is more than the {blocks} blocks of {name}; every pipeline rank needs "
-                               f"at least one block: use --pp {blocks} or less")
+    return ParallelConfigError(f"pp={pp} is more than the {blocks} blocks of {name}; every pipeline rank needs "
+                               f"at least one block: use pp={blocks} or less")
 
 
 def shard_selector(name: str, topology: Topology) -> Callable[[Iterable[str]], set[str]]:
@@ -363,7 +363,7 @@ def _check_flows(rank: int, mine: list[dict[str, Any]], leaders: list[dict[str, 
     names = ([f["stage"] for f in mine], [f["stage"] for f in leaders])
     if names[0] != names[1]:
         raise ParallelConfigError(f"rank {rank} has the flow stages {names[0]} but rank 0 samples {names[1]}; every "
-                                  f"rank needs the same config (and the same --until / replaced stages)")
+                                  f"rank needs the same config (and the same until and replaced stages)")
     for a, b in zip(mine, leaders, strict=True):
         if a != b:
             keys = sorted(k for k in {*a["sampler"], *b["sampler"]} if a["sampler"].get(k) != b["sampler"].get(k))

@@ -180,7 +180,7 @@ class WorkDir:
                                                                              "<image>/<stage>.json"})
         except OSError as err:
             raise WorkDirError(f"work directory {self.root} cannot be used ({err.strerror or err}); "
-                               f"choose another with --work-dir") from None
+                               f"choose another work_dir") from None
 
     def folder(self, image: str) -> Path:
         """The image's folder (its name made file-system safe)."""

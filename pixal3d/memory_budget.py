@@ -92,7 +92,7 @@ def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBud
     """The one-line refusal: the stage, what the process needs at least for it (``need`` bytes of models and
     work, and the interpreter), the budget, and what to change."""
     return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(PROCESS_BYTES + need)} ({detail}) but "
-                             f"the memory budget is {format_bytes(budget)}; raise --memory-budget or use a smaller "
+                             f"the memory budget is {format_bytes(budget)}; raise memory_budget or use a smaller "
                              f"config")
 
 

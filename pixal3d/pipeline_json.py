@@ -105,7 +105,7 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     if need_moge:
         if weights.moge is None:
             raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
-                                      "given; pass --fov DEG or add weights.moge to the config")
+                                      "given; pass fov=DEG or add weights.moge to the config")
         moge = fetch.folder(weights.moge, list(weights.moge.files), label="weights.moge")
     fetch.raise_missing()  # everything missing, from every source, in one error
 

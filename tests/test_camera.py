@@ -51,8 +51,8 @@ def test_invalid_fov_is_a_clear_error(bad):
 
 
 @pytest.mark.parametrize("bad", [0.0, 180.0, 400.0])
-def test_invalid_fov_degrees_names_the_flag(bad):
-    with pytest.raises(ValueError, match="--fov"):
+def test_invalid_fov_degrees_names_the_setting(bad):
+    with pytest.raises(ValueError, match="fov="):
         camera_from_degrees(bad)
 
 

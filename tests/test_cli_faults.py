@@ -384,3 +384,22 @@ def test_hidden_files_in_an_input_folder_are_skipped(tiny_cache, tmp_path, capsy
     # an explicitly named hidden file is still checked
     code, _, err = _run(capsys, inputs / "._cup.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
     assert code == 2 and "._cup.png" in _one_error_line(err)
+
+
+def test_library_messages_name_settings_and_the_command_names_them_by_its_flags(tiny_cache, tmp_path, capsys):
+    """The library says ``policy=staged``; the command says ``--memory-policy staged`` (``cli.in_flags``) in its
+    error lines, and the plan it prints names its flags too (run.json keeps the library's words)."""
+    from pipelines.pipeline import Pixal3D
+    from pixal3d.staging import PolicyError
+
+    with pytest.raises(PolicyError) as library:
+        Pixal3D.plan(TINY_CONFIG, policy="offload", device="cpu")
+    assert "policy=staged" in str(library.value) and "--" not in str(library.value)
+    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-policy",
+                        "offload")
+    line = _one_error_line(err)
+    assert code == 2 and "Use --memory-policy staged (or auto)" in line and "policy=" not in line
+    code, out, _ = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "--memory-policy", "staged", "--plan")
+    assert code == 0 and "requested explicitly (--memory-policy staged)" in out
+    assert cli.in_flags("use warmup=2 or less; raise memory_budget; naf_mode=full") == \
+        "use --warmup 2 or less; raise --memory-budget; naf_mode=full"

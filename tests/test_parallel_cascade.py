@@ -79,7 +79,7 @@ def test_warmup_above_a_stages_steps_is_refused_by_the_plan(tiny, monkeypatch):
     """W > steps (the tiny stages have 2) is found from the config before any weight is read, naming the
     stage; W = steps is accepted."""
     _torchrun_env(monkeypatch, 0, 2)
-    with pytest.raises(ParallelConfigError, match=r"--warmup 3 is more than stage structure's 2 sampler steps"):
+    with pytest.raises(ParallelConfigError, match=r"warmup=3 is more than stage structure's 2 sampler steps"):
         Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=3))
     plan = Pixal3D.plan(tiny, device="cpu", parallel=ParallelSettings(mode="pipefusion", pp=2, warmup=2))
     assert plan.rank == 0 and not plan.follower and "rank 0 of 2 runs every stage" in plan.table()

@@ -45,8 +45,8 @@ def flows(tmp_path_factory):
 # -- settings and topology ---------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, words", [
     (dict(mode="fast"), ["'fast'", "none"]),
-    (dict(mode="none", pp=2), ["pp 2", "pipefusion or both"]),
-    (dict(mode="pipefusion", pp=1), ["pp >= 2", "--parallel none"]),
+    (dict(mode="none", pp=2), ["pp=2", "pipefusion or both"]),
+    (dict(mode="pipefusion", pp=1), ["pp >= 2", "mode=none"]),
     (dict(mode="pipefusion", pp=2, patches=0), ["M = 0", ">= 1"]),
     (dict(mode="pipefusion", pp=2, warmup=-1), ["W = -1"]),
 ])

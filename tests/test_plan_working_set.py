@@ -98,5 +98,5 @@ def test_the_decode_tiles_under_a_budget_smaller_tiles_under_a_smaller_one_and_r
                                                                      eight.tile_plan.tile_voxels)
     assert mb.PROCESS_BYTES + DECODER_WEIGHTS + eight.working_set() == 8 * GiB  # bounded to the budget
     with pytest.raises(mb.MemoryBudgetError, match=r"stage 'decode' needs at least .* but the memory budget is "
-                                                   r"2\.00 GiB; raise --memory-budget"):
+                                                   r"2\.00 GiB; raise memory_budget"):
         decode.fitted(StageBudget(2 * GiB, DECODER_WEIGHTS, explicit=True))

@@ -85,7 +85,7 @@ def test_auto_never_offloads_on_unified_memory():
 
 
 def test_offload_is_refused_on_unified_memory_with_the_next_step():
-    with pytest.raises(PolicyError, match="unified memory.*--memory-policy staged"):
+    with pytest.raises(PolicyError, match="unified memory.*policy=staged"):
         resolve_policy("offload", PLAN, unified(24))
 
 

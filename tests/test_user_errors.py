@@ -43,7 +43,7 @@ def test_cpu_and_device_out_of_memory_say_what_to_try():
     cpu = classify(_numpy_out_of_memory(), started=True)
     assert cpu.kind == "memory" and cpu.exit_code == 1
     assert "not enough memory" in cpu.message and "Unable to allocate" in cpu.message
-    assert "--memory-policy staged" in cpu.message
+    assert "policy=staged" in cpu.message
     try:
         torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: torch's CPU allocator fails with a plain RuntimeError
     except RuntimeError as err:

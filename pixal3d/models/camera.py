@@ -41,8 +41,8 @@ class Camera:
 def camera_from_fov(fov: float) -> Camera:
     """The camera for a horizontal field of view in radians, with the reference's distance rule."""
     if not (isinstance(fov, (int, float)) and math.isfinite(fov) and 0.0 < fov < math.pi):
-        raise ValueError(f"field of view {fov!r} rad is not in (0, pi); pass --fov in degrees between 0 and 180 "
-                         f"(exclusive), e.g. --fov 49")
+        raise ValueError(f"field of view {fov!r} rad is not in (0, pi); pass a field of view in degrees between 0 "
+                         f"and 180 (exclusive), e.g. fov=49")
     # Reference `distance_from_fov`: the grid point (-1, 0, 0) -> world (-0.5, 0, 0) must land on pixel
     # column 0 of a virtual 512-px image. The focal length (`compute_f_pixels`) is a float32 tensor
     # (16 / tan, then * 512 / 32), read out as a Python float; the rest is Python float math.
@@ -55,8 +55,8 @@ def camera_from_fov(fov: float) -> Camera:
 def camera_from_degrees(fov_degrees: float) -> Camera:
     """``camera_from_fov`` for a field of view given in degrees (the CLI's ``--fov``)."""
     if not (isinstance(fov_degrees, (int, float)) and math.isfinite(fov_degrees) and 0.0 < fov_degrees < 180.0):
-        raise ValueError(f"--fov {fov_degrees!r} is not a field of view in degrees; use a value in (0, 180), "
-                         f"e.g. --fov 49, or omit it to estimate the camera")
+        raise ValueError(f"fov={fov_degrees!r} is not a field of view in degrees; use a value in (0, 180), "
+                         f"e.g. fov=49, or omit it to estimate the camera")
     return camera_from_fov(math.radians(fov_degrees))
 
 
@@ -70,7 +70,7 @@ def load_moge(source: str = MOGE_REPO, device: torch.device | str = "cpu") -> to
     if not moge_available():
         logger.warning("the optional 'moge' package is not installed, so the camera will use the fallback "
                        "field of view %.4f rad; install it with pip install "
-                       "\"git+https://github.com/microsoft/MoGe.git\" or pass --fov", FALLBACK_FOV)
+                       "\"git+https://github.com/microsoft/MoGe.git\" or pass fov=DEG", FALLBACK_FOV)
         return None
     # optional dependency, imported only when installed
     from moge.model.v2 import MoGeModel

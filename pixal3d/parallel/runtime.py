@@ -110,7 +110,7 @@ def init_parallel(settings: ParallelSettings, *, device: torch.device | str | No
     ``WORLD_SIZE``, ``LOCAL_RANK``) and build its groups. Raises ``ParallelConfigError`` on every rank,
     before any rendezvous, when the settings do not fit the world size."""
     if settings.mode == "none":
-        raise ParallelConfigError("init_parallel is for --parallel cfg, pipefusion or both; mode is 'none'")
+        raise ParallelConfigError("init_parallel is for mode=cfg, pipefusion or both; mode is 'none'")
     env = os.environ if env is None else env
     topology = Topology.from_env(settings, env)
     device = default_device(topology.local_rank) if device is None else torch.device(device)

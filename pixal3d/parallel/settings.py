@@ -55,15 +55,15 @@ class ParallelSettings:
         if not isinstance(self.pp, int) or self.pp < 1:
             raise ParallelConfigError(f"pp {self.pp!r} must be an integer >= 1")
         if self.mode in ("none", "cfg") and self.pp != 1:
-            raise ParallelConfigError(f"pp {self.pp} needs --parallel pipefusion or both (mode is {self.mode!r})")
+            raise ParallelConfigError(f"pp={self.pp} needs mode=pipefusion or both (mode is {self.mode!r})")
         if self.mode in ("pipefusion", "both") and self.pp < 2:
-            raise ParallelConfigError(f"--parallel {self.mode} needs pp >= 2 (got {self.pp}); "
-                                      f"use --parallel {'none' if self.mode == 'pipefusion' else 'cfg'} for one "
+            raise ParallelConfigError(f"mode={self.mode} needs pp >= 2 (got {self.pp}); "
+                                      f"use mode={'none' if self.mode == 'pipefusion' else 'cfg'} for one "
                                       f"pipeline rank")
         if not isinstance(self.patches, int) or self.patches < 1:
             raise ParallelConfigError(f"patches M = {self.patches!r} must be an integer >= 1")
         if self.mode in ("none", "cfg") and self.patches != 1:
-            raise ParallelConfigError(f"patches M = {self.patches} needs --parallel pipefusion or both "
+            raise ParallelConfigError(f"patches M = {self.patches} needs mode=pipefusion or both "
                                       f"(mode is {self.mode!r}, which runs every step over the whole sequence)")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ParallelConfigError(f"warmup W = {self.warmup!r} must be an integer >= 0")
@@ -88,10 +88,10 @@ class ParallelSettings:
         """The launcher started exactly G × N processes."""
         if world_size != self.world_size:
             raise ParallelConfigError(
-                f"--parallel {self.mode}" + (f" --pp {self.pp}" if self.pp_degree > 1 else "")
+                f"mode={self.mode}" + (f" pp={self.pp}" if self.pp_degree > 1 else "")
                 + f" needs {self.world_size} processes (cfg {self.cfg_degree} × pp {self.pp_degree}) but "
                 f"WORLD_SIZE is {world_size}; start it with torchrun --nproc-per-node {self.world_size} "
-                f"(one machine) or adjust --pp")
+                f"(one machine) or adjust pp=")
 
     def check_stage(self, *, steps: int, num_blocks: int, tokens: int | None = None) -> None:
         """The settings fit one flow stage: W ≤ steps, N ≤ blocks, M ≤ tokens."""

@@ -35,7 +35,7 @@ class Topology:
         env = os.environ if env is None else env
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
         if missing:
-            raise ParallelConfigError(f"--parallel {settings.mode} runs under torchrun, which sets {missing}; "
+            raise ParallelConfigError(f"mode={settings.mode} runs under torchrun, which sets {missing}; "
                                       f"start it with torchrun --nproc-per-node {settings.world_size} ...")
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         settings.check_world_size(world)

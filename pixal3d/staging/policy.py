@@ -1,6 +1,6 @@
 """Device policy: what this machine is, how much memory the run needs, and where idle models live.
 
-Policies (the command's ``--memory-policy``):
+Policies (``policy=``; the command's ``--memory-policy``):
 
 - ``resident``: load each model on first use and keep it (fastest when everything fits).
 - ``staged``: release idle models to ``meta``; reload from disk when a later stage needs them.
@@ -213,9 +213,9 @@ def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine, 
         raise PolicyError(
             f"policy 'offload' parks idle models in host memory, but {machine.device} uses unified "
             f"memory: host and device are one pool, so offloading frees nothing and adds a copy. "
-            f"Use --memory-policy staged (or auto) on this machine."
+            f"Use policy=staged (or auto) on this machine."
         )
-    reasons = [f"requested explicitly (--memory-policy {policy.value})"]
+    reasons = [f"requested explicitly (policy={policy.value})"]
     need = plan.staged_peak if policy in (Policy.staged, Policy.offload) else plan.resident_peak
     if need > usable(machine.device_available):
         reasons.append(

@@ -102,7 +102,7 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
         _check_record(record, f"{path}:{number}")
         records.append(record)
     if not records:
-        raise ValueError(f"{path} holds no records (it is empty); is it a memory trace written with --trace?")
+        raise ValueError(f"{path} holds no records (it is empty); is it a memory trace (the JSONL a MemoryMeter writes)?")
     if records[0].get("type") != "start":
         raise ValueError(f"{path} does not begin with a 'start' record; is it a memory trace?")
     return records
