@@ -5,7 +5,9 @@
     result.save("outputs/demo.glb")
 """
 from .batch import BatchItem
-from .pipeline import NotEnoughMemoryError, Pixal3D, RunPlan
+from .errors import NotEnoughMemoryError
+from .pipeline import Pixal3D
+from .plan import RunPlan
 from .result import Result
 
 __all__ = ["BatchItem", "NotEnoughMemoryError", "Pixal3D", "Result", "RunPlan"]

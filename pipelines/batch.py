@@ -43,7 +43,6 @@ from pixal3d.staging.executor import Hook, Item
 from pixal3d.telemetry import MemoryMeter
 
 from .errors import Failure, classify
-from .result import Result
 from .state import check_seed
 from .work_dir import StageKey
 
@@ -58,28 +57,30 @@ def default_order(policy: Policy) -> BatchOrder:
 
 
 @dataclass
-class BatchItem:
-    """One image of a batch: its ``result``, or the ``error`` that stopped it (at ``stage``, None before any)
-    and its ``failure`` (``pipelines.errors.Failure``: kind and one line).
+class BatchItem(Item):
+    """One image of a run (the executor's item): its ``result``, or the ``error`` that stopped it (at ``stage``,
+    None before any) and its ``failure`` (``pipelines.errors.Failure``: kind and one line).
 
+    input:   what run.json calls it (its ``label``: the path, or ``<image>``)
+    seed:    its seed; ``keys``: its stages' work-directory keys (``work_dir.stage_keys``)
     resumed: the stages taken from the work directory instead of being run
     notes:   lines about the work directory (a stale record and why)
     """
 
-    index: int
-    name: str
-    input: str
-    seed: int
-    result: Result | None = None
-    error: BaseException | None = None
-    failure: Failure | None = None
-    stage: str | None = None
-    resumed: tuple[str, ...] = ()
-    notes: list[str] = field(default_factory=list)
+    seed: int = 0
+    keys: list[StageKey] = field(default_factory=list)
 
     @property
-    def ok(self) -> bool:
-        return self.error is None
+    def input(self) -> str:
+        return self.label
+
+    @property
+    def stage(self) -> str | None:
+        return self.failed_at
+
+    @property
+    def failure(self) -> Failure | None:
+        return None if self.ok else classify(self.error, started=self.failed_at is not None)
 
     @property
     def message(self) -> str:
@@ -89,23 +90,8 @@ class BatchItem:
         return f"{self.failure.message} (at stage {self.stage})" if self.stage else self.failure.message
 
 
-@dataclass
-class ImageItem(Item):
-    """An executor item that is one image: its seed, and the work-directory keys of its stages."""
-
-    seed: int = 0
-    keys: list[StageKey] = field(default_factory=list)
-
-    def batch_item(self, stages: Sequence[str]) -> BatchItem:
-        """What the caller of ``run_batch`` gets for it."""
-        failure = None if self.ok else classify(self.error, started=self.failed_at is not None)
-        return BatchItem(self.index, self.name, self.label, self.seed, result=self.result, error=self.error,
-                         failure=failure, stage=self.failed_at, resumed=tuple(stages[:self.resumed]),
-                         notes=self.notes)
-
-
 def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, default_seed: int,
-                names: Sequence[str] | None = None, labels: Sequence[str] | None = None) -> list[ImageItem]:
+                names: Sequence[str] | None = None, labels: Sequence[str] | None = None) -> list[BatchItem]:
     """One item per image, its seed checked; names (what outputs and records call it: the file's stem, else
     ``image<i>``) unique; labels (what run.json calls its input: the path, else ``<image>``)."""
     images = list(images)
@@ -123,7 +109,7 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
     if duplicates:
         raise ValueError(f"several images are named {duplicates}; names must be unique (pass names=)")
     labels = labels or [str(im) if isinstance(im, (str, Path)) else "<image>" for im in images]
-    return [ImageItem(i, str(name), image, label, seed=s)
+    return [BatchItem(i, str(name), image, label, seed=s)
             for i, (image, name, label, s) in enumerate(zip(images, names, labels, seeds))]
 
 
@@ -133,10 +119,8 @@ class Progress(Hook):
     callback a state passes sampler steps to, with the same image keys)."""
 
     def __init__(self, stages: Sequence[str], *, progress: bool, callback: Callable[[dict[str, Any]], None] | None):
-        self.stages = list(stages)
-        self.progress = progress
-        self.callback = callback
-        self.images: int | None = None
+        self.stages, self.progress, self.callback = list(stages), progress, callback
+        self.images: int | None = None  # in the session (None: items from an iterator)
         self._bar: Any = None
 
     @contextlib.contextmanager
@@ -151,7 +135,7 @@ class Progress(Hook):
             self._bar.close()
 
     def before(self, item: Item, k: int) -> None:
-        stage = self.stages[k]
+        stage = item.at
         self._bar.set_postfix_str(stage if self.images == 1 else f"{stage} · {item.name} ({item.index + 1}/"
                                                                   f"{self.images or '?'})")
         if self.callback is not None:
@@ -169,15 +153,18 @@ class Progress(Hook):
         return {"image": item.name, "image_index": item.index, "images": self.images}
 
 
-class Relay:
-    """The registry's one event sink, forwarding to whoever listens to the current span."""
-
-    def __init__(self) -> None:
-        self.targets: list[Callable[[Event], None]] = []
+class Relay(list):
+    """The registry's one event sink, forwarding to whoever listens to the current span (its items)."""
 
     def __call__(self, event: Event) -> None:
-        for target in self.targets:
+        for target in self:
             target(event)
+
+
+def trace_path(trace: Path | None, name: str, *, several: bool) -> Path | None:
+    """Where an image's memory trace goes: ``trace`` itself, or ``<stem>.<name><suffix>`` beside it when each of
+    several images has its own."""
+    return trace.with_name(f"{trace.stem}.{name}{trace.suffix}") if trace is not None and several else trace
 
 
 class Meter(Hook):
@@ -201,16 +188,14 @@ class Meter(Hook):
         one = items[0] if len(items) == 1 else None
         meta = ({"input": one.label, "seed": getattr(one, "seed", None)} if one is not None else
                 {"images": [item.label for item in items], "order": "stage"})
-        trace = self.trace
-        if trace is not None and one is not None and self.several:
-            trace = trace.with_name(f"{trace.stem}.{one.name}{trace.suffix}")
+        trace = trace_path(self.trace, one.name, several=self.several) if one is not None else self.trace
         self._covers, self._opened = list(items), set()
         with MemoryMeter(trace, device=self.device, meta={**meta, **self.meta}) as self.meter:
-            self.relay.targets = [self.meter.on_event, *([self.events] if self.events is not None else [])]
+            self.relay[:] = [self.meter.on_event, *([self.events] if self.events is not None else [])]
             try:
                 yield
             finally:
-                self.relay.targets = []
+                self.relay.clear()
 
     def before(self, item: Item, k: int) -> None:
         """The first time a span reaches stage ``k``: a run that failed in it left the registry there, so entering

@@ -9,11 +9,9 @@ One path: the command checks its inputs, outputs and options before any weight i
 plan and the chosen policy (``--plan`` prints them and exits), then hands every usable input to
 ``Pixal3D.run_batch`` (one input is a batch of one) with the seed and field of view, and writes each
 image's GLB, ``<output>.run.json`` and latents as it comes, with its per-stage table (``Result.table``).
-Errors a user can cause (``pipelines.errors.classify``: missing input, an image without alpha and no
-remover, missing weights, not enough memory, invalid config, an output that cannot be written or that
-another run is writing, a full disk) print one line on stderr and exit non-zero (2 before the run starts,
-1 during it, 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it); a library error about one setting is named by
-its flag (``FLAGS``). The GLB, its run.json and its latents appear together or not at all; no partial or
+Errors a user can cause (``pipelines.errors.classify``) print one line on stderr, naming the library's
+settings by their flags (``in_flags``), and exit non-zero (2 before the run starts, 1 during it,
+130/143/129 when SIGINT/SIGTERM/SIGHUP stop it). The GLB, its run.json and its latents appear together or not at all; no partial or
 temporary file is ever left.
 
 Several inputs (or a folder) are a batch (``pipelines.batch``): stage by stage under staged/offload, so each
@@ -23,11 +21,9 @@ any image failed. With ``--work-dir`` every stage's outputs are kept as they fin
 again resumes where it stopped, also after a SIGKILL.
 
 Under torchrun, ``--parallel`` spreads the flow stages over the job's processes. Every rank joins the job
-(``init_parallel``) before it reads a config or a weight, so that a failure anywhere after that reaches every
-rank; rank 0 then runs the command as above (image by image), the other ranks plan their part (the flow
-stages on shards of the flow models) and follow rank 0 (``Pixal3D.follow``), writing nothing. An error every
-rank sees alike (``ParallelConfigError``) is printed by rank 0 only; any other by the rank that has it, a rank
-stopped by another's failure naming that rank. Exit codes: 2 before the first image, 1 during the run.
+before it reads a config or a weight (a failure after that reaches every rank); rank 0 runs the command as
+above, image by image; the other ranks plan their part and follow it (``Pixal3D.follow``), writing nothing.
+An error every rank sees alike is printed by rank 0 only, any other by the rank that has it.
 """
 from __future__ import annotations
 
@@ -56,11 +52,12 @@ from pixal3d.parallel.topology import Topology
 from pixal3d.staging import Policy
 from pixal3d.staging.policy import gib
 
-from .batch import BatchItem, default_order
+from .batch import BatchItem, default_order, trace_path
 from .camera import CameraStage
 from .errors import DeviceError, Failure, UsageError, classify, one_line
 from .parallel import rank_device
-from .pipeline import Pixal3D, RunPlan, check_device, check_inputs, default_device
+from .pipeline import Pixal3D
+from .plan import RunPlan, check_device, check_inputs, default_device
 from .result import run_json_path
 from .state import check_fov, check_seed
 from .work_dir import LOCK as WORK_DIR_LOCK
@@ -428,7 +425,7 @@ def check_outputs(jobs: Sequence[tuple[Path, Path]], args: argparse.Namespace) -
         if args.keep_latents is not None:
             check_writable(args.keep_latents, "--keep-latents")
             check_file_path(args.keep_latents / f"{input_path.stem}.latents.pt", "--keep-latents")
-        for trace in {args.trace, _trace_path(args.trace, input_path, several=several)} - {None}:
+        for trace in {args.trace, trace_path(args.trace, input_path.stem, several=several)} - {None}:
             check_file_path(trace, "--trace")  # one trace for a stage-ordered batch, one per image otherwise
             check_writable(trace.parent, "--trace")
     outputs = [output for _, output in jobs]
@@ -546,12 +543,6 @@ def _reason(row: dict) -> str:
     for spelling in (row["input"], Path(row["input"]).name):
         text = text.replace(spelling, "")
     return " ".join(text.split()).removeprefix("is ")
-
-
-def _trace_path(trace: Path | None, input_path: Path, *, several: bool) -> Path | None:
-    if trace is None or not several:
-        return trace
-    return trace.with_name(f"{trace.stem}.{input_path.stem}{trace.suffix}")
 
 
 if __name__ == "__main__":

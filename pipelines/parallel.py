@@ -150,9 +150,6 @@ class RankPlan:
             return {}
         return {s.flow_model: shard_selector(s.flow_model, self.topology) for s in flow_stages(stages)}
 
-    def note(self) -> str:
-        return describe_parallel(self.settings, self.topology)
-
     def join(self) -> tuple[ParallelRuntime, bool]:
         """The job's runtime, and whether it was joined here (and is this pipeline's to close)."""
         if self.runtime is not None:
@@ -282,30 +279,29 @@ class Leader(Hook):
         self.signature = flow_signature(stages)
         self.images = 0
         self.stopped: str | None = None  # why the job can run no more images
-        self._pending: str | None = None  # the image being run, until the followers are told of it
-        self._joined: Item | None = None  # the image the followers are in
+        self._image: Item | None = None  # the image being run, and whether the followers were told of it
+        self._told = False
 
     def before(self, item: Item, k: int) -> None:
-        """An image's first stage: refuse it if the job has stopped; before its first flow stage: announce it."""
-        if self._joined is not item and self._pending is None:
+        """An image's first stage: refused once the job has stopped; its first flow stage: the followers join."""
+        if self._image is not item:
             if self.stopped is not None:
                 raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
-            self._pending, self._joined = item.label, None
+            self._image, self._told = item, False
         if getattr(self.stages[k], "flow_model", None) is not None:
-            self._join(item)
+            self._tell()
 
     def failed(self, item: Item, error: BaseException) -> None:
         """The followers are in this image: they stop with it, and so does the job."""
-        if self._joined is item:
+        if self._image is item and self._told:
             self.abort(error)
-        self._pending = self._joined = None
+        self._image = None
 
-    def _join(self, item: Item) -> None:
-        if self._pending is not None:
-            announce(self.runtime, {"kind": "image", "index": self.images, "input": self._pending,
+    def _tell(self) -> None:
+        if not self._told:
+            announce(self.runtime, {"kind": "image", "index": self.images, "input": self._image.label,
                                     "flows": self.signature})
-            self.images += 1
-            self._pending, self._joined = None, item
+            self.images, self._told = self.images + 1, True
 
     def abort(self, err: BaseException) -> None:
         """Stop the job because of ``err``: the followers stop too."""
@@ -316,14 +312,16 @@ class Leader(Hook):
     def gather(self, item: Item, rows: Sequence[Any]) -> dict[str, Any]:
         """Every rank's report of ``item`` (its last step): the ``parallel`` record. A run that reached no flow
         stage (``until``) is still reported by every rank."""
-        self._join(item)
+        if self._image is not item:
+            self._image, self._told = item, False
+        self._tell()
         try:
             return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
         except BaseException as err:
             self.abort(err)
             raise
         finally:
-            self._pending = self._joined = None
+            self._image = None
 
     def close(self) -> None:
         """Tell the followers there are no more images (once; not after a failure: they have stopped)."""

@@ -18,11 +18,8 @@ images, every other rank calls ``follow()``.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -30,10 +27,10 @@ import torch
 from torch import nn
 
 import pixal3d
-from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, load_config
-from pixal3d.memory_budget import budget_error, format_bytes, models_and_work, parse_budget
+from pixal3d.config import CascadeConfig, load_config
+from pixal3d.memory_budget import models_and_work, parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
-from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
+from pixal3d.nn.attention import describe_route, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings
 from pixal3d.pipeline_json import (
     PIPELINE_MODELS,
@@ -43,107 +40,30 @@ from pixal3d.pipeline_json import (
     resolve_samplers,
     resolve_weights,
 )
-from pixal3d.staging import (
-    Event,
-    Machine,
-    MemoryPlan,
-    Policy,
-    StageRunner,
-    check_stages,
-    detect_machine,
-    format_plan,
-    resolve_policy,
-)
-from pixal3d.staging.mps_memory import (
-    MpsMemoryLimit,
-    apply_mps_memory_limit,
-    check_mps_memory_limit,
-)
+from pixal3d.staging import Event, MemoryPlan, Policy, StageRunner, check_stages, detect_machine, resolve_policy
 from pixal3d.staging.executor import Executor
-from pixal3d.staging.policy import gib, usable
+from pixal3d.staging.mps_memory import apply_mps_memory_limit, check_mps_memory_limit
+from pixal3d.staging.policy import usable
 from pixal3d.telemetry import MemoryMeter
 
 from . import state_codec
-from .batch import IMAGE_KINDS, BatchItem, BatchOrder, ImageItem, Meter, Progress, Relay, default_order, image_items
+from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
 from .build import build_stages
-from .errors import DeviceError, NotEnoughMemoryError, classify
+from .errors import classify
 from .loaders import model_loaders, with_attention_route
-from .parallel import (
-    FollowerState,
-    Leader,
-    RankPlan,
-    check_blocks,
-    flow_stages,
-    follow,
-    machine_share,
-    rank_plan,
-    shard_loaders,
-)
+from .parallel import (FollowerState, Leader, check_blocks, describe_parallel, flow_stages, follow, machine_share,
+                       rank_plan, shard_loaders)
+from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, fit_stages,
+                   with_attention_route_of, with_sampler_of)
 from .preprocess import rembg_loader
 from .result import Result
-from .stage import CascadeStage, StageBudget
+from .stage import CascadeStage
 from .state import PROVIDED, RunState, check_fov
 from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_digests
 
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[], nn.Module]
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What a run will need and where its idle models will live, decided before any weight is read."""
-
-    config: CascadeConfig
-    stages: tuple[CascadeStage, ...]
-    device: torch.device
-    memory: MemoryPlan
-    machine: Machine
-    policy: Policy
-    reasons: tuple[str, ...]
-    notes: tuple[str, ...] = ()
-    mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
-    parallel: RankPlan | None = None         # this rank's part of the job under torchrun, else None
-    memory_budget: int | None = None         # bytes every stage's work was bounded to (memory_budget)
-
-    def choices(self) -> dict[str, Any]:
-        """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
-        return {s.name: s.choices() for s in self.stages if getattr(s, "choices", None) and s.choices()}
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the parallel job (0 without one); ranks != 0 follow rank 0."""
-        return self.parallel.topology.rank if self.parallel is not None else 0
-
-    @property
-    def follower(self) -> bool:
-        """Whether this process only joins rank 0's flow stages (``Pixal3D.follow``)."""
-        return self.parallel is not None and self.parallel.follower
-
-    def state_budget(self) -> int:
-        """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
-        headroom; within the memory budget, less the interpreter, when there is one) minus what the policy
-        needs for models and the largest working set."""
-        memory = self.memory
-        need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
-        room = usable(self.machine.device_available)
-        if self.memory_budget is not None:
-            room = min(room, models_and_work(self.memory_budget))
-        return max(0, room - need)
-
-    def table(self) -> str:
-        """The plan as text: per-stage weights and working sets, the machine, the policy and its reasons."""
-        return format_plan(self.memory, self.machine, self.policy, [*self.reasons, *self.notes])
-
-    def model_names(self) -> list[str]:
-        """Every model some stage needs, in first-use order."""
-        return list(dict.fromkeys(m for s in self.stages for m in s.needs))
-
-    def check_input(self, image: Any) -> None:
-        """Raise ``ImageError`` now, before any weight is read, if a stage of this plan cannot take ``image``
-        (a path, PIL image or array): e.g. an opaque photo when no background remover is configured."""
-        for stage in self.stages:
-            stage.check_input(image)
 
 
 class Pixal3D:
@@ -156,7 +76,7 @@ class Pixal3D:
         self.config = plan.config
         self.device = plan.device
         self.weights = weights
-        self._relay = Relay()
+        self._relay = Relay()  # the registry's events go to the running span's listeners
         self._runtime, self._owns_runtime = runtime, owns_runtime
         if plan.parallel is not None and runtime is None:
             raise ValueError("a parallel plan needs the job's runtime: build the pipeline with Pixal3D.from_plan")
@@ -239,7 +159,8 @@ class Pixal3D:
                 reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
         return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons),
-                       (*notes, *([rank.note()] if rank else [])), mps_limit, rank, budget)
+                       (*notes, *([describe_parallel(rank.settings, rank.topology)] if rank else [])), mps_limit, rank,
+                       budget)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -343,22 +264,12 @@ class Pixal3D:
                   events: Callable[[Event], None] | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
                   trace_meta: Mapping[str, Any] | None = None) -> Iterator[BatchItem]:
-        """Run several images, stage by stage across the batch (each model loaded once per batch) or image by
-        image, optionally resuming from a work directory; yields one ``BatchItem`` per image (its ``Result``, or
-        the error that stopped it) as it finishes (``pipelines.batch``).
-
-        seed:         one seed for every image, or one per image (default: the config's)
-        names:        what outputs, records and reports call each image (default: the file's stem, else image<i>)
-        order:        ``stage`` or ``image`` (default: ``default_order(policy)``)
-        work_dir:     keep every stage's outputs there and resume from what is already there
-        state_budget: bytes of image states kept in memory between stages (default: ``RunPlan.state_budget()``);
-                      0 keeps every state on disk
-        the rest:     as for ``run`` (``trace``: one file for a stage-ordered batch, ``<stem>.<name><suffix>``
-                      per image for an image-ordered one; ``callback`` reports carry the image's name and index)
-
-        An item's ``result.state`` holds every stage output (not the decoded input image, nor the backbone
-        features: caches, dropped after their stages).
-        """
+        """Run several images, stage by stage or image by image (``pipelines.batch``), optionally resuming from a
+        work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
+        finishes. ``seed``: one, or one per image; ``names``: what outputs and records call each image (default:
+        the file's stem, else image<i>); ``order``: default ``default_order(policy)``; ``state_budget``: bytes of
+        states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest as
+        for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order)."""
         order = order or default_order(self.policy)
         if order not in ("image", "stage"):
             raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
@@ -366,14 +277,13 @@ class Pixal3D:
             raise ValueError("under torchrun the other ranks follow rank 0 image by image: a parallel batch runs in "
                              "image order without a work directory")
         items = image_items(images, seed=seed, default_seed=self.config.seed, names=names)
-        run = self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
-                            progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True)
-        return (item.batch_item([s.name for s in self.stages]) for item in run)
+        return self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
+                             progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True)
 
-    def _execute(self, items: list[ImageItem], order: BatchOrder, *, fov: float | None, work_dir: str | Path | None = None,
+    def _execute(self, items: list[BatchItem], order: BatchOrder, *, fov: float | None, work_dir: str | Path | None = None,
                  state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
-                 trace_meta: Mapping[str, Any] | None, isolate: bool = False) -> Iterator[ImageItem]:
+                 trace_meta: Mapping[str, Any] | None, isolate: bool = False) -> Iterator[BatchItem]:
         """``items`` through the executor in ``order``; what ``run`` and ``run_batch`` share."""
         if self.is_follower:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
@@ -386,10 +296,10 @@ class Pixal3D:
         store = StateStore(stages, self.device, work=WorkDir(work_dir) if work_dir is not None else None,
                            budget=self.run_plan.state_budget() if state_budget is None else state_budget,
                            kinds=state_codec.declared_kinds(RunState))
-        keyed = work_dir is not None or order == "stage"
+        keyed = work_dir is not None or (order == "stage" and len(items) > 1)  # records, or states spilled
         digests = weights_digests(self.weights) if keyed else {}
 
-        def open_item(item: ImageItem) -> None:
+        def open_item(item: BatchItem) -> None:
             """Refuse an unusable input before its first stage; key its stages (for the store)."""
             try:
                 if isinstance(item.source, (str, Path)):
@@ -401,16 +311,16 @@ class Pixal3D:
                             "tex_normalization": repr(self.weights.tex_normalization)}
             except OSError as err:
                 raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
-            if keyed:  # what decides each stage's outputs, for the records (work dir) and spilled states
+            if keyed:  # what decides each stage's outputs
                 item.keys = stage_keys(stages, provided, digests, {"torch": torch.__version__,
                                                                     "pixal3d": pixal3d.__version__})
 
-        def start(item: ImageItem, k: int) -> RunState:
+        def start(item: BatchItem, k: int) -> RunState:
             reads_input = any("input_image" in s.inputs for s in stages[k:])
             return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=fov,
                                   progress=progress, callback=bar.callback_for(item))
 
-        def alone(item: ImageItem, err: BaseException) -> bool:
+        def alone(item: BatchItem, err: BaseException) -> bool:
             """Whether ``err`` is this image's alone (``IMAGE_KINDS``, and no parallel job stopped by it)."""
             failure = classify(err, started=True)
             return failure is not None and failure.kind in IMAGE_KINDS and self.job_stopped is None
@@ -418,7 +328,7 @@ class Pixal3D:
         executor = Executor(self._runner, start, store=store, open=open_item, isolate=alone if isolate else None,
                             hooks=[bar, meter, *([self._leader] if self._leader is not None else [])],
                             finish=lambda item: self._result(item, meter.meter_for(item)))
-        return executor.by_stage(items) if order == "stage" else executor.by_item(items)
+        return executor.by_stage(items) if order == "stage" and len(items) > 1 else executor.by_item(items)
 
     # -- what runs and batches share -------------------------------------------------------------
     def new_state(self, image: Any, *, seed: int, fov: float | None = None, progress: bool = False,
@@ -430,7 +340,7 @@ class Pixal3D:
             shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
             progress=progress, callback=callback, parallel=self._runtime)
 
-    def _result(self, item: ImageItem, meter: MemoryMeter | None) -> Result:
+    def _result(self, item: BatchItem, meter: MemoryMeter | None) -> Result:
         """The ``Result`` of one image: its state, its stage records (peaks filled in from ``meter``'s windows of
         the same stage names when the record has none) and the meter's rows."""
         rows = meter.report() if meter is not None else []
@@ -479,130 +389,3 @@ class Pixal3D:
             else:
                 self._runtime.fail(exc)
         self.close()
-
-
-def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mapping[str, CascadeStage] | None = None,
-                 until: str | None = None) -> None:
-    """``RunPlan.check_input`` for every image before there is a plan: builds the stages (cheap, no file is
-    read) so a batch or the command refuses an unusable input before any weight is generated or read."""
-    stages = build_stages(config, replace=replace, until=until)
-    for image in images:
-        for stage in stages:
-            stage.check_input(image)
-
-
-def check_device(device: torch.device) -> torch.device:
-    """``device`` if it exists here, else a ``DeviceError`` naming it and what exists."""
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise DeviceError(f"device {device}: only cpu, cuda and mps are supported")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"device {device} asks for CUDA, which this torch build or machine does not have; "
-                              f"use cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise DeviceError(f"device {device} does not exist: this machine has {count} CUDA device(s), "
-                              f"cuda:0 to cuda:{count - 1}")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(f"device {device} asks for Apple MPS, which is not available here; use cpu")
-    if device.type in ("cpu", "mps") and device.index not in (None, 0):
-        raise DeviceError(f"device {device} does not exist: there is one {device.type} device, "
-                          f"'{device.type}' (or {device.type}:0)")
-    return device
-
-
-def default_device() -> torch.device:
-    """cuda if available, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def with_sampler_of(stage: Any, config: CascadeConfig) -> Any:
-    """``stage`` with what its sampler leaves unset (``guidance_interval``, a default ``sigma_min``) taken from
-    the resolved ``config``'s section: a stage passed in ``replace`` was built before pipeline.json was read."""
-    own = getattr(getattr(stage, "config", None), "sampler", None)
-    resolved = getattr(getattr(config, stage.section or "", None), "sampler", None) if hasattr(stage, "section") else None
-    if own is None or resolved is None:
-        return stage
-    changes = {}
-    if own.guidance_interval is None:
-        changes["guidance_interval"] = resolved.guidance_interval
-    if own.sigma_min == DEFAULT_SIGMA_MIN and resolved.sigma_min != DEFAULT_SIGMA_MIN:
-        changes["sigma_min"] = resolved.sigma_min
-    if not changes:
-        return stage
-    stage = copy.copy(stage)
-    stage.config = dataclasses.replace(stage.config, sampler=dataclasses.replace(own, **changes))
-    return stage
-
-
-def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | None,
-               machine: Machine) -> tuple[Any, ...]:
-    """Each stage as it should run within the memory it may use (``CascadeStage.fitted``): an explicit
-    ``budget`` bounds every stage to it, and one that cannot fit even then raises ``MemoryBudgetError``
-    naming the stage, its need and the budget; without one, each stage may use the machine's usable memory
-    (its NAF mode is chosen against that, nothing is refused)."""
-    total = budget if budget is not None else usable(machine.device_available)
-    fitted = []
-    for stage in stages:
-        weights = sum(sizes.get(m, 0) for m in stage.needs)
-        if hasattr(stage, "fitted"):
-            stage = stage.fitted(StageBudget(total, weights, budget is not None,
-                                             array_bytes=device_array_bytes(machine.device)))
-        need = weights + int(stage.working_set())
-        if budget is not None and need > models_and_work(budget):
-            raise budget_error(stage.name, need, budget, f"weights {format_bytes(weights)} and a working set of "
-                                                          f"{format_bytes(stage.working_set())}")
-        fitted.append(stage)
-    return tuple(fitted)
-
-
-def with_attention_route_of(stages: Sequence[Any], route: str) -> tuple[Any, ...]:
-    """The stages, those that run attention (``attention_route``) copied with the resolved ``route``, so that
-    their working sets count its memory."""
-    out = []
-    for stage in stages:
-        if getattr(stage, "attention_route", route) != route:
-            stage = copy.copy(stage)
-            stage.attention_route = route
-        out.append(stage)
-    return tuple(out)
-
-
-def describe_fit(stages: Sequence[Any], budget: int | None) -> list[str]:
-    """The plan's reasons for what fitting decided (NAF mode per stage, decode tiles, chunks)."""
-    reasons = [f"memory budget {gib(budget)}: every stage's work is bounded to it"] if budget is not None else []
-    modes: dict[str, list[str]] = {}
-    for stage in stages:
-        choices = stage.choices() if hasattr(stage, "choices") else {}
-        if "naf_mode" in choices:
-            modes.setdefault(choices["naf_mode"], []).append(stage.name)
-        if "tiles" in choices:
-            tiles = choices["tiles"]
-            reasons.append(f"{stage.name}: in spatial tiles from decoder level {tiles['start_level']}, at most "
-                           f"{tiles['tile_voxels']:,} voxels each (exact)")
-        if "chunks" in choices:
-            reasons.append(f"{stage.name}: attention and NAF in smaller chunks to stay within the budget")
-    if "full" in modes:
-        reasons.append(f"NAF full (the reference's values) for {', '.join(modes['full'])}")
-    if "frugal" in modes:
-        reasons.append(f"NAF frugal (less memory, ~1e-7 from the reference) for {', '.join(modes['frugal'])}: "
-                       f"its full map does not fit")
-    return reasons
-
-
-def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
-    """Refuse a run when even one stage's weights, loaded alone, exceed the available memory.
-
-    Only weights are compared (they are exact, from file headers); the working-set estimates are
-    too rough to refuse a run on, so the policy's reasons carry them as a warning instead.
-    """
-    largest = max(plan.stages, key=lambda s: s.weight_bytes, default=None)
-    if largest is not None and largest.weight_bytes > available:
-        raise NotEnoughMemoryError(
-            f"not enough memory for any policy: stage {largest.name} alone needs {gib(largest.weight_bytes)} of "
-            f"weights even when models are loaded one stage at a time, but {device} has {gib(available)} "
-            f"available; close other programs or run on a machine with more memory")

@@ -42,8 +42,8 @@ def stub_run(*, glb: bytes = STUB_GLB, before: Callable[[Pixal3D, Any], None] | 
             if before is not None:
                 before(self, image)
             name = names[index] if names is not None else f"image{index}"
-            yield BatchItem(index, name, str(image), seed, result=stub_result(self.config, input=str(image),
-                                                                              seed=seed, glb=glb))
+            yield BatchItem(index, name, image, str(image), seed=seed, result=stub_result(self.config, input=str(image),
+                                                                                          seed=seed, glb=glb))
 
     return run_batch
 

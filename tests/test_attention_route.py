@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from pipelines import working_set as ws
 from pipelines.build import build_stages
-from pipelines.pipeline import Pixal3D, with_attention_route_of
+from pipelines.pipeline import Pixal3D
+from pipelines.plan import with_attention_route_of
 from pipelines.stage import StageBudget
 from pixal3d import memory_budget as mb
 from pixal3d.audit import STANDIN, mps_audit

@@ -8,7 +8,6 @@ import dataclasses
 import threading
 from collections import defaultdict
 
-import pytest
 import torch
 
 from pipelines import Pixal3D, flow_stage

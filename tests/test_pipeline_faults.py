@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from pipelines import Pixal3D
-from pipelines.pipeline import check_inputs
+from pipelines.plan import check_inputs
 from pixal3d.models.preprocess import ImageError
 from tests.cascade_fixtures import EXAMPLE, tiny, tiny_cache  # noqa: F401
 

@@ -104,7 +104,7 @@ def test_a_store_that_keeps_states_gets_them_back_and_a_resumed_item_skips_its_r
     resumed.outputs = dict(shelf.outputs)
     log = EventLog()
     [item] = Executor(_runner(log=log), _start, store=resumed).by_item(_items(1))
-    assert item.resumed == 1 and [r.stage for r in item.records] == ["decode"]  # encode was not run again
+    assert item.resumed == ("encode",) and [r.stage for r in item.records] == ["decode"]  # encode was not run again
     assert [e.model for e in log.of_kind("load")] == ["decoder"]
     assert torch.equal(item.state.y, expected[0].state.y)
 

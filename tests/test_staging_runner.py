@@ -1,5 +1,5 @@
-"""StageRunner: declarations checked at build time, each policy's placement, transient outputs, replacing a
-stage by name, and the example chain of examples/toy_chain.py (staged == eager, one model held at a time)."""
+"""StageRunner: declarations checked at build time, each policy's placement, transient outputs, draws and
+caches, and the example chain of examples/toy_chain.py (staged == eager, one model held at a time)."""
 from __future__ import annotations
 
 import runpy
@@ -193,27 +193,6 @@ def test_outputs_are_fingerprinted_and_transient_fields_cleared_after_their_stag
     assert state.scratch is None and state.feats is not None
     expected = build("decoder")(build("encoder")(torch.ones(2, 16)))
     assert torch.equal(state.y, expected)
-
-
-def test_replace_swaps_a_stage_by_name_and_checks_it():
-    class Halve(Decode):
-        def run(self, state, models):
-            state.y = models["decoder"](state.feats) / 2
-    run = runner()
-    full = State(x=torch.ones(2, 16))
-    Executor(run).run(full)
-    run.replace("decode", Halve())
-    half = State(x=torch.ones(2, 16))
-    Executor(run).run(half)
-    assert torch.equal(half.y, full.y / 2)
-    with pytest.raises(KeyError, match="no stage 'refine'"):
-        run.replace("refine", Halve())
-
-    class Orphan(Decode):
-        inputs = ("y",)
-    with pytest.raises(StageGraphError, match="reads"):
-        run.replace("decode", Orphan())
-    assert isinstance(run.stage("decode"), Halve)  # a refused replacement changes nothing
 
 
 def test_the_example_chain_gives_eager_fingerprints_staged_holding_only_the_largest_model():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipelines.errors import UsageError, classify
-from pipelines.pipeline import NotEnoughMemoryError
+from pipelines.errors import NotEnoughMemoryError
 from pixal3d.config import ConfigError
 from pixal3d.files import atomic_path
 from pixal3d.hub import MissingWeightsError

@@ -18,8 +18,7 @@ from typing import Any
 from pixal3d.files import write_json_atomic
 from pixal3d.models.preprocess import ImageError
 
-from ..pipeline import RunPlan
-from ..result import STAGE_COLUMNS as TABLE_HEADERS
+from ..plan import RunPlan
 from ..result import Result, run_json_path
 from .errors import error_line
 from .settings import JobSettings

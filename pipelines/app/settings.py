@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pixal3d.config import CascadeConfig, ConfigError
+from pixal3d.config import CascadeConfig, ConfigError, SettingError
 from pixal3d.memory_budget import parse_budget
 from pixal3d.staging import Policy
 
 from ..state import check_fov, check_seed
 
 TEXTURE_SIZES = (256, 512, 1024, 2048, 4096)
+OR_AUTOMATIC = {"fov": ", or automatic", "memory_budget": ", or auto"}  # what the page offers besides a value
 
 
 @dataclass(frozen=True)
@@ -32,19 +33,13 @@ class JobSettings:
     memory_budget: str | None = None
 
     def __post_init__(self) -> None:
-        try:
+        try:  # the library's own checks of each (a SettingError naming it)
             check_seed(self.seed)
-        except ValueError as err:
-            raise ConfigError(f"seed: {err}") from None
-        try:
             check_fov(self.fov)
-        except ValueError as err:
-            raise ConfigError(f"{err}, or automatic") from None
-        if self.memory_budget not in (None, "auto"):
-            try:
+            if self.memory_budget not in (None, "auto"):
                 parse_budget(self.memory_budget)
-            except ValueError as err:
-                raise ConfigError(f"{err}, or auto") from None
+        except SettingError as err:
+            raise ConfigError(f"{err}{OR_AUTOMATIC.get(err.setting, '')}") from None
         if self.policy not in {p.value for p in Policy}:
             raise ConfigError(f"memory policy {self.policy!r} is not one of {[p.value for p in Policy]}")
 

@@ -18,7 +18,8 @@ from pixal3d.staging import Policy
 from pixal3d.telemetry.plot import trace_figure
 
 from .errors import error_line
-from .job import REFUSAL, TABLE_HEADERS, JobUpdate, plan_or_refusal, run_job
+from ..result import STAGE_COLUMNS
+from .job import REFUSAL, JobUpdate, plan_or_refusal, run_job
 from .settings import TEXTURE_SIZES, JobSettings
 from .worker import Worker
 
@@ -64,7 +65,7 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                 plot = gr.Plot(label="memory", elem_id="memory", format="png")
                 viewer = gr.Model3D(label="model", elem_id="viewer", height=360,
                                     clear_color=(0.95, 0.95, 0.95, 1.0))
-        table = gr.Dataframe(headers=list(TABLE_HEADERS), label="per stage", interactive=False, elem_id="stages")
+        table = gr.Dataframe(headers=list(STAGE_COLUMNS), label="per stage", interactive=False, elem_id="stages")
         model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
 
         def show_plan(policy_: str, texture_: int, faces_: Any, budget_: str) -> str:

@@ -19,7 +19,8 @@ import torch
 
 from pixal3d.config import CascadeConfig
 
-from ..pipeline import Pixal3D, RunPlan, default_device
+from ..pipeline import Pixal3D
+from ..plan import RunPlan, default_device
 from ..result import Result
 from .settings import JobSettings, job_config
 

@@ -1,15 +1,12 @@
 """The executor: the one loop over items × stages that every run goes through (a single input is a batch of one).
-
-Vocabulary (besides ``runner.py``'s): an *item* is one input of a run (an image, say) with the state the
-stages build for it; an item's *span* is a stretch of work measured as one (the item, in item order; the
-whole batch, in stage order).
+An *item* is one input of a run (an image, say) with the state the stages build for it; a *span* is a stretch
+of work measured as one (an item, in item order; the whole batch, in stage order).
 
 - ``by_item(items)``: each item through every stage, then the next. ``items`` may be any iterable, read as
   the run goes: a job queue or a claim on a shared list can feed it.
 - ``by_stage(items)``: every item through stage 1, then every item through stage 2, ... so each model is
   loaded once for all of them; states wait in the store between stages.
-- ``run(state)``: one state the caller built through every stage (``by_item`` of one item whose source
-  is its state).
+- ``run(state)``: one state the caller built through every stage (an item whose source is its state).
 
 What the executor is given:
 
@@ -45,7 +42,7 @@ class Item:
     """One input of a run and how far it got.
 
     done:      leading stages finished (run, or taken from the store)
-    resumed:   how many of those the store already had (``Store.resume``)
+    resumed:   the names of those the store already had (``Store.resume``)
     at:        the stage it is in (None between stages); a failed item keeps it (``failed_at``)
     notes:     lines about it (a stale record and why)
     result:    what ``finish`` made of it
@@ -58,7 +55,7 @@ class Item:
     state: Any = None
     records: list[StageRecord] = field(default_factory=list)
     done: int = 0
-    resumed: int = 0
+    resumed: tuple[str, ...] = ()
     at: str | None = None
     notes: list[str] = field(default_factory=list)
     error: BaseException | None = None
@@ -126,8 +123,8 @@ class Executor:
     """Runs items through ``runner``'s stages; see the module docstring."""
 
     def __init__(self, runner: StageRunner, start: Callable[[Item, int], Any] | None = None, *,
-                 store: Store | None = None,
-                 hooks: Sequence[Hook] = (), open: Callable[[Item], None] | None = None,  # noqa: A002
+                 store: Store | None = None, hooks: Sequence[Hook] = (),
+                 open: Callable[[Item], None] | None = None,  # noqa: A002 - the item's "open" step
                  finish: Callable[[Item], Any] | None = None,
                  isolate: Callable[[Item, BaseException], bool] | None = None):
         self.runner = runner
@@ -146,7 +143,7 @@ class Executor:
             for item in items:
                 if self._open(item) and item.done < len(self.stages):
                     try:
-                        with self._span([item]):
+                        with self._all("span", [item]):
                             for k in range(item.done, len(self.stages)):
                                 self._step(item, k)
                     except BaseException as err:
@@ -164,7 +161,7 @@ class Executor:
                     if item.ok:
                         self._finish(item)
                     yield item
-            with self._span(items):
+            with self._all("span", items):
                 for k in range(len(self.stages)):
                     for item in items:
                         if not item.ok or item.done != k:
@@ -192,7 +189,8 @@ class Executor:
         try:
             if self._open_item is not None:
                 self._open_item(item)
-            item.done = item.resumed = self.store.resume(item)
+            item.done = self.store.resume(item)
+            item.resumed = tuple(stage.name for stage in self.stages[:item.done])
         except BaseException as err:
             self._fail(item, err)
             return False
@@ -243,18 +241,13 @@ class Executor:
     # -- contexts ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _session(self, items: Iterable[Item]) -> Iterator[None]:
-        known = items if isinstance(items, Sequence) else None
-        try:
-            with contextlib.ExitStack() as stack:
-                for hook in self.hooks:
-                    stack.enter_context(hook.session(known))
-                yield
-        finally:
-            self.store.close()
+        """Every hook's session around the run, then the store closed."""
+        with contextlib.closing(self.store), self._all("session", items if isinstance(items, Sequence) else None):
+            yield
 
     @contextlib.contextmanager
-    def _span(self, items: Sequence[Item]) -> Iterator[None]:
+    def _all(self, context: str, items: Sequence[Item] | None) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
-                stack.enter_context(hook.span(items))
+                stack.enter_context(getattr(hook, context)(items))
             yield

@@ -174,19 +174,17 @@ class StageRunner:
         self._placement = placement(self.policy)
         self._stages = list(stages)
         self._loaders = dict(loaders)
-        self._provides = tuple(provides)
-        self._state_type = state_type
         self._events = events
         self._strict = strict
         self._preserve_rng = preserve_rng
         self._pinned = tuple(pinned)
         self._registry: StagedModels | None = None
-        check_stages(self._stages, provides=self._provides, state_type=state_type, loaders=self._loaders)
+        check_stages(self._stages, provides=provides, state_type=state_type, loaders=self._loaders)
 
     # -- the declarations ------------------------------------------------------------------
     @property
     def stages(self) -> tuple[Stage, ...]:
-        """The stages in run order (replace one with ``replace``)."""
+        """The stages in run order."""
         return tuple(self._stages)
 
     def stage(self, name: str) -> Stage:
@@ -196,29 +194,12 @@ class StageRunner:
                 return stage
         raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self._stages]}")
 
-    def needs(self) -> dict[str, tuple[str, ...]]:
-        """Stage name → the model names it needs, in run order."""
-        return {s.name: tuple(s.needs) for s in self._stages}
-
-    def working_sets(self) -> dict[str, int]:
-        """Stage name → its working-set estimate in bytes."""
-        return {s.name: int(s.working_set()) for s in self._stages}
-
-    def replace(self, name: str, stage: Stage) -> None:
-        """Put ``stage`` in place of the stage called ``name`` (checked as at build; models reload lazily)."""
-        stages = [stage if s.name == name else s for s in self._stages]
-        if stages == self._stages:
-            raise KeyError(f"no stage {name!r} to replace; stages: {[s.name for s in self._stages]}")
-        check_stages(stages, provides=self._provides, state_type=self._state_type, loaders=self._loaders)
-        self.close()
-        self._stages = stages
-
     # -- running ---------------------------------------------------------------------------
     @property
     def registry(self) -> StagedModels:
         """The model registry, built on first use (an ``eager`` policy loads every model then)."""
         if self._registry is None:
-            needs = self.needs()
+            needs = {s.name: tuple(s.needs) for s in self._stages}
             wanted = list(dict.fromkeys(m for ms in needs.values() for m in ms))
             self._registry = StagedModels(
                 {n: self._loaders[n] for n in wanted}, needs, pinned=self._pinned, events=self._events,
