@@ -3,7 +3,8 @@
     pixal3d-image-to-mesh input.png [-o out.glb] [--config configs/1024_cascade.yaml] [--seed N]
         [--fov DEG] [--memory-policy auto|staged|resident|offload|eager] [--memory-budget SIZE] [--device D]
         [--trace trace.jsonl] [--plan] [--keep-latents DIR] [--batch-order image|stage] [--work-dir DIR] [--quiet]
-        [--parallel none|cfg|pipefusion|both [--pp N] [--patches M] [--warmup W] [--parallel-timeout S]]
+        [--parallel none|cfg|pipefusion|both|data [--pp N] [--pp-split auto|B1,B2,...] [--patches M] [--warmup W]
+         [--parallel-timeout S]]
 
 One path: the command checks its inputs, outputs and options before any weight is read, prints the memory
 plan and the chosen policy (``--plan`` prints them and exits), then hands every usable input to
@@ -24,6 +25,11 @@ Under torchrun, ``--parallel`` spreads the flow stages over the job's processes.
 before it reads a config or a weight (a failure after that reaches every rank); rank 0 runs the command as
 above, image by image; the other ranks plan their part and follow it (``Pixal3D.follow``), writing nothing.
 An error every rank sees alike is printed by rank 0 only, any other by the rank that has it.
+``--pp-split`` gives PipeFusion's blocks per pipeline rank (``auto``: in proportion to each rank's memory).
+
+``--parallel data`` spreads a batch's images over the job's processes instead (``pipelines.data_parallel``):
+each rank runs the command on its share (claimed in a shared ``--work-dir`` as it goes, else image i to rank
+i mod K), rank 0 writes the one summary and ``batch.json``, and every rank exits with rank 0's code.
 """
 from __future__ import annotations
 
@@ -47,13 +53,14 @@ from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import ImageError, probe_image
-from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, init_parallel
+from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, PeerFailedError, init_parallel
 from pixal3d.parallel.topology import Topology
 from pixal3d.staging import Policy
 from pixal3d.staging.policy import gib
 
 from .batch import BatchItem, default_order, trace_path
 from .camera import CameraStage
+from .data_parallel import DataJob, GroupStoppedError
 from .errors import DeviceError, Failure, UsageError, classify, one_line
 from .parallel import rank_device
 from .pipeline import Pixal3D
@@ -67,7 +74,8 @@ DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 OUR_LOGGERS = ("pixal3d", "pipelines", "pixal3d-image-to-mesh")
 FLAGS = {"memory_budget": "--memory-budget", "policy": "--memory-policy", "seed": "--seed", "fov": "--fov",
-         "work_dir": "--work-dir", "mode": "--parallel", "pp": "--pp", "patches": "--patches", "warmup": "--warmup"}
+         "work_dir": "--work-dir", "mode": "--parallel", "pp": "--pp", "patches": "--patches", "warmup": "--warmup",
+         "pp_split": "--pp-split", "data_groups": "--data-groups"}
 """The command's flag for each library setting: library messages name a setting ``name=value`` (or, for one with
 an underscore, by its name), an error about one setting carries it (``SettingError.setting``)."""
 _VALUED = re.compile(r"\b(%s)=([^\s,;:)]*)" % "|".join(FLAGS))
@@ -115,12 +123,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="keep every stage's outputs in DIR as it finishes; the same command run again resumes")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, plan or table")
     group = parser.add_argument_group("several devices (under torchrun; README: Several GPUs or machines)")
-    group.add_argument("--parallel", default="none", choices=["none", "cfg", "pipefusion", "both"],
+    group.add_argument("--parallel", default="none", choices=["none", "cfg", "pipefusion", "both", "data"],
                        help="spread the flow stages over torchrun's processes: cfg (2, exact), pipefusion (N, "
-                            "approximate unless --warmup >= steps or --patches 1), both (2 x N); default none")
+                            "approximate unless --warmup >= steps or --patches 1), both (2 x N); or spread a batch's "
+                            "images over them: data (each process runs its share of the images); default none")
     group.add_argument("--pp", type=int, default=None, metavar="N",
                        help="pipefusion/both: pipeline ranks per flow model (default: the processes torchrun "
                             "started, halved for both)")
+    group.add_argument("--pp-split", default=None, metavar="auto|B1,B2,...",
+                       help="pipefusion/both: blocks per pipeline rank, e.g. 1,3, or auto (in proportion to each "
+                            "rank's usable memory); default near-equal")
     group.add_argument("--patches", type=int, default=None, metavar="M",
                        help="pipefusion/both: token patches per step (default: N)")
     group.add_argument("--warmup", type=int, default=None, metavar="W",
@@ -147,8 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parallel_settings(args)
         if settings is None:
             return _command(args)
+        if settings.mode == "data":
+            return _data_command(args, settings)
         topology = Topology.from_env(settings)
-        if args.plan:  # each rank can plan; rank 0 prints its plan, nobody joins a job
+        if args.plan and settings.pp_split != "auto":  # each rank can plan; rank 0 prints its plan, nobody joins
             return _command(args, settings) if topology.rank == 0 else 0
         runtime = init_parallel(settings, device=rank_device(parse_device(args.device) if args.device else
                                                              default_device(), topology))
@@ -163,16 +177,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.close()
 
 
+def _data_command(args: argparse.Namespace, settings: ParallelSettings) -> int:
+    """A rank of a ``--parallel data`` job: the whole command on its share of the images (``data_parallel``)."""
+    if args.plan:  # each rank can plan alone; rank 0 prints its plan
+        return _command(args, settings) if launch_rank() == 0 else 0
+    job = DataJob.join(settings)
+    try:
+        return _command(args, settings, job=job)
+    finally:
+        job.close()
+
+
 def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime | None = None, *,
-             runtime: ParallelRuntime | None = None) -> int:
-    """Everything one process does (rank 0's part of a parallel job included): check, plan, run, write."""
+             runtime: ParallelRuntime | None = None, job: DataJob | None = None) -> int:
+    """Everything one process does (rank 0's part of a parallel job, or a data group, included): check, plan,
+    run, write."""
     started = False
+    lead = job is None or job.rank == 0  # says what every rank would say alike
     try:
         with terminate_as_exception(), ExitStack() as held:
-            prepared = _prepare(args, held, parallel)
-            for path, err in prepared.rejected:
+            prepared = _prepare(args, held, parallel, job=job)
+            for path, err in prepared.rejected if lead else ():
                 _skip_line(path.name, one_line(err))
-            if args.plan or not args.quiet:
+            if lead and (args.plan or not args.quiet):
                 print(in_flags(prepared.plan.table()), flush=True)
                 if _several(args):
                     print(_batch_line(prepared, args), flush=True)
@@ -180,13 +207,15 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
                 return 0
             pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
             started = True
-            return _run(pipe, prepared, args)
+            return _run(pipe, prepared, args, job)
     except BaseException as err:  # classify() decides; anything it does not know is re-raised
         failure = _classify(err, started=started)
         if failure is None:
             raise
         if runtime is not None:
             runtime.fail(err)  # the other ranks stop too (nothing happens if they already know)
+        if job is not None and job.rank == 0 and not isinstance(err, PeerFailedError):
+            job.post_exit(failure.exit_code, readers=0)  # the other groups stop before their next image
         if failure.kind == "interrupted" and args.work_dir is not None:
             failure = replace(failure, message=f"{failure.message}; run the same command again to resume from "
                                                f"{args.work_dir}")
@@ -194,10 +223,13 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
 
 
 def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
-    """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0."""
+    """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0 (``--plan``: plan
+    only, taking part in gathering the ranks' memory for ``--pp-split auto``)."""
     try:
         plan = Pixal3D.plan(load_config(args.config), policy=args.memory_policy, device=runtime.device,
                             memory_budget=args.memory_budget, parallel=runtime)
+        if args.plan:
+            return 0
         with Pixal3D.from_plan(plan) as pipe:
             pipe.follow()
     except ParallelConfigError as err:  # rank 0 says it, or names this rank when only this one has it
@@ -282,14 +314,18 @@ class Prepared(NamedTuple):
     inputs: list[Path]
 
 
-def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None
-             ) -> Prepared:
+def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None,
+             *, job: DataJob | None = None) -> Prepared:
+    """``job``: a data job's ranks != 0 leave the locks against other runs to rank 0, and open the work directory
+    after it."""
+    lead = job is None or job.rank == 0
     # 1. config and the run's settings: ranges are the config's own (pixal3d.config) and the run's (state.py)
     config = load_config(args.config)
     if args.seed is not None:
         check_seed(args.seed)
     check_fov(args.fov)
-    if parallel is not None and (args.work_dir is not None or args.batch_order == "stage"):
+    data = getattr(parallel, "mode", None) == "data"
+    if parallel is not None and not data and (args.work_dir is not None or args.batch_order == "stage"):
         raise UsageError("--work-dir and --batch-order stage need one process; under --parallel the other ranks "
                          "follow rank 0 image by image: drop them, or run without --parallel")
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
@@ -309,9 +345,12 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     # 3. outputs: not folders, writable, not colliding, not being written by another run; the work directory
     jobs = list(zip(inputs, plan_outputs(inputs, args.output)))
     check_outputs(jobs, args)
-    if args.work_dir is not None:
-        WorkDir(args.work_dir)  # a folder that is not a work directory is refused before any weight is read
-    if not args.plan:
+    if args.work_dir is not None:  # a folder that is not a work directory is refused before any weight is read
+        if job is not None:
+            job.in_turn(lambda: WorkDir(args.work_dir))  # rank 0 makes it, then the others find it made
+        else:
+            WorkDir(args.work_dir)
+    if not args.plan and lead:
         for _, output in jobs:
             held.enter_context(exclusive_lock(output.with_name(f".{output.name}.lock"), wait=False,
                                               what=str(output), owner="another run"))
@@ -346,7 +385,8 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
     on every rank, before any rendezvous); None for ``--parallel none``, today's single process."""
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1"))
-    knobs = [f"--{k}" for k in ("pp", "patches", "warmup") if getattr(args, k) is not None]
+    knobs = [f"--{k.replace('_', '-')}" for k in ("pp", "pp_split", "patches", "warmup")
+             if getattr(args, k) is not None]
     if args.parallel == "none":
         if knobs:
             raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel is none)")
@@ -358,15 +398,31 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
     cfg = 2 if args.parallel in ("cfg", "both") else 1
     piped = args.parallel in ("pipefusion", "both")
     if "RANK" not in env or "WORLD_SIZE" not in env:
+        ranks = 2 if args.parallel == "data" else 2 * cfg if piped else cfg
         raise ParallelConfigError(f"--parallel {args.parallel} runs under torchrun, which starts the processes: "
-                                  f"torchrun --nproc-per-node {2 * cfg if piped else cfg} scripts/image_to_mesh.py ... "
+                                  f"torchrun --nproc-per-node {ranks} scripts/image_to_mesh.py ... "
                                   f"(README: Several GPUs or machines)")
+    if args.parallel == "data":
+        if knobs:
+            raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel data runs every "
+                             f"image whole on one process)")
+        return ParallelSettings(mode="data", data_groups=world, timeout_s=args.parallel_timeout)
     pp = args.pp if args.pp is not None else (max(1, world // cfg) if piped else 1)
     settings = ParallelSettings(mode=args.parallel, pp=pp, patches=args.patches if args.patches is not None else
                                 (pp if piped else 1), warmup=1 if args.warmup is None else args.warmup,
-                                timeout_s=args.parallel_timeout)
+                                timeout_s=args.parallel_timeout, pp_split=parse_pp_split(args.pp_split))
     settings.check_world_size(world)
     return settings
+
+
+def parse_pp_split(text: str | None) -> str | tuple[int, ...] | None:
+    """``--pp-split``: ``auto`` or comma-separated block counts (``1,3``)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--pp-split {text!r} is neither auto nor block counts such as 1,3") from None
 
 
 def parse_device(text: str) -> torch.device:
@@ -457,16 +513,17 @@ def check_writable(folder: Path, option: str = "-o") -> None:
 
 
 # -- 2. the run ----------------------------------------------------------------------------------
-def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
+def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace, job: DataJob | None = None) -> int:
     """Every usable input through ``Pixal3D.run_batch``; each result written as it comes. One input: its error
-    is the command's. Several: a failed image is one line and the others go on; the summary ends it."""
+    is the command's. Several: a failed image is one line and the others go on; the summary ends it. In a data
+    job this rank runs its share, and rank 0 writes the summary of every rank's images."""
     several = _several(args)
     order = _order(prepared.plan, args)
     outputs = dict(prepared.jobs)
     items: list[BatchItem] = []
     with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], seed=args.seed, fov=args.fov,
                                 order=order, work_dir=args.work_dir, progress=not args.quiet,
-                                trace=args.trace)) as batch:
+                                trace=args.trace, share=job)) as batch:
         for item in batch:
             items.append(item)
             if item.ok:
@@ -475,12 +532,35 @@ def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace) -> int:
                 raise item.error
             else:
                 _skip_line(Path(item.input).name, item.message)
+    if job is not None:
+        return _job_summary(job, args, items, prepared, order)
     return _summary(args, items, prepared, order) if several else 0
 
 
+def _job_summary(job: DataJob, args: argparse.Namespace, items: Sequence[BatchItem], prepared: Prepared,
+                 order: str) -> int:
+    """A data job's end: every rank's rows to rank 0, which writes ``batch.json`` and the summary line (and names a
+    rank that sent nothing); every rank returns rank 0's exit code."""
+    rows = [{**row, "rank": job.rank} for row in _rows(items, prepared)]
+    try:
+        gathered = job.gather(rows)
+    except GroupStoppedError as err:
+        _summary(args, [], prepared, order, rows=[row for part in err.rows for row in part], lead=True)
+        job.post_exit(1, readers=len(err.rows) - 1)
+        raise
+    if gathered is None:
+        return job.wait_exit()
+    code = _summary(args, [], prepared, order, rows=[row for part in gathered for row in part], lead=True)
+    job.post_exit(code, readers=job.groups - 1)
+    return code
+
+
 def _order(plan: RunPlan, args: argparse.Namespace) -> str:
-    """``--batch-order``, else the policy's default; image by image under ``--parallel`` (the other ranks follow)."""
-    return "image" if plan.parallel is not None else args.batch_order or default_order(plan.policy)
+    """``--batch-order``, else the policy's default; image by image under ``--parallel`` (the other ranks follow;
+    a data group runs its images as one process would)."""
+    if plan.parallel is not None and not plan.parallel.independent:
+        return "image"
+    return args.batch_order or default_order(plan.policy)
 
 
 def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None:
@@ -509,11 +589,9 @@ def _batch_line(prepared: Prepared, args: argparse.Namespace) -> str:
             + (f"; records in {args.work_dir}" if args.work_dir else ""))
 
 
-def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Prepared, order: str) -> int:
-    """The batch's last line and ``batch.json`` beside the outputs; 1 when any image failed."""
-    outputs = dict(prepared.jobs)
-    rows = [{"input": str(path), "name": path.stem, "status": "failed", "kind": "input", "stage": None,
-             "error": one_line(err)} for path, err in prepared.rejected]
+def _rows(items: Sequence[BatchItem], prepared: Prepared) -> list[dict[str, Any]]:
+    """``batch.json``'s row of each image run here."""
+    outputs, rows = dict(prepared.jobs), []
     for item in items:
         output = outputs[Path(item.input)]
         row = {"input": item.input, "name": item.name, "status": "written" if item.ok else "failed",
@@ -523,10 +601,26 @@ def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Pre
             row |= {"output": str(output), "run_record": str(run_json_path(output)),
                     "seconds": round(item.result.seconds, 4)}
         rows.append(row)
+    return rows
+
+
+def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Prepared, order: str, *,
+             rows: list[dict[str, Any]] | None = None, lead: bool = False) -> int:
+    """The batch's last line and ``batch.json`` beside the outputs; 1 when any image failed. ``rows``: the rows of
+    every rank of a data job, instead of those of ``items``; an image without a row (its rank stopped) is
+    ``unknown``."""
+    outputs = dict(prepared.jobs)
+    ran = _rows(items, prepared) if rows is None else rows
+    rows = [{"input": str(path), "name": path.stem, "status": "failed", "kind": "input", "stage": None,
+             "error": one_line(err)} for path, err in prepared.rejected] + ran
+    if lead:
+        known = {row["input"] for row in rows}
+        rows += [{"input": str(path), "name": path.stem, "status": "unknown", "kind": None, "stage": None,
+                  "error": "its rank sent no report"} for path in outputs if str(path) not in known]
     position = {str(path): i for i, path in enumerate(prepared.inputs)}
     rows.sort(key=lambda row: position[row["input"]])
     written = sum(row["status"] == "written" for row in rows)
-    failures = [f"{Path(row['input']).name}: {_reason(row)}" for row in rows if row["status"] == "failed"]
+    failures = [f"{Path(row['input']).name}: {_reason(row)}" for row in rows if row["status"] != "written"]
     line = f"{written} written, {len(failures)} failed" + (": " + "; ".join(failures) if failures else "")
     folder = next(iter(outputs.values())).parent
     write_json_atomic(folder / "batch.json", {

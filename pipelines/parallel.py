@@ -45,6 +45,7 @@ from pixal3d.parallel import (
 )
 from pixal3d.parallel.session import announce, exchange, receive
 from pixal3d.parallel.shard import shard_tensor_names
+from pixal3d.parallel.split import describe_split, model_split
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Machine, Stage
@@ -128,11 +129,39 @@ class RankPlan:
     topology: Topology
     device: torch.device
     runtime: ParallelRuntime | None = None
+    owns_runtime: bool = False                  # joined while planning (pp_split auto): this pipeline closes it
+    capacities: tuple[int, ...] | None = None   # pp_split auto: each pipeline stage's usable memory, in bytes
+    splits: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # flow model -> blocks/rank
 
     @property
     def follower(self) -> bool:
-        """Whether this rank only joins rank 0's flow stages (``Pixal3D.follow``)."""
-        return self.topology.rank != 0
+        """Whether this rank only joins rank 0's flow stages (``Pixal3D.follow``); never in data mode."""
+        return self.topology.rank != 0 and not self.independent
+
+    @property
+    def independent(self) -> bool:
+        """Data mode: every rank runs whole images of its own (no flow stage is shared)."""
+        return self.settings.mode == "data"
+
+    def split(self, num_blocks: int) -> tuple[int, ...]:
+        """Each pipeline rank's block count for a flow model of ``num_blocks`` blocks."""
+        return model_split(self.settings.pp_split, num_blocks, self.topology.pp_degree, self.capacities)
+
+    def with_memory(self, usable_bytes: int) -> RankPlan:
+        """``pp_split='auto'``: this plan with every pipeline stage's usable memory, gathered from every rank
+        (joining the job first when it was not joined: every rank plans, so every rank takes part). A stage
+        held by two CFG groups counts the smaller of its two ranks."""
+        if self.settings.pp_split != "auto" or self.topology.pp_degree <= 1:
+            return self
+        plan = self
+        if plan.runtime is None:
+            plan = dataclasses.replace(plan, runtime=init_parallel(self.settings, device=self.device),
+                                       owns_runtime=True)
+        reports = plan.runtime.gather_memory(usable_bytes)
+        topo = self.topology
+        stages = tuple(min(reports[topo.rank_of(c, k)] for c in range(topo.cfg_degree))
+                       for k in range(topo.pp_degree))
+        return dataclasses.replace(plan, capacities=stages)
 
     def stages(self, stages: Sequence[Stage]) -> tuple[Stage, ...]:
         """The stages this rank runs: all of them on rank 0, the flow stages' shards elsewhere; the warmup is
@@ -144,16 +173,23 @@ class RankPlan:
         """What this rank's runs provide, and their state type."""
         return (FOLLOWER_PROVIDED, FollowerState) if self.follower else (PROVIDED, RunState)
 
-    def shards(self, stages: Sequence[Stage]) -> dict[str, Callable[[Iterable[str]], set[str]]]:
-        """Flow model → the tensor names this rank's shard holds, for the plan (pp > 1; else whole models)."""
+    def shards(self, stages: Sequence[Stage], stage: int | None = None
+               ) -> dict[str, Callable[[Iterable[str]], set[str]]]:
+        """Flow model → the tensor names this rank's shard (or pipeline stage ``stage``'s) holds, for the plan
+        (pp > 1; else whole models)."""
         if self.topology.pp_degree <= 1:
             return {}
-        return {s.flow_model: shard_selector(s.flow_model, self.topology) for s in flow_stages(stages)}
+        stage = self.topology.stage if stage is None else stage
+        return {s.flow_model: shard_selector(s.flow_model, self.topology, self.split, stage)
+                for s in flow_stages(stages)}
 
-    def join(self) -> tuple[ParallelRuntime, bool]:
-        """The job's runtime, and whether it was joined here (and is this pipeline's to close)."""
+    def join(self) -> tuple[ParallelRuntime | None, bool]:
+        """The job's runtime, and whether it was joined here (and is this pipeline's to close); data mode: none
+        (each rank runs its images alone; ``pipelines.data_parallel`` holds the job together)."""
+        if self.independent:
+            return None, False
         if self.runtime is not None:
-            return self.runtime, False
+            return self.runtime, self.owns_runtime
         return init_parallel(self.settings, device=self.device), True
 
 
@@ -192,27 +228,41 @@ def _too_few_blocks(pp: int, blocks: int, name: str) -> ParallelConfigError:
                                f"at least one block: use pp={blocks} or less")
 
 
-def shard_selector(name: str, topology: Topology) -> Callable[[Iterable[str]], set[str]]:
-    """For the plan: the tensor names of flow model ``name`` (from its header) this rank's shard holds."""
+def shard_selector(name: str, topology: Topology, split: Callable[[int], tuple[int, ...]] | None = None,
+                   stage: int | None = None) -> Callable[[Iterable[str]], set[str]]:
+    """For the plan: the tensor names of flow model ``name`` (from its header) this rank's shard (or pipeline
+    stage ``stage``'s) holds; ``split``: block count → every rank's blocks (default near-equal)."""
+    stage = topology.stage if stage is None else stage
+
     def select(names: Iterable[str]) -> set[str]:
         names = list(names)
         blocks = len({n.split(".")[1] for n in names if n.startswith("blocks.")})
         if topology.pp_degree > blocks:
             raise _too_few_blocks(topology.pp_degree, blocks, name)
-        return shard_tensor_names(names, topology.stage, topology.pp_degree)
+        return shard_tensor_names(names, stage, topology.pp_degree, split(blocks) if split else None)
     return select
 
 
+def model_blocks(weights: ResolvedWeights, name: str) -> int | None:
+    """A flow checkpoint's block count, from its json."""
+    blocks = read_spec(weights.checkpoints[name].with_suffix(".json")).get("args", {}).get("num_blocks")
+    return blocks if isinstance(blocks, int) else None
+
+
 def shard_loaders(loaders: Mapping[str, Callable[[], nn.Module]], weights: ResolvedWeights,
-                  flow_models: Sequence[str], runtime: ParallelRuntime) -> dict[str, Callable[[], nn.Module]]:
-    """``loaders`` with each flow model replaced by this rank's shard of it (``load_flow_shard``) when the
-    blocks are split (pp > 1); under CFG-parallel alone every rank holds whole models."""
+                  flow_models: Sequence[str], runtime: ParallelRuntime,
+                  split: Callable[[int], tuple[int, ...]] | None = None) -> dict[str, Callable[[], nn.Module]]:
+    """``loaders`` with each flow model replaced by this rank's shard of it (``load_flow_shard``, ``split``:
+    block count → every rank's blocks) when the blocks are split (pp > 1); under CFG-parallel alone every rank
+    holds whole models."""
     out = dict(loaders)
     topo = runtime.topology
     if topo.pp_degree > 1:
         for name in flow_models:
+            blocks = model_blocks(weights, name)
             out[name] = functools.partial(load_flow_shard, weights.checkpoints[name], topo.stage, topo.pp_degree,
-                                          device=runtime.device)
+                                          device=runtime.device,
+                                          split=split(blocks) if split is not None and blocks else None)
     return out
 
 
@@ -239,6 +289,9 @@ def machine_share(machine: Machine, topology: Topology) -> tuple[Machine, str | 
 
 def describe_parallel(settings: ParallelSettings, topology: Topology) -> str:
     """One line for the plan: the job's shape and this rank's part in it."""
+    if settings.mode == "data":
+        return (f"parallel data: rank {topology.rank} of {topology.world_size} runs its share of the images "
+                f"through every stage (group {topology.rank + 1} of {settings.data_groups})")
     role = "runs every stage" if topology.rank == 0 else "joins the flow stages"
     shard = (f", holds pipeline stage {topology.stage + 1} of {topology.pp_degree} of each flow model (counted "
              f"below as its shard)") if topology.pp_degree > 1 else ""
@@ -259,10 +312,16 @@ def rank_report(runtime: ParallelRuntime, rows: Sequence[Any]) -> dict[str, Any]
                        for r in rows]}
 
 
-def job_record(runtime: ParallelRuntime, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """run.json's ``parallel`` entry: the settings, the job's shape and every rank's report."""
+def job_record(runtime: ParallelRuntime, ranks: list[dict[str, Any]],
+               splits: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    """run.json's ``parallel`` entry: the settings, the job's shape, each flow model's blocks per pipeline rank
+    (``pp_split``, ``blocks``) and every rank's report (with its own blocks per flow model)."""
     s, topo = runtime.settings, runtime.topology
+    splits = {name: list(counts) for name, counts in (splits or {}).items()}
+    for report in ranks:
+        report["blocks"] = {name: counts[report["pipeline_stage"]] for name, counts in splits.items()}
     return {"mode": s.mode, "pp": s.pp_degree, "patches": s.patches, "warmup": s.warmup, "timeout_s": s.timeout_s,
+            "pp_split": list(s.pp_split) if isinstance(s.pp_split, tuple) else s.pp_split, "blocks": splits,
             "world_size": topo.world_size, "cfg_degree": topo.cfg_degree, "backend": runtime.backend,
             "ranks": ranks}
 
@@ -273,8 +332,10 @@ class Leader(Hook):
     that fails before (unreadable, no object) never reaches them: the error is this image's alone and the job
     can go on. An error after that tells the followers and stops the job."""
 
-    def __init__(self, runtime: ParallelRuntime, stages: Sequence[Stage]):
+    def __init__(self, runtime: ParallelRuntime, stages: Sequence[Stage],
+                 splits: Mapping[str, Sequence[int]] | None = None):
         self.runtime = runtime
+        self.splits = dict(splits or {})
         self.stages = list(stages)
         self.signature = flow_signature(stages)
         self.images = 0
@@ -316,7 +377,7 @@ class Leader(Hook):
             self._image, self._told = item, False
         self._tell()
         try:
-            return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)))
+            return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)), self.splits)
         except BaseException as err:
             self.abort(err)
             raise
@@ -369,3 +430,64 @@ def _check_flows(rank: int, mine: list[dict[str, Any]], leaders: list[dict[str, 
             raise ParallelConfigError(f"rank {rank}'s config differs from rank 0's in stage {a['stage']}: "
                                       f"{diffs or a['flow_model'] + ' vs ' + b['flow_model']}; every rank needs the "
                                       f"same config")
+
+
+# -- the uneven split, for the plan ------------------------------------------------------------------
+KV_BYTES = 2  # the released flows keep K/V in bf16
+
+
+def stage_tokens(stage: Stage) -> int | None:
+    """A flow stage's planned token count (the sparse stages' estimate; the dense grid's cube)."""
+    if hasattr(stage, "estimated_tokens"):
+        return int(stage.estimated_tokens())
+    resolution = getattr(getattr(stage, "config", None), "noise_resolution", None)
+    return int(resolution) ** 3 if resolution else None
+
+
+def kv_bytes_per_block(tokens: int, branches: int = 2) -> int:
+    """PipeFusion's K/V buffers of one block over ``tokens``: K and V per CFG branch, 1536 channels
+    (``working_set.FLOW_HEADS`` x ``FLOW_HEAD_DIM``, every released flow), bf16. An estimate for the plan."""
+    from .working_set import FLOW_HEAD_DIM, FLOW_HEADS
+
+    return 2 * branches * tokens * FLOW_HEADS * FLOW_HEAD_DIM * KV_BYTES
+
+
+def plan_splits(rank: RankPlan, stages: Sequence[Stage], sized: Callable[[Mapping[str, Any]], Mapping[str, int]]
+                ) -> tuple[RankPlan, list[str]]:
+    """Each flow model's blocks per pipeline rank, recorded in the plan (``splits``), and the plan's lines:
+    per rank its blocks, weight bytes and K/V buffers. ``sized(select)``: bytes per flow model for a selector
+    map (the plan's header reader). Nothing for pp = 1."""
+    topo = rank.topology
+    if topo.pp_degree <= 1:
+        return rank, []
+    from pixal3d.telemetry.units import format_bytes as gib
+
+    flows = flow_stages(stages)
+    blocks: dict[str, int] = {}
+
+    def counting(name: str, k: int) -> Callable[[Iterable[str]], set[str]]:
+        select = shard_selector(name, topo, rank.split, k)
+
+        def count(names: Iterable[str]) -> set[str]:
+            names = list(names)
+            blocks[name] = len({n.split(".")[1] for n in names if n.startswith("blocks.")})
+            return select(names)
+        return count
+
+    per_rank = [sized({s.flow_model: counting(s.flow_model, k) for s in flows}) for k in range(topo.pp_degree)]
+    splits = {s.flow_model: rank.split(blocks[s.flow_model]) for s in flows if s.flow_model in blocks}
+    how = {None: "near-equal", "auto": "auto, in proportion to each rank's usable memory"}.get(
+        rank.settings.pp_split if not isinstance(rank.settings.pp_split, tuple) else "given",
+        f"given as {describe_split(rank.settings.pp_split or ())}")
+    lines = [f"pipeline split ({how})"
+             + (": usable memory " + " + ".join(gib(c) for c in rank.capacities) if rank.capacities else "")]
+    for s in flows:
+        if s.flow_model not in splits:
+            continue
+        counts, tokens = splits[s.flow_model], stage_tokens(s)
+        parts = []
+        for k, n in enumerate(counts):
+            kv = f", K/V ~{gib(n * kv_bytes_per_block(tokens))}" if tokens else ""
+            parts.append(f"rank {topo.rank_of(0, k)}: {n} blocks, {gib(per_rank[k].get(s.flow_model, 0))}{kv}")
+        lines.append(f"  {s.flow_model} ({describe_split(counts)} of {sum(counts)} blocks): " + "; ".join(parts))
+    return dataclasses.replace(rank, splits=splits), lines

@@ -14,7 +14,8 @@ Every run goes through one executor (``pixal3d.staging.executor``): ``run`` is a
 takes several images stage by stage (each model loaded once per batch) or image by image and can resume from
 a work directory (``batch.py``, ``work_dir.py``). Under torchrun, ``parallel=ParallelSettings(...)`` (or a
 runtime from ``init_parallel``) spreads the flow stages over the job's ranks (``parallel.py``): rank 0 runs
-images, every other rank calls ``follow()``.
+images, every other rank calls ``follow()``. With ``ParallelSettings(mode="data")`` every rank is a pipeline of
+its own and ``run_batch(share=DataJob)`` runs only this rank's share of the images (``data_parallel.py``).
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ from pixal3d.telemetry import MemoryMeter
 from . import state_codec
 from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
 from .build import build_stages
+from .data_parallel import DataJob
 from .errors import classify
 from .loaders import model_loaders, with_attention_route
 from .parallel import (FollowerState, Leader, check_blocks, describe_parallel, flow_stages, follow, machine_share,
-                       rank_plan, shard_loaders)
+                       plan_splits, rank_plan, shard_loaders)
 from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, fit_stages,
                    with_attention_route_of, with_sampler_of)
 from .preprocess import rembg_loader
@@ -78,21 +80,23 @@ class Pixal3D:
         self.weights = weights
         self._relay = Relay()  # the registry's events go to the running span's listeners
         self._runtime, self._owns_runtime = runtime, owns_runtime
-        if plan.parallel is not None and runtime is None:
+        if plan.parallel is not None and not plan.parallel.independent and runtime is None:
             raise ValueError("a parallel plan needs the job's runtime: build the pipeline with Pixal3D.from_plan")
         if plan.mps_limit is not None:
             apply_mps_memory_limit(plan.mps_limit)
         remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
         if runtime is not None:  # flow models load as this rank's shards
-            loaders = shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(plan.stages)], runtime)
+            loaders = shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(plan.stages)], runtime,
+                                    split=plan.parallel.split)
         loaders = with_attention_route(loaders, self.config.runtime.attention)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
-        provides, state_type = plan.parallel.state() if plan.parallel is not None else (PROVIDED, RunState)
+        provides, state_type = plan.parallel.state() if runtime is not None else (PROVIDED, RunState)
         self._runner = StageRunner(plan.stages, loaders, provides=provides, state_type=state_type,
                                    policy=plan.policy, events=self._relay, strict=strict, preserve_rng=preserve_rng)
-        self._leader = Leader(runtime, plan.stages) if runtime is not None and not plan.follower else None
+        self._leader = (Leader(runtime, plan.stages, plan.parallel.splits) if runtime is not None and not plan.follower
+                        else None)
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
@@ -128,29 +132,40 @@ class Pixal3D:
         stages = rank.stages(stages) if rank is not None else stages
         provides, state_type = rank.state() if rank is not None else (PROVIDED, RunState)
         check_stages(stages, provides=provides, state_type=state_type, storable=state_codec.storable(state_type))
-        # 4. weight sizes, from safetensors headers (a pipeline rank counts its shard of each flow model)
+        # 4. the machine (ranks on one machine share it); weight sizes from safetensors headers, the other models
+        #    first: pp_split auto gathers every rank's memory for flow blocks (usable, less the other models its
+        #    largest flow stage holds), then a pipeline rank counts its shard of each flow model
+        machine, shared = detect_machine(device), None
         needs = {s.name: tuple(s.needs) for s in stages}
         models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
-        sizes, notes = planned_sizes(config.weights, models=models, select=rank.shards(stages) if rank else {})
-        # 5. the machine (ranks on one machine share it)
-        machine, shared = detect_machine(device), None
+        flows = {s.flow_model for s in flow_stages(stages)} if rank is not None else set()
+        sizes, notes = planned_sizes(config.weights, models=[m for m in models if m not in flows])
+        split_notes: list[str] = []
         if rank is not None:
             machine, shared = machine_share(machine, rank.topology)
-        # 6. the budget, and every stage fitted to it (or to the machine's usable memory) and to the attention route
+            beside = max((sum(sizes.get(m, 0) for m in s.needs if m not in flows) for s in flow_stages(stages)),
+                         default=0)
+            rank = rank.with_memory(max(0, usable(machine.device_available) - beside))
+            flow_sizes, flow_notes = planned_sizes(config.weights, models=[m for m in models if m in flows],
+                                                   select=rank.shards(stages))
+            sizes, notes = {**sizes, **flow_sizes}, [*notes, *flow_notes]
+            rank, split_notes = plan_splits(rank, stages, lambda select: planned_sizes(
+                config.weights, models=list(select), select=select)[0])
+        # 5. the budget, and every stage fitted to it (or to the machine's usable memory) and to the attention route
         budget = None if memory_budget is None else (
             usable(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
         stages = fit_stages(with_attention_route_of(stages, resolve_route(config.runtime.attention, device)), sizes,
                             budget, machine)
-        # 7. the memory plan; refused when one stage's weights alone do not fit
+        # 6. the memory plan; refused when one stage's weights alone do not fit
         memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
         check_memory(memory, machine.device_available, str(device))
-        # 8. the policy, within the budget
+        # 7. the policy, within the budget
         chosen, reasons = resolve_policy(policy, memory, machine, limit=None if budget is None else
                                          models_and_work(budget))
         reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget)
         reasons.append(describe_route(config.runtime.attention, device))
-        # 9. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
+        # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
         mps_limit = None
         if device.type == "mps":
             mps_limit = check_mps_memory_limit()
@@ -159,8 +174,8 @@ class Pixal3D:
                 reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
         return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons),
-                       (*notes, *([describe_parallel(rank.settings, rank.topology)] if rank else [])), mps_limit, rank,
-                       budget)
+                       (*notes, *([describe_parallel(rank.settings, rank.topology)] if rank else []), *split_notes),
+                       mps_limit, rank, budget)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -263,13 +278,15 @@ class Pixal3D:
                   work_dir: str | Path | None = None, state_budget: int | None = None,
                   events: Callable[[Event], None] | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
-                  trace_meta: Mapping[str, Any] | None = None) -> Iterator[BatchItem]:
+                  trace_meta: Mapping[str, Any] | None = None, share: DataJob | None = None) -> Iterator[BatchItem]:
         """Run several images, stage by stage or image by image (``pipelines.batch``), optionally resuming from a
         work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
         finishes. ``seed``: one, or one per image; ``names``: what outputs and records call each image (default:
         the file's stem, else image<i>); ``order``: default ``default_order(policy)``; ``state_budget``: bytes of
         states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest as
-        for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order)."""
+        for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order).
+        ``share``: this rank's part of a ``--parallel data`` job (``data_parallel.DataJob``): only the images this
+        group claims (in ``work_dir``) or is given (i mod K) run here and are yielded."""
         order = order or default_order(self.policy)
         if order not in ("image", "stage"):
             raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
@@ -278,12 +295,14 @@ class Pixal3D:
                              "image order without a work directory")
         items = image_items(images, seed=seed, default_seed=self.config.seed, names=names)
         return self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
-                             progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True)
+                             progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True,
+                             share=share)
 
     def _execute(self, items: list[BatchItem], order: BatchOrder, *, fov: float | None, work_dir: str | Path | None = None,
                  state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
-                 trace_meta: Mapping[str, Any] | None, isolate: bool = False) -> Iterator[BatchItem]:
+                 trace_meta: Mapping[str, Any] | None, isolate: bool = False, share: DataJob | None = None
+                 ) -> Iterator[BatchItem]:
         """``items`` through the executor in ``order``; what ``run`` and ``run_batch`` share."""
         if self.is_follower:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
@@ -293,7 +312,8 @@ class Pixal3D:
         bar = Progress([s.name for s in stages], progress=progress, callback=callback)
         meter = Meter(self._relay, lambda: self._runner.registry, device=self.device, trace=trace,
                       several=len(items) > 1, events=events, meta={"policy": self.policy.value, **(trace_meta or {})})
-        store = StateStore(stages, self.device, work=WorkDir(work_dir) if work_dir is not None else None,
+        work = WorkDir(work_dir) if work_dir is not None else None
+        store = StateStore(stages, self.device, work=work,
                            budget=self.run_plan.state_budget() if state_budget is None else state_budget,
                            kinds=state_codec.declared_kinds(RunState))
         keyed = work_dir is not None or (order == "stage" and len(items) > 1)  # records, or states spilled
@@ -328,6 +348,8 @@ class Pixal3D:
         executor = Executor(self._runner, start, store=store, open=open_item, isolate=alone if isolate else None,
                             hooks=[bar, meter, *([self._leader] if self._leader is not None else [])],
                             finish=lambda item: self._result(item, meter.meter_for(item)))
+        if share is not None:  # a data group: the images it claims or is given
+            return share.feed(items, executor, order, work)
         return executor.by_stage(items) if order == "stage" and len(items) > 1 else executor.by_item(items)
 
     # -- what runs and batches share -------------------------------------------------------------

@@ -85,3 +85,42 @@ def cli_worker(rank: int, cache: str, argv: list[str] | dict[int, list[str]], fo
     if code != 0:
         raise SystemExit(code)
     return code
+
+
+def data_worker(rank: int, cache: str, argv: list[str], folder: str, threads: int,
+                kill_at: tuple[int, int] | None = None) -> int:
+    """``cli_worker`` for ``--parallel data``, recording in ``folder``: every model load of this rank
+    (``loads.rank<r>``: one name a line) and every stage it finished and recorded in the work directory
+    (``stages.log``: ``rank image stage`` lines, appended by every rank). ``kill_at = (r, n)``: rank r kills
+    itself with SIGKILL right after recording its n-th stage (mid-batch)."""
+    import signal
+
+    from pipelines import pipeline, work_dir
+
+    _environment(cache, threads)
+    made = pipeline.model_loaders
+
+    def recording_loaders(*args, **kwargs):
+        def record(name, load):
+            def loader():
+                with open(Path(folder) / f"loads.rank{rank}", "a") as f:
+                    f.write(f"{name}\n")
+                return load()
+            return loader
+        return {name: record(name, load) for name, load in made(*args, **kwargs).items()}
+
+    pipeline.model_loaders = recording_loaders
+    saved = work_dir.StateStore.saved
+    count = [0]
+
+    def logged(self, item, k):
+        saved(self, item, k)
+        if self.work is not None:
+            with open(Path(folder) / "stages.log", "a") as f:
+                f.write(f"{rank} {item.name} {self.stages[k].name}\n")
+            count[0] += 1
+            if kill_at is not None and kill_at == (rank, count[0]):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    work_dir.StateStore.saved = logged
+    return cli_worker(rank, cache, argv, folder, threads)

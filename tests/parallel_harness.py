@@ -156,3 +156,33 @@ def sample_worker(rank: int, settings: Any, jobs: list[tuple[str, str, int, int,
         out.append(features(latent).clone())
     runtime.close()
     return out
+
+
+def split_worker(rank: int, settings: Any, jobs: list[tuple[str, str, int, int, int]],
+                 memory: list[int] | None = None) -> dict[str, Any]:
+    """Join the job, agree on each rank's blocks (``settings.pp_split``; ``auto``: this rank reports
+    ``memory[rank]`` bytes and every rank reads rank 0's list), load this rank's shard of each checkpoint with
+    that split and run ``jobs`` [(stem, kind, seed, M, W)]. Returns the latents' features, the split, this
+    rank's block range and the capacities every rank agreed on."""
+    from pixal3d.models.loading import read_spec
+    from pixal3d.parallel import init_parallel, load_flow_shard, parallel_sample
+    from pixal3d.parallel.shard import shard_info
+    from pixal3d.parallel.split import model_split
+
+    runtime = init_parallel(settings)
+    topo = runtime.topology
+    capacities = runtime.gather_memory(memory[rank]) if memory is not None else None
+    out, splits, ranges = [], [], []
+    for stem, kind, seed, patches, warmup in jobs:
+        blocks = read_spec(Path(stem).with_suffix(".json"))["args"]["num_blocks"]
+        split = model_split(settings.pp_split, blocks, topo.pp_degree, capacities)
+        shard = load_flow_shard(stem, topo.stage, topo.pp_degree, split=split)
+        runtime.settings = dataclasses.replace(settings, patches=patches, warmup=warmup)
+        inputs = flow_inputs(kind, seed) if rank == 0 else dict.fromkeys(("noise", "cond", "neg_cond", "concat_cond"))
+        latent = parallel_sample(shard, inputs["noise"], cond=inputs["cond"], neg_cond=inputs["neg_cond"],
+                                 concat_cond=inputs["concat_cond"], sampler=SAMPLER, runtime=runtime)
+        out.append(features(latent).clone())
+        splits.append(split)
+        ranges.append(shard_info(shard).blocks)
+    runtime.close()
+    return {"latents": out, "splits": splits, "ranges": ranges, "capacities": capacities}

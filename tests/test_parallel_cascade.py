@@ -222,6 +222,10 @@ def test_pipefusion_cascade_equals_the_emulator_and_images_in_a_row_equal_fresh_
     assert follower["loads"] == [(name, 1, 2) for name in FLOWS] * 2
     assert [load for load in leader["loads"] if load[0] in FLOWS] == [(name, 0, 2) for name in FLOWS] * 2
     assert [r["pipeline_stage"] for r in leader["parallel"][1]["ranks"]] == [0, 1]
+    # the split of every flow (2 blocks each: one per rank) is recorded, and each rank's own part of it
+    assert leader["parallel"][1]["blocks"] == {name: [1, 1] for name in FLOWS}
+    assert leader["parallel"][1]["pp_split"] is None
+    assert [r["blocks"] for r in leader["parallel"][1]["ranks"]] == [dict.fromkeys(FLOWS, 1)] * 2
 
 
 def test_an_image_that_fails_before_its_flow_stages_is_skipped_and_the_job_goes_on(tiny_cache, tmp_path):

@@ -208,7 +208,7 @@ def _share_inputs(model: FlowTransformer, inputs: tuple, sampler: SamplerConfig,
     topo = runtime.topology
     signature = repr((runtime.settings.mode, runtime.settings.pp, runtime.settings.patches, runtime.settings.warmup,
                       tuple(sorted(vars(sampler).items())), type(model).__name__, len(model.blocks),
-                      model.model_channels))
+                      model.model_channels, shard_info(model).split))
     tensors: list[torch.Tensor] = []
     header = (pack(inputs, tensors) if topo.rank == 0 else None, signature)
     skeleton, reference = broadcast_object(header, 0, wire, "the input description")

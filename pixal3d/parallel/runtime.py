@@ -15,6 +15,7 @@ point-to-point link of ``Topology.links`` (see ``comm.py`` for why one per direc
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -48,6 +49,7 @@ class ParallelRuntime:
     groups: dict[tuple[str, int, int], Any]
     requests: int = 0
     last_stats: dict[str, Any] = field(default_factory=dict)
+    gathers: int = 0              # memory reports gathered so far (each one a fresh set of store keys)
     _board: FailureBoard | None = field(default=None, repr=False)
 
     @property
@@ -89,6 +91,30 @@ class ParallelRuntime:
         if isinstance(err, PeerFailedError) or (self._board is not None and self._board.settled):
             return None
         return self.begin_request().board.report(err)
+
+    def gather_memory(self, mine: int) -> tuple[int, ...]:
+        """Every rank's ``mine`` (bytes of usable memory), in rank order, on every rank: each rank posts its own in
+        the job's store, rank 0 collects them and posts the list, every rank reads rank 0's list. Not a request
+        (no failure board): a rank that never reports ends the wait after the job's timeout, naming it."""
+        self.gathers += 1
+        prefix, rank, world = f"memory/{self.gathers}/", self.topology.rank, self.topology.world_size
+        self.store.set(f"{prefix}{rank}", str(int(mine)))
+        timeout = timedelta(seconds=self.settings.timeout_s)
+        if rank == 0:
+            keys = [f"{prefix}{r}" for r in range(world)]
+            try:
+                self.store.wait(keys, timeout)
+            except Exception as err:  # c10d's timeout: say who is missing
+                missing = [r for r in range(world) if not self.store.check([f"{prefix}{r}"])]
+                raise TimeoutError(f"rank 0: no memory report from rank(s) {missing} after "
+                                   f"{self.settings.timeout_s:.0f} s ({err})") from None
+            self.store.set(f"{prefix}all", json.dumps([int(self.store.get(k)) for k in keys]))
+        try:
+            self.store.wait([f"{prefix}all"], timeout)
+        except Exception as err:
+            raise TimeoutError(f"rank {rank}: rank 0 did not share the ranks' memory reports within "
+                               f"{self.settings.timeout_s:.0f} s ({err})") from None
+        return tuple(json.loads(self.store.get(f"{prefix}all")))
 
     def group(self, kind: str, src: int, dst: int) -> Any:
         return self.groups[(kind, src, dst)]

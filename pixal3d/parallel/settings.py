@@ -4,7 +4,8 @@ Vocabulary (written once): *cfg degree* G is 1 or 2 (the positive and the negati
 device groups); *pp degree* N is the number of pipeline ranks a flow transformer's blocks are split
 over; *patches* M is the number of contiguous token ranges a step streams through the pipeline;
 *warmup* W is the number of leading steps that run synchronously over the whole sequence (exact).
-World size = G × N.
+World size = K × G × N, where *data groups* K (``mode="data"``: one rank per group) each run their own
+images (``pipelines/data_parallel.py``). *pp split*: how many blocks each pipeline rank holds (``split.py``).
 
 Every check raises ``ParallelConfigError`` naming the value, the rule and what to do; every rank runs
 the same checks on the same values, so every rank raises the same error (the CLI prints it once, on
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("none", "cfg", "pipefusion", "both")
+MODES = ("none", "cfg", "pipefusion", "both", "data")
 
 
 class ParallelConfigError(ValueError):
@@ -36,11 +37,13 @@ def near_equal_ranges(length: int, parts: int) -> list[range]:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelSettings:
-    """``mode``: none | cfg (exact, 2 ranks) | pipefusion (N ranks) | both (2 × N ranks).
+    """``mode``: none | cfg (exact, 2 ranks) | pipefusion (N ranks) | both (2 × N ranks) | data (K ranks, each
+    running its own images of a batch; ``data_groups`` K).
 
     ``pp``: pipeline ranks N (pipefusion, both). ``patches``: M ≥ 1. ``warmup``: W ≥ 0 synchronous
     steps (W ≥ the steps of a stage makes that stage exact). ``timeout_s``: the longest any rank waits
-    for another before giving up with an error naming the rank it waited for.
+    for another before giving up with an error naming the rank it waited for. ``pp_split``: None (near-equal),
+    ``"auto"`` (blocks in proportion to each rank's usable memory) or the block counts ``(B1, ..., BN)``.
     """
 
     mode: str = "none"
@@ -48,13 +51,15 @@ class ParallelSettings:
     patches: int = 1
     warmup: int = 1
     timeout_s: float = 600.0
+    pp_split: str | tuple[int, ...] | None = None
+    data_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ParallelConfigError(f"parallel mode {self.mode!r} is not one of {MODES}")
         if not isinstance(self.pp, int) or self.pp < 1:
             raise ParallelConfigError(f"pp {self.pp!r} must be an integer >= 1")
-        if self.mode in ("none", "cfg") and self.pp != 1:
+        if self.mode in ("none", "cfg", "data") and self.pp != 1:
             raise ParallelConfigError(f"pp={self.pp} needs mode=pipefusion or both (mode is {self.mode!r})")
         if self.mode in ("pipefusion", "both") and self.pp < 2:
             raise ParallelConfigError(f"mode={self.mode} needs pp >= 2 (got {self.pp}); "
@@ -62,11 +67,28 @@ class ParallelSettings:
                                       f"pipeline rank")
         if not isinstance(self.patches, int) or self.patches < 1:
             raise ParallelConfigError(f"patches M = {self.patches!r} must be an integer >= 1")
-        if self.mode in ("none", "cfg") and self.patches != 1:
+        if self.mode in ("none", "cfg", "data") and self.patches != 1:
             raise ParallelConfigError(f"patches M = {self.patches} needs mode=pipefusion or both "
                                       f"(mode is {self.mode!r}, which runs every step over the whole sequence)")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ParallelConfigError(f"warmup W = {self.warmup!r} must be an integer >= 0")
+        if self.pp_split is not None:
+            if self.mode not in ("pipefusion", "both"):
+                raise ParallelConfigError(f"pp_split needs mode=pipefusion or both (mode is {self.mode!r})")
+            if self.pp_split != "auto":
+                if isinstance(self.pp_split, str) or not all(isinstance(b, int) and b >= 1 for b in self.pp_split):
+                    raise ParallelConfigError(f"pp_split {self.pp_split!r} must be 'auto' or block counts >= 1, "
+                                              f"one per pipeline rank (e.g. 1,3)")
+                object.__setattr__(self, "pp_split", tuple(self.pp_split))
+                if len(self.pp_split) != self.pp:
+                    raise ParallelConfigError(f"pp_split {','.join(map(str, self.pp_split))} names "
+                                              f"{len(self.pp_split)} pipeline ranks but pp is {self.pp}; give one "
+                                              f"block count per rank")
+        if not isinstance(self.data_groups, int) or self.data_groups < 1:
+            raise ParallelConfigError(f"data_groups K = {self.data_groups!r} must be an integer >= 1")
+        if self.data_groups > 1 and self.mode != "data":
+            raise ParallelConfigError(f"data_groups K = {self.data_groups} with mode={self.mode} (groups of several "
+                                      f"ranks) is not built yet; use mode=data (one rank per group)")
         if not self.timeout_s > 0:
             raise ParallelConfigError(f"timeout_s {self.timeout_s!r} must be > 0")
 
@@ -82,14 +104,16 @@ class ParallelSettings:
 
     @property
     def world_size(self) -> int:
-        return self.cfg_degree * self.pp_degree
+        return self.data_groups * self.cfg_degree * self.pp_degree
 
     def check_world_size(self, world_size: int) -> None:
         """The launcher started exactly G × N processes."""
         if world_size != self.world_size:
             raise ParallelConfigError(
                 f"mode={self.mode}" + (f" pp={self.pp}" if self.pp_degree > 1 else "")
-                + f" needs {self.world_size} processes (cfg {self.cfg_degree} × pp {self.pp_degree}) but "
+                + f" needs {self.world_size} processes ("
+                + (f"{self.data_groups} data groups × " if self.data_groups > 1 else "")
+                + f"cfg {self.cfg_degree} × pp {self.pp_degree}) but "
                 f"WORLD_SIZE is {world_size}; start it with torchrun --nproc-per-node {self.world_size} "
                 f"(one machine) or adjust pp=")
 
