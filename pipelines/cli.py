@@ -326,8 +326,10 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     check_fov(args.fov)
     data = getattr(parallel, "mode", None) == "data"
     if parallel is not None and not data and (args.work_dir is not None or args.batch_order == "stage"):
-        raise UsageError("--work-dir and --batch-order stage need one process; under --parallel the other ranks "
-                         "follow rank 0 image by image: drop them, or run without --parallel")
+        raise UsageError(f"--work-dir and --batch-order stage need one process per image; under --parallel "
+                         f"{parallel.settings.mode if isinstance(parallel, ParallelRuntime) else parallel.mode} the "
+                         f"other ranks follow rank 0 image by image: drop them, use --parallel data (each process "
+                         f"runs whole images), or run without --parallel")
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
     #    batch a bad one costs only itself: reported, skipped, counted in the summary
     inputs = everything = collect_inputs(args.inputs)

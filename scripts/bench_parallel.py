@@ -21,6 +21,11 @@ per-forward time (H200 reference figures quoted in the README, 67 ms at 4096 tok
 The model is checked against the 2-rank CPU measurement it can reproduce.
 
     pixal3d-guard --wait-free 40 -- python scripts/bench_parallel.py      # ~10 min on 2 cores
+    python scripts/bench_parallel.py --sweep [--tokens-list 256 1024] [--patches-list 2 4] [--repeats 2]
+
+``--sweep`` (issue 28) measures N = 2 against one process at every tokens x patches point in turn and prints each
+point's measured and predicted speed-up with the 1-minute load average before and after every run: run it on an
+otherwise idle machine (load under 1) or its numbers say nothing.
 """
 from __future__ import annotations
 
@@ -253,6 +258,13 @@ def main() -> None:
                                                                                           / "pixal3d")) / "bench")
     parser.add_argument("--report", type=Path, default=REPO / "benchmarks" / "parallel")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the last run")
+    parser.add_argument("--sweep", action="store_true",
+                        help="measured speed-up of 2 ranks x 1 thread over 1 process x 1 thread against the latency "
+                             "model's, for every --tokens-list x --patches-list point, alternating, with the load "
+                             "average before and after each (writes <report>_sweep.json)")
+    parser.add_argument("--tokens-list", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--patches-list", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=2, help="--sweep: runs of each side per point")
     args = parser.parse_args()
     if args.role == "single":
         result = run_single(args)
@@ -271,6 +283,9 @@ def main() -> None:
         return
     stem = ensure_checkpoint(args.cache)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        sweep(args, stem, out_dir)
+        return
     common = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--patches", str(args.patches),
               "--warmup", str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir)]
     script = str(Path(__file__).resolve())
@@ -283,6 +298,49 @@ def main() -> None:
                     "--role", "rank", *common], check=True, env=env)
     args.load_average = [start_load, os.getloadavg()]
     report(args, out_dir)
+
+
+def sweep(args, stem: Path, out_dir: Path) -> None:
+    """``--sweep``: per (tokens, patches) point, the single process and the 2 ranks in turn (``--repeats`` times
+    each), the median seconds of each, the measured speed-up and the latency model's for the same schedule fed
+    with the single run's own per-forward time (no link cost: loopback), and the load average around each run."""
+    script, env = str(Path(__file__).resolve()), dict(os.environ, PYTHONPATH=str(REPO))
+    rows = []
+    for tokens in args.tokens_list:
+        for patches in args.patches_list:
+            common = ["--tokens", str(tokens), "--steps", str(args.steps), "--patches", str(patches), "--warmup",
+                      str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir)]
+            single_s, ranks_s, loads, forward = [], [], [], []
+            for _ in range(args.repeats):
+                before = os.getloadavg()[0]
+                subprocess.run([sys.executable, script, "--role", "single", "--threads-single", "1", *common],
+                               check=True, env=env, stdout=subprocess.DEVNULL)
+                single = json.loads((out_dir / "single.json").read_text())
+                single_s.append(single["sample_s"])
+                forward.append(single["block_s_whole"] * BLOCKS)
+                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                "2", script, "--role", "rank", *common], check=True, env=env,
+                               stdout=subprocess.DEVNULL)
+                ranks_s.append(max(json.loads((out_dir / f"rank{r}.json").read_text())["sample_s"] for r in range(2)))
+                loads.append((before, os.getloadavg()[0]))
+            sampler = dataclasses.replace(SHAPE_SAMPLER, steps=args.steps)
+            fwd = statistics.median(forward)
+            one = simulate(plan_steps(sampler, tokens, 1, sampler.steps), tokens=tokens, forward_s=fwd, cfg=1, pp=1,
+                           link=None)
+            two = simulate(plan_steps(sampler, tokens, patches, args.warmup), tokens=tokens, forward_s=fwd, cfg=1,
+                           pp=2, link=None)
+            row = {"tokens": tokens, "patches": patches, "warmup": args.warmup, "steps": args.steps,
+                   "single_s": statistics.median(single_s), "two_ranks_s": statistics.median(ranks_s),
+                   "runs_single_s": single_s, "runs_two_ranks_s": ranks_s, "forward_s_1thread": fwd,
+                   "predicted_single_s": one, "predicted_two_ranks_s": two, "load_average_1min": loads}
+            row["measured_speedup"] = row["single_s"] / row["two_ranks_s"]
+            row["predicted_speedup"] = one / two
+            rows.append(row)
+            print(f"tokens {tokens:5d} M={patches}: single {row['single_s']:.2f} s, 2 ranks {row['two_ranks_s']:.2f} s"
+                  f" -> {row['measured_speedup']:.2f}x measured, {row['predicted_speedup']:.2f}x predicted; load "
+                  + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in loads), flush=True)
+    Path(f"{args.report}_sweep.json").write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows}, indent=1)
+                                                 + "\n")
 
 
 def markdown(rows: list[dict]) -> str:
