@@ -476,11 +476,13 @@ def plan_splits(rank: RankPlan, stages: Sequence[Stage], sized: Callable[[Mappin
 
     per_rank = [sized({s.flow_model: counting(s.flow_model, k) for s in flows}) for k in range(topo.pp_degree)]
     splits = {s.flow_model: rank.split(blocks[s.flow_model]) for s in flows if s.flow_model in blocks}
-    how = {None: "near-equal", "auto": "auto, in proportion to each rank's usable memory"}.get(
+    how = {None: "near-equal", "auto": "auto, in proportion to each rank's memory for flow blocks"}.get(
         rank.settings.pp_split if not isinstance(rank.settings.pp_split, tuple) else "given",
         f"given as {describe_split(rank.settings.pp_split or ())}")
     lines = [f"pipeline split ({how})"
-             + (": usable memory " + " + ".join(gib(c) for c in rank.capacities) if rank.capacities else "")]
+             + (": usable memory less each rank's other models " + " + ".join(gib(c) for c in rank.capacities)
+                if rank.capacities else "")
+             + "; K/V buffers estimated at the released flows' 1536 channels, bf16, both CFG branches"]
     for s in flows:
         if s.flow_model not in splits:
             continue
@@ -489,5 +491,5 @@ def plan_splits(rank: RankPlan, stages: Sequence[Stage], sized: Callable[[Mappin
         for k, n in enumerate(counts):
             kv = f", K/V ~{gib(n * kv_bytes_per_block(tokens))}" if tokens else ""
             parts.append(f"rank {topo.rank_of(0, k)}: {n} blocks, {gib(per_rank[k].get(s.flow_model, 0))}{kv}")
-        lines.append(f"  {s.flow_model} ({describe_split(counts)} of {sum(counts)} blocks): " + "; ".join(parts))
+        lines.append(f"{s.flow_model} ({describe_split(counts)} of {sum(counts)} blocks): " + "; ".join(parts))
     return dataclasses.replace(rank, splits=splits), lines

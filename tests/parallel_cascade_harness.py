@@ -124,3 +124,24 @@ def data_worker(rank: int, cache: str, argv: list[str], folder: str, threads: in
 
     work_dir.StateStore.saved = logged
     return cli_worker(rank, cache, argv, folder, threads)
+
+
+def plan_worker(rank: int, cache: str, memory: list[int], settings: Any) -> dict[str, Any]:
+    """``Pixal3D.plan(tiny, parallel=settings)`` with this rank's device memory injected (``memory[rank]`` bytes
+    available, as ``detect_machine`` would report it); returns the plan's notes, the gathered capacities and
+    the flows' splits. The job joined while planning (``pp_split='auto'``) is closed here."""
+    import dataclasses as dc
+
+    _environment(cache, 1)
+    from pipelines import Pixal3D, pipeline
+
+    detect = pipeline.detect_machine
+
+    def injected(device):
+        return dc.replace(detect(device), device_available=memory[rank])
+
+    pipeline.detect_machine = injected
+    plan = Pixal3D.plan(TINY_CONFIG, device="cpu", parallel=settings)
+    if plan.parallel.owns_runtime:
+        plan.parallel.runtime.close()
+    return {"notes": list(plan.notes), "capacities": plan.parallel.capacities, "splits": dict(plan.parallel.splits)}

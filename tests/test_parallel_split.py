@@ -13,6 +13,7 @@ from pixal3d.parallel import ParallelConfigError, ParallelSettings, emulate_pipe
 from pixal3d.parallel.shard import block_ranges, shard_tensor_names
 from pixal3d.parallel.split import model_split, proportional
 from pixal3d.parallel.topology import Topology
+from tests.cascade_fixtures import tiny_cache  # noqa: F401
 from tests.parallel_harness import SAMPLER, features, flow_inputs, spawn, split_worker, write_flow
 
 GIB = 2**30
@@ -80,7 +81,8 @@ def test_the_plan_lists_every_ranks_blocks_bytes_and_kv_buffers():
 
     planned, lines = plan_splits(rank, [Flow()], sized)
     assert planned.splits == {"ss_flow": (1, 3)}
-    assert "auto, in proportion to each rank's usable memory" in lines[0] and "12.00 GiB + 24.00 GiB" in lines[0]
+    assert "auto, in proportion to each rank's memory for flow blocks" in lines[0]
+    assert "12.00 GiB + 24.00 GiB" in lines[0]
     assert "ss_flow (1 + 3 of 4 blocks)" in lines[1]
     assert "rank 0: 1 blocks, 200.0 MiB" in lines[1] and "rank 1: 3 blocks, 400.0 MiB" in lines[1]
     kv = [part.split("K/V ~")[1] for part in lines[1].split("; ")]
@@ -162,3 +164,24 @@ def test_the_flags_give_the_split_and_the_data_groups():
         _settings(["--parallel", "data", "--pp", "2"])
     with pytest.raises(ParallelConfigError, match="names 3 pipeline ranks but pp is 2"):
         _settings(["--parallel", "pipefusion", "--pp-split", "1,1,2"])
+
+
+def test_the_cascade_plan_gathers_each_ranks_injected_memory_and_says_so(tiny_cache, tmp_path):
+    """``Pixal3D.plan(tiny, pp_split='auto')`` on 2 gloo ranks whose devices report 12 and 24 GiB: the plan joins
+    the job, both ranks read the same capacities (usable memory, 85 %; rank 0 less its DINOv3 and NAF, which its
+    flow stages also hold), and the plan's notes state them with each flow's split (1 + 1: the tiny flows have
+    2 blocks)."""
+    from pixal3d.staging.policy import usable
+    from tests.parallel_cascade_harness import FLOWS, plan_worker
+
+    settings = ParallelSettings(mode="pipefusion", pp=2, pp_split="auto", timeout_s=60)
+    run = spawn(2, plan_worker, str(tiny_cache), [12 * GIB, 24 * GIB], settings, folder=tmp_path, timeout_s=120)
+    assert run.exitcodes == [0, 0], run.errors
+    first, second = run.results
+    assert first["capacities"] == second["capacities"]
+    zero, one = first["capacities"]
+    assert one == usable(24 * GIB) and usable(12 * GIB) - 64 * 2**20 < zero < usable(12 * GIB)
+    line = next(n for n in first["notes"] if n.startswith("pipeline split (auto"))
+    assert "+ 20.40 GiB" in line
+    assert first["splits"] == {name: (1, 1) for name in FLOWS}
+    assert any(n.startswith("sparse_structure_flow_model (1 + 1 of 2 blocks): rank 0: 1 blocks") for n in first["notes"])
