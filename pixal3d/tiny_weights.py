@@ -6,6 +6,7 @@ code as the real one::
     <root>/pixal3d/pipeline.json, ckpts/<stem>.{json,safetensors}   (seven checkpoints)
     <root>/dinov3/config.json, model.safetensors                      (transformers DINOv3ViTModel)
     <root>/naf/naf.json, naf.safetensors                              (NAF, registered model json)
+    <root>/moge/model.pt                                              (MoGe-2: {model_config, model})
 
 Values come from NumPy's PCG64 seeded with a CRC32 of ``<file>/<tensor>`` and are stored in float32
 (the tiny networks compute in float32: bf16/fp16 matmuls are slow on CPUs), so the bytes are the same
@@ -13,11 +14,14 @@ on every run and machine (for one transformers version, which writes its version
 ``config.json``). Scales follow a fan-in rule (uniform ``±sqrt(3/fan_in)`` for matrices and kernels,
 ones/zeros for norm weights/biases, ``±0.02`` for other vectors); buffers such as NAF's RoPE periods
 keep their true values. A few tensors are then set so the random networks give a usable structure:
-the sparse-structure decoder's output layer (scale and bias: occupancy) and the shape decoder's
-subdivision biases (most children kept).
+the sparse-structure decoder's output layer (scale and bias: occupancy), the shape decoder's
+subdivision biases (most children kept), and MoGe-2's last level (``MOGE_SPECIAL``): the view-plane UV
+carried to the points' x/y so that the recovered focal is a lens's (≈ 59° on assets/example.png) and
+varies with the image, and the mask biased to valid.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -37,7 +41,7 @@ from pixal3d.locks import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
-TINY_VERSION = "tiny-v5"
+TINY_VERSION = "tiny-v6"
 TINY_MEGABYTES = 10  # what the generated folder takes on disk (about 4 MB), with room to spare
 
 DINO_HIDDEN = 64
@@ -48,6 +52,44 @@ DINOV3_CONFIG: dict[str, Any] = dict(
     num_register_tokens=4, patch_size=16, image_size=64, layerscale_value=1.0)
 
 NAF_ARGS: dict[str, Any] = dict(dim=32, heads_attn=2, heads_rope=2, kernel_size=3, rope_base=100.0, img_layers=1)
+
+
+def _moge_stack(dim_in: list[int], dim_out: Any) -> dict[str, Any]:
+    return {"dim_in": dim_in, "dim_out": dim_out, "dim_res_blocks": [32, 16, 16, 8, 8],
+            "num_res_blocks": [0, 1, 1, 1, 0], "res_block_in_norm": "none", "res_block_hidden_norm": "none",
+            "resamplers": ["conv_transpose", "conv_transpose", "conv_transpose", "bilinear"]}
+
+
+MOGE_CONFIG: dict[str, Any] = {  # the released model_config's structure at toy widths; 36 tokens at level 9
+    "encoder": {"backbone": "tiny_vit14", "intermediate_layers": [0, 1], "dim_out": 32},
+    "neck": _moge_stack([34, 2, 2, 2, 2], None),
+    "points_head": _moge_stack([32, 16, 16, 8, 8], [None, None, None, None, 3]),
+    "mask_head": _moge_stack([32, 16, 16, 8, 8], [None, None, None, None, 1]),
+    "scale_head": {"dims": [32, 32, 1]},
+    "remap_output": "exp",
+    "num_tokens_range": [16, 36],
+}
+MOGE_UV_GAIN = 10.0  # UV into the neck's last level, ×10 over the random features
+MOGE_FOCAL = 1.3  # points x/y = UV / (gain · focal): a focal of ≈ 1.3 half-diagonals
+
+
+def _moge_special(state: dict[str, torch.Tensor]) -> None:
+    """MoGe-2's last level made to carry the view-plane UV to the points (module docstring), in place."""
+    uv_in = torch.zeros_like(state["neck.input_blocks.4.weight"])  # [8, 2, 1, 1]: UV → channels 0, 1
+    uv_in[0, 0] = uv_in[1, 1] = MOGE_UV_GAIN
+    passed = torch.zeros_like(state["points_head.input_blocks.4.weight"])  # [8, 8, 1, 1]: channels 0, 1 on
+    passed[0, 0] = passed[1, 1] = 1.0
+    out = state["points_head.output_blocks.4.weight"].clone()  # [3, 8, 1, 1]
+    out[:2] = 0.0
+    out[0, 0] = out[1, 1] = 1.0 / (MOGE_UV_GAIN * MOGE_FOCAL)
+    out[2] *= 0.05  # log-depth: small image-dependent variation around log 2
+    state.update({
+        "neck.input_blocks.4.weight": uv_in, "neck.input_blocks.4.bias": torch.zeros(8),
+        "points_head.input_blocks.4.weight": passed, "points_head.input_blocks.4.bias": torch.zeros(8),
+        "points_head.output_blocks.4.weight": out,
+        "points_head.output_blocks.4.bias": torch.tensor([0.0, 0.0, math.log(2.0)]),
+        "mask_head.output_blocks.4.bias": torch.tensor([2.0]),  # sigmoid ≈ 0.88 before the random part: valid
+    })
 
 
 def _flow(cls: str, resolution: int, cin: int, cout: int, proj: int) -> dict[str, Any]:
@@ -180,6 +222,21 @@ def _write_naf(folder: Path) -> None:
     (folder / "naf.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
 
+def _write_moge(folder: Path) -> None:
+    """``model.pt`` as the release stores it: ``{"model_config", "model"}`` (float32 tensors)."""
+    from pixal3d.models.moge import IMAGENET_MEAN, IMAGENET_STD, build_moge
+
+    model = build_moge(MOGE_CONFIG, device="meta", source="tiny MoGe-2")
+    state = {key: deterministic_tensor("moge", key, tuple(t.shape)) for key, t in model.state_dict().items()}
+    state["encoder.image_mean"] = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    state["encoder.image_std"] = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    _moge_special(state)
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()  # written by Python, as _save does: a full disk is an OSError
+    torch.save({"model_config": MOGE_CONFIG, "model": dict(sorted(state.items()))}, buffer)
+    (folder / "model.pt").write_bytes(buffer.getvalue())
+
+
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file``'s bytes, written by Python: a full disk is then an ``OSError``, not
     safetensors' own error type."""
@@ -198,6 +255,7 @@ def write_tiny_weights(folder: Path) -> Path:
             _write_checkpoint(pipe, name)
         _write_dinov3(folder / "dinov3")
         _write_naf(folder / "naf")
+        _write_moge(folder / "moge")
     return folder
 
 

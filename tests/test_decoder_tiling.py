@@ -12,6 +12,7 @@ from pixal3d.models.decoder_tiling import Box, TilePlan, decode_tiled, receptive
 from pixal3d.models.loading import build_model, load_model
 from pixal3d.nn.sparse_conv import SparseConv3d
 from pixal3d.nn.sparse_tensor import SparseTensor
+from pixal3d.tiny_weights import TINY_VERSION
 from tests.cascade_fixtures import tiny_cache  # noqa: F401  (session fixture: the tiny weights)
 
 MANIFEST = Path(__file__).resolve().parents[1] / "assets" / "checkpoints.json"
@@ -38,7 +39,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_decoders(tiny_cache):  # noqa: F811
-    ckpts = tiny_cache / "tiny" / "tiny-v5" / "pixal3d" / "ckpts"
+    ckpts = tiny_cache / "tiny" / TINY_VERSION / "pixal3d" / "ckpts"
     shape = _to_half_torso(load_model(ckpts / "shape_dec_tiny"))
     tex = _to_half_torso(load_model(ckpts / "tex_dec_tiny"))
     shape.set_resolution(48)
@@ -143,7 +144,7 @@ def test_voxels_on_tile_borders_need_the_full_halo_at_every_stage(tiny_decoders)
 def test_fp32_torsos_agree_to_rounding(tiny_cache):  # noqa: F811
     """fp32 (the tiny config's own precision): PyTorch's fp32 SiLU gives a value that depends on where it
     falls in the thread's range (module doc), so tiles agree to rounding, not bit for bit."""
-    ckpts = tiny_cache / "tiny" / "tiny-v5" / "pixal3d" / "ckpts"
+    ckpts = tiny_cache / "tiny" / TINY_VERSION / "pixal3d" / "ckpts"
     shape, tex = load_model(ckpts / "shape_dec_tiny"), load_model(ckpts / "tex_dec_tiny")
     shape.set_resolution(48)
     latent, tex_latent = _latents(_tiny_hr_coords(side=7))
