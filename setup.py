@@ -31,8 +31,6 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "wheel"],  # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it)
-        # MoGe is not on the package index: pip install "git+https://github.com/microsoft/MoGe.git"
-        "moge": [],
         "dev": ["pytest>=7", "ruff"],
         # the web app (pixal3d-app); tested with 6.31
         "app": ["gradio>=6.31,<7"],

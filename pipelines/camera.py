@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
-from pixal3d.config import CascadeConfig
-from pixal3d.models.camera import camera_from_fov, estimate_camera, moge_available
+from pixal3d.config import MOGE_PRECISIONS, CascadeConfig
+from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES, CAMERA_FLOAT32_BYTES
+from pixal3d.models.camera import camera_from_fov, estimate_camera
 from pixal3d.staging import preserved_rng
 
 from .stage import CascadeStage
@@ -16,29 +18,37 @@ from .state import RunState
 
 
 class CameraStage(CascadeStage):
-    """``state.camera`` from the run's ``fov_deg``, else the config's, else MoGe-2 (``use_moge``), else the
-    reference's fallback field of view."""
+    """``state.camera`` from the run's ``fov_deg``, else the config's, else MoGe-2 (``use_moge``: the config
+    names its weights), else the reference's fallback field of view."""
 
     name = "camera"
     section = "camera"
     inputs = ("image", "fov_deg")
     outputs = ("camera",)
 
-    def __init__(self, fov_deg: float | None, *, use_moge: bool):
+    def __init__(self, fov_deg: float | None, *, use_moge: bool, precision: str = "auto"):
         if fov_deg is not None and not 0.0 < fov_deg < 180.0:
             raise ValueError(f"field of view {fov_deg} degrees is not in (0, 180); pass e.g. fov=49")
+        if precision not in MOGE_PRECISIONS:
+            raise ValueError(f"MoGe-2 precision {precision!r} is not one of {', '.join(MOGE_PRECISIONS)}")
         self.fov_deg = fov_deg
         self.use_moge = use_moge and fov_deg is None
+        self.precision = precision  # CameraConfig.moge_precision
         self.needs = ("moge",) if self.use_moge else ()
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> CameraStage:
-        """MoGe-2 is used when no field of view is configured, a source is, and the package is installed."""
+        """MoGe-2 is used when no field of view is configured and the config names its weights."""
         fov = config.camera.fov_deg
-        return cls(fov, use_moge=fov is None and config.weights.moge is not None and moge_available())
+        return cls(fov, use_moge=fov is None and config.weights.moge is not None,
+                   precision=config.camera.moge_precision)
 
     def working_set(self) -> int:
-        return 0  # MoGe-2's activations at 512 px are small beside its weights
+        """MoGe-2's ``infer`` as measured (benchmarks/camera.md; its token count does not grow with the image);
+        nothing without it. ``auto`` counts float16 autocast's, the larger: the stage does not know the device."""
+        if not self.use_moge:
+            return 0
+        return CAMERA_FLOAT32_BYTES if self.precision == "float32" else CAMERA_FLOAT16_BYTES
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         fov = state.fov_deg if state.fov_deg is not None else self.fov_deg
@@ -48,4 +58,19 @@ class CameraStage(CascadeStage):
             # The reference estimates the camera before seeding: whatever MoGe draws must not move
             # the four noise draws that follow.
             with preserved_rng():
-                state.camera = estimate_camera(state.image, models["moge"] if self.use_moge else None)
+                state.camera = estimate_camera(state.image, models["moge"] if self.use_moge else None,
+                                               use_fp16=moge_fp16(self.precision, state.device))
+
+
+def moge_fp16(precision: str, device: torch.device | str) -> bool:
+    """Whether MoGe-2 runs under float16 autocast: ``float16``, or ``auto`` on any device but the CPU (whose
+    float16 kernels are emulated; see ``CameraConfig``)."""
+    return precision == "float16" or (precision == "auto" and torch.device(device).type != "cpu")
+
+
+def camera_source(config: CascadeConfig, fov_deg: float | None) -> str:
+    """Where a run's field of view came from: ``given`` (the run's or the config's), ``MoGe-2``, or ``fallback``
+    (a config naming no MoGe-2 weights)."""
+    if fov_deg is not None or config.camera.fov_deg is not None:
+        return "given"
+    return "MoGe-2" if config.weights.moge is not None else "fallback"

@@ -572,6 +572,8 @@ def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None
                         command=["pixal3d-image-to-mesh", *args.argv])
     if not args.quiet:
         print(result.table())
+        if (camera := result.camera_line()) is not None:
+            print(camera)
         resumed = f", {len(item.resumed)} stages from {args.work_dir}" if item.resumed else ""
         print(f"{output_path} ({result.seconds:.1f} s, policy {result.policy.value}{resumed}); "
               f"run record {run_json_path(output_path)}", flush=True)

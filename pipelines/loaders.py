@@ -40,9 +40,9 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     if weights.naf is not None:
         loaders["naf"] = functools.partial(load_naf_weights, weights.naf, device)
     if moge and weights.moge is not None:
-        from pixal3d.models.camera import load_moge
+        from pixal3d.models.moge import MOGE_FILE, load_moge
 
-        loaders["moge"] = functools.partial(load_moge, str(weights.moge / "model.pt"), device)
+        loaders["moge"] = functools.partial(load_moge, weights.moge / MOGE_FILE, device)
     if remover is not None:
         loaders["rembg"] = remover
     return loaders

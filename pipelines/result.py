@@ -5,6 +5,7 @@ group that appears whole or not at all."""
 from __future__ import annotations
 
 import io
+import math
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes, text_table
 
+from .camera import camera_source, moge_fp16
 from .state import RunState
 
 STAGE_COLUMNS = ("stage", "seconds", "peak memory", "peak device", "models used", "loaded")
@@ -95,6 +97,27 @@ class Result:
                 "ss_latent": s.ss_latent, "lr_latent": _feats(s.lr_latent), "shape_latent": _feats(s.shape_latent),
                 "tex_latent": _feats(s.tex_latent)}
         return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in data.items() if v is not None}
+
+    def camera(self) -> dict[str, Any]:
+        """The run's camera for run.json: horizontal fov (degrees), distance, where the fov came from (``given``,
+        ``MoGe-2``, ``fallback``) and, for MoGe-2, its precision; empty before the camera stage."""
+        camera = self.state.camera
+        if camera is None:
+            return {}
+        source = camera_source(self.config, self.state.fov_deg)
+        out = {"fov_deg": math.degrees(camera.fov), "distance": camera.distance, "source": source}
+        if source == "MoGe-2":
+            fp16 = moge_fp16(self.config.camera.moge_precision, self.state.device)
+            out["moge_precision"] = "float16 autocast" if fp16 else "float32"
+        return out
+
+    def camera_line(self) -> str | None:
+        """``camera: 59.29° horizontal field of view (MoGe-2, float32)``, what the command prints after a run."""
+        camera = self.camera()
+        if not camera:
+            return None
+        how = ", ".join(filter(None, (camera["source"], camera.get("moge_precision"))))
+        return f"camera: {camera['fov_deg']:.2f}° horizontal field of view ({how})"
 
     def fingerprints(self) -> dict[str, dict[str, str]]:
         """Stage → {output name → sha256} (stages without outputs left out)."""
@@ -171,7 +194,7 @@ class Result:
 
     def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
         """The run.json content: config, seed, versions, the CPU kernels and their pins (``pixal3d.kernels``),
-        policy and reasons, tokens, per-stage rows."""
+        policy and reasons, camera, tokens, per-stage rows."""
         stages = [{"stage": r.stage, "seconds": round(r.seconds, 4), "models": r.used,
                    "peak_process_bytes": r.peak_process_bytes, "peak_device_bytes": r.peak_device_bytes,
                    "fingerprints": r.fingerprints} for r in self.stages]
@@ -191,6 +214,7 @@ class Result:
             "stage_choices": self.choices,
             "versions": versions(),
             "kernels": kernels.describe(),
+            "camera": self.camera(),
             "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
             "total_seconds": round(self.seconds, 4),
             "stages": stages,

@@ -210,11 +210,21 @@ class ConditionConfig:
     naf_mode: str = "auto"  # full (the reference's values), frugal (less memory, ~1e-7 off) or auto (the plan picks)
 
 
+MOGE_PRECISIONS = ("auto", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class CameraConfig:
-    """Field of view in degrees (``None``: estimate with MoGe-2, or fall back to the reference default)."""
+    """Field of view in degrees (``None``: estimate with MoGe-2, or fall back to the reference default).
+
+    ``moge_precision``: ``float16`` runs MoGe-2's forward under float16 autocast (its ``infer`` default and the
+    reference's, on its GPUs), ``float32`` without; ``auto`` (default) is float16 on CUDA and MPS and float32 on
+    the CPU, whose float16 convolutions and matrix products are emulated (28 times slower at real width,
+    benchmarks/camera.md). Only the last digits of the field of view differ (about 1e-4 rad).
+    """
 
     fov_deg: float | None = ranged(Range(0.0, 180.0, low_open=True, high_open=True), None)
+    moge_precision: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -504,6 +514,9 @@ def _check_config(config: CascadeConfig, where: str) -> None:
         mode = getattr(config, stage).condition.naf_mode
         if mode not in ("auto", "full", "frugal"):
             raise ConfigError(f"{where}: key '{stage}.condition.naf_mode' must be auto, full or frugal, got {mode!r}")
+    if config.camera.moge_precision not in MOGE_PRECISIONS:
+        raise ConfigError(f"{where}: key 'camera.moge_precision' must be {', '.join(MOGE_PRECISIONS)}, "
+                          f"got {config.camera.moge_precision!r}")
     if config.runtime.attention not in ATTENTION_ROUTES:
         raise ConfigError(f"{where}: key 'runtime.attention' must be {', '.join(ATTENTION_ROUTES)}, "
                           f"got {config.runtime.attention!r}")

@@ -123,6 +123,19 @@ class Fetcher:
                                           f"{source.sha256}; delete the file and run again to re-download it")
         return target
 
+    def cached_file(self, source: WeightSource, filename: str, *, label: str) -> Path | None:
+        """``filename`` of ``source`` when it is on disk already (the Hugging Face cache, a folder, generated), else
+        ``None``: nothing is downloaded and nothing is recorded as missing (for the plan)."""
+        if source.repo is not None:
+            folder = self._cached_snapshot(source, [filename])
+        elif source.local is not None:
+            folder = Path(source.local)
+        elif source.generate is not None:
+            folder = self._generated() / label.split(".")[-1]
+        else:
+            return None
+        return folder / filename if folder is not None and (folder / filename).is_file() else None
+
     def planned_bytes(self, source: WeightSource, folder: Path | None, filename: str, *, label: str,
                       select: TensorSelector | None = None) -> int:
         """Tensor bytes of ``folder/filename`` from its header; a file not on disk asks the Hub for the header

@@ -45,6 +45,10 @@ NAF_BYTES_PER_TOKEN = 22_700  # frugal NAF + projection
 NAF_FIXED_BYTES = 355_000_000
 STRUCTURE_BYTES = 600_000_000  # structure stage at 16³ dense tokens: 0.42 GiB measured (DINOv3 512, SS flow, SS decoder)
 UPSAMPLE_BYTES_PER_VOXEL = 3_300  # per level-3 voxel: the 128-channel blocks of the last level it runs
+# MoGe-2 ViT-L infer (3600 tokens whatever the image size; benchmarks/camera.md, 518 and 1126 px): 1.39-1.44 GiB
+# in float32; 2.00 GiB under float16 autocast, which keeps a float16 copy of the weights beside them
+CAMERA_FLOAT32_BYTES = 1_650_000_000
+CAMERA_FLOAT16_BYTES = 2_300_000_000
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, ConfigError, WeightsConfig
+from pixal3d.models.moge import MOGE_FILE, checkpoint_bytes
 
 from .hub import (
     CorruptWeightsError,
@@ -75,7 +76,8 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
                     need_moge: bool = False, offline: bool | None = None,
                     generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
     """Resolve, download (unless offline) and verify the files for ``models`` (registry names; default:
-    the seven checkpoints, DINOv3 and NAF); every file that is missing, from every source, is named in one
+    the seven checkpoints, DINOv3 and NAF; MoGe-2 with ``need_moge``); every file that is missing, from every source,
+    is named in one
     ``MissingWeightsError``. DINOv3 and NAF are fetched only when named (a follower rank needs neither).
 
     ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
@@ -106,7 +108,7 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
         if weights.moge is None:
             raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
                                       "given; pass fov=DEG or add weights.moge to the config")
-        moge = fetch.folder(weights.moge, list(weights.moge.files), label="weights.moge")
+        moge = fetch.folder(weights.moge, list(weights.moge.files) or [MOGE_FILE], label="weights.moge")
     fetch.raise_missing()  # everything missing, from every source, in one error
 
     # 3. every safetensors file the run will read must be whole
@@ -159,8 +161,10 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
             naf = fetch.file(weights.naf, label="weights.naf")
             sizes["naf"] = naf.stat().st_size if naf is not None else 0
     fetch.raise_missing()
-    if "moge" in wanted and weights.moge is not None:
-        sizes["moge"] = fetch.repo_file_size(weights.moge, "model.pt", notes=notes)
+    if "moge" in wanted and weights.moge is not None:  # tensor bytes from model.pt's index, else the Hub's file size
+        path = fetch.cached_file(weights.moge, MOGE_FILE, label="weights.moge")
+        sizes["moge"] = (checkpoint_bytes(path) if path is not None
+                         else fetch.repo_file_size(weights.moge, MOGE_FILE, notes=notes))
     if "rembg" in wanted:
         sizes["rembg"] = 0
         notes.append("rembg: its ONNX model size is not counted")

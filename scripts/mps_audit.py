@@ -76,7 +76,8 @@ def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights
     models load on the CPU (safetensors cannot open ``meta:1``) and move to the stand-in device, so a
     loader's own dtype casts show as host ops; everything else follows ``state.device``."""
     stages = build_stages(config)
-    loaders = {name: _on_standin(loader) for name, loader in model_loaders(weights, torch.device("cpu")).items()}
+    loaders = {name: _on_standin(loader)
+               for name, loader in model_loaders(weights, torch.device("cpu"), moge=weights.moge is not None).items()}
     runner = StageRunner(stages, loaders, provides=PROVIDED, state_type=RunState, policy=policy)
     state = RunState(input_image=load_image(EXAMPLE), generator=torch.Generator().manual_seed(config.seed),
                      device=STANDIN, shape_normalization=weights.shape_normalization,
@@ -114,7 +115,8 @@ def audit_tiny_cascade(runs: Sequence[tuple[str, str]] = RUNS, *, config: Cascad
                        weights: ResolvedWeights | None = None) -> MpsAudit:
     """Audit ``runs`` ((policy, "tiny" | "published") pairs) of the tiny cascade into one ``MpsAudit``."""
     config = config if config is not None else load_config(TINY_CONFIG)
-    weights = weights if weights is not None else resolve_weights(config.weights, offline=True)
+    weights = weights if weights is not None else resolve_weights(config.weights, offline=True,
+                                                                  need_moge=config.weights.moge is not None)
     with tempfile.TemporaryDirectory(prefix="mps-audit-") as tmp, mps_audit() as audit:
         for i, (policy, placement) in enumerate(runs):
             run_weights = weights

@@ -36,7 +36,7 @@ def test_a_stage_ordered_batch_of_three_equals_three_single_runs_and_loads_each_
     # stages with others between them, so a staged run loads them twice), not three times as often.
     assert _loads(log) == singles["loads"]
     counts = Counter(model for _, model, _ in _loads(log))
-    assert counts == {"dinov3": 2, "naf": 2, "shape_slat_decoder": 2, "sparse_structure_flow_model": 1,
+    assert counts == {"moge": 1, "dinov3": 2, "naf": 2, "shape_slat_decoder": 2, "sparse_structure_flow_model": 1,
                       "sparse_structure_decoder": 1, "shape_slat_flow_model_512": 1, "shape_slat_flow_model_1024": 1,
                       "tex_slat_flow_model_1024": 1, "tex_slat_decoder": 1}
     started = [(r["stage"], r["image"]) for r in reports if r["kind"] == "stage"]
@@ -50,7 +50,7 @@ def test_controls_image_order_loads_per_image_and_one_shared_generator_changes_t
     with Pixal3D.from_config(fast_config, policy="staged", device="cpu", until="structure") as pipe:
         log = EventLog()
         by_image = list(pipe.run_batch(images, order="image", events=log))
-        assert len(_loads(log)) == 2 * 3  # three structure models, loaded again for every image
+        assert len(_loads(log)) == 2 * 4  # MoGe-2 and the three structure models, loaded again for every image
         shared = torch.Generator().manual_seed(42)
         new_state = pipe.new_state
 

@@ -1,20 +1,21 @@
-"""Camera: the reference distance rule, fov validation, MoGe-2 when present, fallback with a warning."""
+"""Camera: the reference distance rule, fov validation, the fov from MoGe-2's intrinsics, the fallback (a config
+without MoGe-2) with a warning; the cascade's camera stage on the offline demo's MoGe-2."""
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
-from pixal3d.models import camera as camera_module
 from pixal3d.models.camera import (
     FALLBACK_FOV,
     Camera,
     camera_from_degrees,
     camera_from_fov,
     estimate_camera,
-    load_moge,
 )
+from tests.cascade_fixtures import tiny, tiny_cache  # noqa: F401
 
 
 @pytest.mark.parametrize("fov", [0.3, FALLBACK_FOV, 1.2, 2.5])
@@ -56,14 +57,11 @@ def test_invalid_fov_degrees_names_the_setting(bad):
         camera_from_degrees(bad)
 
 
-def test_without_moge_the_fallback_fov_is_used_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(camera_module, "moge_available", lambda: False)
+def test_a_config_without_moge_gets_the_fallback_fov_with_a_warning_naming_the_config_key(caplog):
     with caplog.at_level(logging.WARNING, logger="pixal3d.models.camera"):
-        estimator = load_moge()
-        camera = estimate_camera(Image.new("RGB", (64, 48)), estimator)
-    assert estimator is None
+        camera = estimate_camera(Image.new("RGB", (64, 48)), None)
     assert camera == camera_from_fov(FALLBACK_FOV)
-    assert "moge" in caplog.text and "fallback" in caplog.text
+    assert "weights.moge" in caplog.text and "fallback" in caplog.text and "fov=DEG" in caplog.text
 
 
 class FakeMoGe(torch.nn.Module):
@@ -74,9 +72,9 @@ class FakeMoGe(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.seen = None
 
-    def infer(self, image):
+    def infer(self, image, *, use_fp16=True):
         self.seen = image
-        return {"intrinsics": torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.3, 0.5], [0.0, 0.0, 1.0]])}
+        return SimpleNamespace(intrinsics=torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.3, 0.5], [0.0, 0.0, 1.0]]))
 
 
 def test_estimator_intrinsics_give_the_horizontal_fov():
@@ -93,8 +91,9 @@ class FixedFxMoGe(FakeMoGe):
         super().__init__()
         self.fx_normalised = fx_normalised
 
-    def infer(self, image):
-        return {"intrinsics": torch.tensor([[self.fx_normalised, 0.0, 0.5], [0.0, 1.1, 0.5], [0.0, 0.0, 1.0]])}
+    def infer(self, image, *, use_fp16=True):
+        return SimpleNamespace(intrinsics=torch.tensor([[self.fx_normalised, 0.0, 0.5], [0.0, 1.1, 0.5],
+                                                        [0.0, 0.0, 1.0]]))
 
 
 def test_estimated_fov_uses_the_reference_float32_fx():
@@ -109,3 +108,116 @@ def test_estimated_fov_uses_the_reference_float32_fx():
     assert camera == camera_from_fov(expected)
     control = 2 * math.atan(width / (2 * float(intrinsics[0, 0]) * width))  # float64 arithmetic differs
     assert control != expected
+
+
+# -- MoGe-2 in the cascades ------------------------------------------------------------------------
+
+def test_the_shipped_cascades_estimate_the_camera_with_moge_unless_a_fov_is_given():
+    from pipelines.camera import CameraStage
+    from pixal3d.config import CameraConfig, load_config
+    from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES
+
+    for name in ("1024_cascade", "1536_cascade", "tiny"):
+        config = load_config(name)
+        stage = CameraStage.from_config(config)
+        assert stage.needs == ("moge",) and stage.working_set() == CAMERA_FLOAT16_BYTES, name
+        fixed = CameraStage.from_config(config.with_overrides(camera=CameraConfig(fov_deg=49.1)))
+        assert fixed.needs == () and fixed.working_set() == 0, name
+
+
+def test_the_demo_estimates_its_fov_with_moge_logs_it_without_warnings_and_a_fixed_fov_differs(tiny, caplog):
+    from pixal3d.config import CameraConfig
+    from tests.cascade_fixtures import run_tiny
+
+    with caplog.at_level(logging.INFO):
+        estimated = run_tiny(tiny, "staged", until="camera")
+    camera = estimated.record()["camera"]
+    assert camera["source"] == "MoGe-2" and 50.0 < camera["fov_deg"] < 70.0  # the demo model's ~59 degrees
+    assert camera["moge_precision"] == "float32"  # auto on the CPU
+    assert estimated.camera_line() == f"camera: {camera['fov_deg']:.2f}° horizontal field of view (MoGe-2, float32)"
+    assert "MoGe-2 estimated a horizontal field of view of" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no missing package
+    assert [r.used for r in estimated.stages] == [[], ["moge"]]
+    fixed = run_tiny(tiny.with_overrides(camera=CameraConfig(fov_deg=49.1)), "staged", until="camera")
+    assert fixed.record()["camera"]["source"] == "given" and fixed.stages[1].used == []
+    assert fixed.fingerprints()["camera"]["camera.fov"] != estimated.fingerprints()["camera"]["camera.fov"]
+
+
+def test_the_plan_of_the_default_cascade_counts_moges_checkpoint_bytes_at_the_camera_stage(tiny_cache, tmp_path):
+    """The 1024 cascade's stages on the demo's files, with a real-size MoGe-2 index (saved from meta: the plan
+    reads the tensor sizes, not the data)."""
+    from pipelines import Pixal3D
+    from pixal3d.models.moge import build_moge
+    from scripts.make_moge_fixture import RELEASED_MODEL_CONFIG
+
+    (tmp_path / "moge").mkdir()
+    torch.save({"model_config": RELEASED_MODEL_CONFIG, "model": build_moge(RELEASED_MODEL_CONFIG).state_dict()},
+               tmp_path / "moge" / "model.pt")
+    (tmp_path / "config.yaml").write_text(
+        "base: 1024_cascade.yaml\nweights:\n  pixal3d: {generate: tiny}\n  dinov3: {generate: tiny}\n"
+        "  naf: {generate: tiny, files: [naf.safetensors]}\n  moge: {local: moge, files: [model.pt]}\n"
+        + "".join(f"{stage}: {{sampler: {{guidance_interval: [0.6, 1.0]}}}}\n"  # the demo's pipeline.json has none
+                  for stage in ("structure", "shape_512", "shape_1024", "texture")))
+    plan = Pixal3D.plan(tmp_path / "config.yaml", device="cpu")
+    camera = next(s for s in plan.memory.stages if s.name == "camera")
+    assert camera.models == ("moge",) and camera.weight_bytes == 1_304_836_908
+    row = next(line for line in plan.table().splitlines() if line.startswith("camera"))
+    assert "moge" in row and "1.22 GiB" in row
+
+
+def test_offline_without_moges_checkpoint_the_fetcher_names_it_with_the_command(tiny, tmp_path, monkeypatch):
+    import dataclasses
+
+    from huggingface_hub import constants
+
+    from pixal3d.config import load_config
+    from pixal3d.hub import MissingWeightsError
+    from pixal3d.pipeline_json import planned_sizes, resolve_weights
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = load_config("1024_cascade").weights.moge
+    weights = dataclasses.replace(tiny.weights, moge=source)
+    with pytest.raises(MissingWeightsError) as info:
+        resolve_weights(weights, need_moge=True)
+    message = str(info.value)
+    assert "weights.moge: model.pt" in message
+    assert f"hf download Ruicheng/moge-2-vitl model.pt --revision {source.revision}" in message
+    sizes, notes = planned_sizes(weights, models=["moge"])
+    assert sizes["moge"] == 0 and "model.pt: size unknown offline" in notes
+
+
+def test_moge_precision_reaches_infer_auto_is_float32_only_on_the_cpu_and_the_demo_fov_moves_only_slightly(
+        tiny, tmp_path):
+    """``camera.moge_precision`` decides ``infer(use_fp16=)``; on the demo float32 and MoGe's float16 autocast agree
+    to ~1e-3 rad, and ``auto`` on the CPU is the float32 run bit for bit."""
+    from pipelines.camera import CameraStage
+    from pixal3d.config import CameraConfig, ConfigError, load_config
+    from tests.cascade_fixtures import run_tiny
+
+    seen = []
+
+    class Recording(FakeMoGe):
+        def infer(self, image, *, use_fp16=True):
+            seen.append(use_fp16)
+            return super().infer(image)
+
+    cases = [("auto", "cpu", False), ("auto", "cuda", True), ("auto", "mps", True), ("float16", "cpu", True),
+             ("float32", "cuda", False)]
+    for precision, device, _ in cases:
+        state = SimpleNamespace(fov_deg=None, image=Image.new("RGB", (64, 48)), device=torch.device(device))
+        config = tiny.with_overrides(camera=CameraConfig(moge_precision=precision))
+        CameraStage.from_config(config).run(state, {"moge": Recording()})
+    assert seen == [fp16 for *_, fp16 in cases]
+    with pytest.raises(ValueError, match="precision 'half' is not one of auto, float16, float32"):
+        CameraStage(None, use_moge=True, precision="half")
+    with pytest.raises(ConfigError, match="camera.moge_precision' must be auto, float16, float32"):
+        (tmp_path / "bad.yaml").write_text("base: tiny.yaml\ncamera: {moge_precision: fp16}\n")
+        load_config(tmp_path / "bad.yaml")
+
+    runs = {p: run_tiny(tiny.with_overrides(camera=CameraConfig(moge_precision=p)), "staged", until="camera")
+            for p in ("auto", "float16", "float32")}
+    fov = {p: r.state.camera.fov for p, r in runs.items()}
+    assert fov["auto"] == fov["float32"] and fov["float16"] != fov["float32"]
+    assert abs(fov["float16"] - fov["float32"]) < 1e-3
+    assert runs["float16"].record()["camera"]["moge_precision"] == "float16 autocast"

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from pipelines import pipeline
+from pipelines import Pixal3D, pipeline
 from pixal3d import kernels
 from pixal3d.staging.events import EventLog
 from tests.cascade_fixtures import (  # noqa: F401
+    EXAMPLE,
     GOLDEN_DIR,
     first_difference,
     golden_or_skip,
@@ -44,6 +45,21 @@ def _consuming(name, load):
 def test_the_eager_run_gives_this_platforms_golden_fingerprints(tiny_reference):
     expected = golden_or_skip()
     assert tiny_reference == expected, first_difference(tiny_reference, expected)
+
+
+@pytest.mark.golden
+def test_control_a_fixed_fov_run_leaves_preprocess_and_parts_from_the_golden_at_the_camera(tiny):
+    """The golden's camera is MoGe-2's estimate (the tiny config gives no field of view): the same image with
+    ``fov=49.1`` (the command's ``--fov``) uses no model there, keeps the golden's preprocess and differs from
+    the camera stage on."""
+    expected = golden_or_skip()
+    with Pixal3D.from_config(tiny, policy="staged", device="cpu", until="structure") as pipe:
+        fixed = pipe.run(EXAMPLE, fov=49.1)
+    actual = fixed.fingerprints()
+    assert [r.used for r in fixed.stages][:2] == [[], []]
+    assert actual["preprocess"] == expected["preprocess"]
+    assert first_difference(actual, expected).startswith("first differing stage 'camera'")
+    assert actual["camera"]["camera.fov"] != expected["camera"]["camera.fov"]
 
 
 @pytest.mark.golden

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,9 +123,9 @@ class _RandomEstimator(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1))
 
-    def infer(self, pixels):
+    def infer(self, pixels, *, use_fp16=True):
         torch.randn(16)
-        return {"intrinsics": torch.tensor([[0.8, 0.0, 0.5], [0.0, 0.8, 0.5], [0.0, 0.0, 1.0]])}
+        return SimpleNamespace(intrinsics=torch.tensor([[0.8, 0.0, 0.5], [0.0, 0.8, 0.5], [0.0, 0.0, 1.0]]))
 
     def forward(self, image):
         torch.randn(16)

@@ -137,7 +137,7 @@ def test_a_folder_of_inputs_gives_one_glb_each_and_resident_models_load_once(tin
     def loads(name: str) -> int:
         records = [json.loads(line) for line in (tmp_path / f"trace.{name}.jsonl").read_text().splitlines()]
         return sum(1 for r in records if r.get("type") == "event" and r.get("kind") in ("load", "reload"))
-    assert loads("a") == 9 and loads("b") == 0  # the second image reuses every model
+    assert loads("a") == 10 and loads("b") == 0  # the second image reuses every model (MoGe-2 and the nine others)
 
 
 def test_missing_input(tmp_path, capsys):

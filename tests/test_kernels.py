@@ -65,7 +65,8 @@ def test_each_golden_holds_its_own_key_and_pins_and_two_families_differ():
     if None in pinned:
         pytest.skip("the two x86-64 goldens are not both here")
     avx2, compat = (g["stages"] for g in pinned)
-    assert avx2["preprocess"] == compat["preprocess"] and avx2["camera"] == compat["camera"]
+    assert avx2["preprocess"] == compat["preprocess"]  # no kernel of the families in it
+    assert avx2["camera"] != compat["camera"]  # MoGe-2's convolutions and matrix products are the family's
     assert avx2["structure"]["ss_latent"] != compat["structure"]["ss_latent"]  # other kernels, other bits
 
 

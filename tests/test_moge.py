@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from pixal3d.config import load_config
 from pixal3d.models.loading import CheckpointError
 from pixal3d.models.moge import (
     MoGe2,
@@ -69,6 +70,12 @@ def test_released_checkpoint_tensors_are_the_network_built_on_meta_at_its_model_
     assert {t.dtype for t in state.values()} == {torch.float32} and MANIFEST["dtype"] == "F32"
     assert sum(t.numel() for t in state.values()) == MANIFEST["params"] == 326_209_227  # model card: 326M
     assert all(t.is_meta for t in state.values())
+
+
+def test_the_cascades_pin_the_revision_the_checkpoint_list_describes():
+    for name in ("1024_cascade", "1536_cascade"):
+        source = load_config(REPO / "configs" / f"{name}.yaml").weights.moge
+        assert (source.repo, source.revision, source.files) == (MANIFEST["repo"], MANIFEST["revision"], ("model.pt",))
 
 
 def test_the_plan_reads_the_bytes_from_the_checkpoint_index_without_its_data(tmp_path):
@@ -120,7 +127,7 @@ def test_config_errors_name_the_key_and_what_a_moge2_config_is(tiny_file, tmp_pa
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable torch checkpoint.*download it again"):
         load_moge(tmp_path / "junk.pt")
-    with pytest.raises(CheckpointError, match="do not exist.*--fov"):
+    with pytest.raises(CheckpointError, match="do not exist.*fov=DEG"):
         load_moge(tmp_path / "absent.pt")
 
 

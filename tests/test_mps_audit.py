@@ -154,10 +154,10 @@ def test_host_ops_are_counted_not_judged():
 def test_tiny_cascade_sends_only_mps_ops_to_the_device(tiny):
     """Published dtype placement (bf16 flows, fp16 decoders), staged policy, export included."""
     audit = audit_tiny_cascade([("staged", "published")], config=tiny,
-                               weights=resolve_weights(tiny.weights, offline=True))
+                               weights=resolve_weights(tiny.weights, offline=True, need_moge=True))
     assert audit.problems() == [], "\n".join(audit.summary()["problems"])
     stages = {s for r in audit.rows.values() for s in r.stages}
-    assert {"structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"} <= stages
+    assert {"camera", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"} <= stages
     ops = {r.op for r in audit.rows.values()}
     assert "aten::index_add_" in ops and "aten::segment_reduce" not in ops  # the sampler's rescale ran
     assert audit.summary()["bfloat16_ops"], "the published placement runs the flows in bfloat16"

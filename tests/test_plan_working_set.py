@@ -4,6 +4,8 @@ the plan gives it: NAF's mode, the decode's tiles, the flow stages' chunks (pipe
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +40,23 @@ def test_reference_counts_match_the_measured_figures():
     assert est["decode"] / GiB == pytest.approx(9.94, abs=0.02)
     assert est["export"] / GiB == pytest.approx(3.69, abs=0.01)
     assert est["structure"] / GiB == pytest.approx(0.56, abs=0.01)
-    assert est["preprocess"] == est["camera"] == 0
+    assert est["preprocess"] == 0
+    assert est["camera"] == mb.CAMERA_FLOAT16_BYTES  # moge_precision auto: the device decides, the larger counted
+
+
+def test_moges_working_sets_are_never_under_the_camera_benchmark_and_at_most_a_tenth_over():
+    """benchmarks/camera.json's measured working sets (518 and 1126 px, each precision) against the constants the
+    plan counts for the camera stage."""
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "camera.json").read_text())["results"]
+    for fp16, planned in ((True, mb.CAMERA_FLOAT16_BYTES), (False, mb.CAMERA_FLOAT32_BYTES)):
+        measured = max(r["working_set"] for r in results if r["fp16"] is fp16)
+        assert measured <= planned <= 1.1 * measured, (fp16, measured, planned)
+    assert {r["side"] for r in results} >= {518, 1126}  # the largest preprocessed crop: int(1.1 * 1024)
+    for precision, planned in (("float32", mb.CAMERA_FLOAT32_BYTES), ("float16", mb.CAMERA_FLOAT16_BYTES),
+                               ("auto", mb.CAMERA_FLOAT16_BYTES)):
+        config = load_config(REFERENCE)
+        config = config.with_overrides(camera=dataclasses.replace(config.camera, moge_precision=precision))
+        assert stage("camera", config).working_set() == planned, precision
 
 
 def test_estimate_grows_with_the_token_counts():

@@ -2,16 +2,12 @@
 
 Pixal3D places a pinhole camera at world ``(0, -distance, 0)`` looking along ``+y`` and picks the
 distance so that the ``[-0.5, 0.5]`` cube's x-extremes land exactly on the image's left/right borders:
-``distance = 0.5 / tan(fov / 2)``. The field of view comes from the user (``--fov``), from MoGe-2 when
-the optional ``moge`` package is installed, or from the reference fallback.
-
-Install MoGe (not on the package index)::
-
-    pip install "git+https://github.com/microsoft/MoGe.git"
+``distance = 0.5 / tan(fov / 2)``. The field of view comes from the user (``--fov``), from MoGe-2
+(``pixal3d.models.moge``, as the reference's ``get_camera_params_wild_moge``), or, for a config that names no
+MoGe-2 weights, from the reference pipeline's fallback.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -20,12 +16,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .moge import MoGe2
+
 logger = logging.getLogger(__name__)
 
 FALLBACK_FOV = 0.8575560450553894
 """The reference pipeline's default ``camera_angle_x`` in radians (about 49.1 degrees)."""
-
-MOGE_REPO = "Ruicheng/moge-2-vitl"
 
 
 @dataclass(frozen=True)
@@ -60,41 +56,25 @@ def camera_from_degrees(fov_degrees: float) -> Camera:
     return camera_from_fov(math.radians(fov_degrees))
 
 
-def moge_available() -> bool:
-    """Whether the optional ``moge`` package is importable (``pip install git+https://github.com/microsoft/MoGe.git``)."""
-    return importlib.util.find_spec("moge") is not None
-
-
-def load_moge(source: str = MOGE_REPO, device: torch.device | str = "cpu") -> torch.nn.Module | None:
-    """Load the MoGe-2 estimator (a stage model), or ``None`` with a warning when ``moge`` is not installed."""
-    if not moge_available():
-        logger.warning("the optional 'moge' package is not installed, so the camera will use the fallback "
-                       "field of view %.4f rad; install it with pip install "
-                       "\"git+https://github.com/microsoft/MoGe.git\" or pass fov=DEG", FALLBACK_FOV)
-        return None
-    # optional dependency, imported only when installed
-    from moge.model.v2 import MoGeModel
-
-    return MoGeModel.from_pretrained(source).to(device).eval()
-
-
-def estimate_camera(image: Image.Image, estimator: torch.nn.Module | None) -> Camera:
-    """Camera for a preprocessed RGB image: MoGe-2's horizontal fov, or the fallback when ``estimator`` is None."""
+def estimate_camera(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True) -> Camera:
+    """Camera for a preprocessed RGB image: MoGe-2's horizontal fov (``infer`` with the reference's defaults;
+    ``use_fp16``: its float16 autocast), or the fallback when ``estimator`` is None (a config without MoGe-2)."""
     if estimator is None:
-        logger.warning("no camera estimator: using the fallback field of view %.4f rad (%.2f deg)",
+        logger.warning("the config names no MoGe-2 weights (weights.moge) and no field of view: using the "
+                       "reference's fallback field of view %.4f rad (%.2f deg); pass fov=DEG to choose one",
                        FALLBACK_FOV, math.degrees(FALLBACK_FOV))
         return camera_from_fov(FALLBACK_FOV)
-    device = next(estimator.parameters()).device
+    # As the reference: the RGB pixels (its PNG round trip is lossless) / 255 in float32, [3, H, W].
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(device)  # [3, H, W]
-    with torch.no_grad():
-        output = estimator.infer(tensor)
+    tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(next(estimator.parameters()).device)  # [3, H, W]
+    output = estimator.infer(tensor, use_fp16=use_fp16)
     # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width. As the reference
     # (`get_camera_params_wild_moge`), fx and width / (2 fx) stay numpy scalars of the intrinsics' dtype
     # (float32); only atan runs in float64.
-    intrinsics = output["intrinsics"].squeeze().cpu().numpy()
+    intrinsics = output.intrinsics.squeeze().cpu().numpy()
     width = image.width
     fx = intrinsics[0, 0] * width
     fov = 2 * math.atan(width / (2 * fx))
-    logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg", math.degrees(fov))
+    logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg (%s)", math.degrees(fov),
+                "float16 autocast" if use_fp16 else "float32")
     return camera_from_fov(fov)

@@ -572,10 +572,9 @@ def read_checkpoint(path: str | Path, *, map_location: torch.device | str = "cpu
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"MoGe-2 weights {path} do not exist; fetch Ruicheng/moge-2-vitl (model.pt) or "
-                              f"pass --fov DEG")
+                              f"pass fov=DEG")
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True,
-                                mmap=str(map_location) != "meta")
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise CheckpointError(f"MoGe-2 weights {path} are not a readable torch checkpoint ({_first_line(err)}); "
                               f"delete the file and download it again") from None
