@@ -7,7 +7,8 @@ whose tensors compute on the CPU, so every op shows which side of a Mac run it w
 1. the tiny cascade, every stage including the export, with the ``staged`` policy;
 2. the same with the ``resident`` policy;
 3. ``staged`` again with the published dtype placement (flow models bfloat16, decoders float16 —
-   the tiny weights are float32), so the half-precision ops of a real run are audited too.
+   the tiny weights are float32 — and MoGe-2's forward with float16 autocast's casts,
+   ``pixal3d.audit.autocast``, as it runs on mps), so the half-precision ops of a real run are audited too.
 
 Then it prints the table (op, dtypes, stages, calls, MPS status) and a summary. Before that, the audit at
 real sizes (``scripts/mps_real_size.py``): every device op of the published-size models at the reference's
@@ -42,6 +43,7 @@ from pipelines.build import build_stages
 from pipelines.loaders import model_loaders
 from pipelines.state import PROVIDED, RunState
 from pixal3d.audit import STANDIN, MpsAudit, mps_audit, to_standin
+from pixal3d.audit.autocast import under_autocast
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.models.preprocess import load_image
 from pixal3d.pipeline_json import ResolvedWeights, resolve_weights
@@ -69,14 +71,21 @@ PUBLISHED_ARGS: dict[str, dict[str, object]] = {
 }
 
 
-def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights, policy: str) -> list[StageRecord]:
+# MoGe-2 runs under float16 autocast on mps (camera.moge_precision: auto). The stand-in device has no autocast,
+# so the published run gives MoGe-2's forward autocast's casts (pixal3d.audit.autocast).
+AUTOCAST_MODELS = ("moge",)
+
+
+def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights, policy: str, *,
+                autocast: Sequence[str] = ()) -> list[StageRecord]:
     """Run the tiny cascade over assets/example.png on the stand-in device, naming each stage to ``audit``.
 
     The cascade's own stages on the generic ``StageRunner`` (what ``Pixal3D.run`` does, with one difference):
     models load on the CPU (safetensors cannot open ``meta:1``) and move to the stand-in device, so a
-    loader's own dtype casts show as host ops; everything else follows ``state.device``."""
+    loader's own dtype casts show as host ops; everything else follows ``state.device``. ``autocast``: the models
+    whose forward runs under ``pixal3d.audit.autocast`` (their float16 autocast on mps)."""
     stages = build_stages(config)
-    loaders = {name: _on_standin(loader)
+    loaders = {name: _on_standin(loader, autocast=name in autocast)
                for name, loader in model_loaders(weights, torch.device("cpu"), moge=weights.moge is not None).items()}
     runner = StageRunner(stages, loaders, provides=PROVIDED, state_type=RunState, policy=policy)
     state = RunState(input_image=load_image(EXAMPLE), generator=torch.Generator().manual_seed(config.seed),
@@ -93,8 +102,8 @@ def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights
         audit.stage = "-"
 
 
-def _on_standin(loader: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    return lambda: to_standin(loader())
+def _on_standin(loader: Callable[[], nn.Module], *, autocast: bool = False) -> Callable[[], nn.Module]:
+    return lambda: under_autocast(to_standin(loader())) if autocast else to_standin(loader())
 
 
 def published_dtypes(weights: ResolvedWeights, folder: Path) -> ResolvedWeights:
@@ -119,14 +128,14 @@ def audit_tiny_cascade(runs: Sequence[tuple[str, str]] = RUNS, *, config: Cascad
                                                                   need_moge=config.weights.moge is not None)
     with tempfile.TemporaryDirectory(prefix="mps-audit-") as tmp, mps_audit() as audit:
         for i, (policy, placement) in enumerate(runs):
-            run_weights = weights
+            run_weights, autocast = weights, ()
             if placement == "published":
                 folder = Path(tmp) / f"published-{i}"
                 folder.mkdir()
-                run_weights = published_dtypes(weights, folder)
+                run_weights, autocast = published_dtypes(weights, folder), AUTOCAST_MODELS
             elif placement != "tiny":
                 raise ValueError(f"dtype placement {placement!r} is not 'tiny' or 'published'")
-            run_cascade(audit, config, run_weights, policy)
+            run_cascade(audit, config, run_weights, policy, autocast=autocast)
     return audit
 
 

@@ -8,6 +8,8 @@ Cases, each the device work of a stage, models built on ``meta`` from the publis
 ~9M decoded voxels) and of the 1536 cascade (~45k HR tokens, ~20M voxels; its flows at the token budget's
 49,151):
 
+- camera: MoGe-2 ViT-L's forward at the released config (``assets/moge_checkpoint.json``) on a 1126 px image
+  (the largest preprocessed crop), 3600 tokens, with float16 autocast's casts (``pixal3d.audit.autocast``);
 - structure: DINOv3 at 512 px, the dense projection, one sparse-structure flow forward, the structure
   decoder (fp16 3-D convolutions), the occupancy argwhere;
 - shape_512 / shape_1024 / texture: DINOv3, NAF (``full`` and ``frugal``) and the projection at the stage's
@@ -131,6 +133,19 @@ def _flow_forward(model: nn.Module, tokens: int, image: int, concat: int = 0) ->
     model(x, torch.empty(1, device="meta"), cond, **extra)
 
 
+def camera_case() -> None:
+    """MoGe-2 ViT-L at the released config (``assets/moge_checkpoint.json``), its forward as ``infer`` runs it on
+    mps: float16 autocast's casts (``pixal3d.audit.autocast``), 3600 tokens, the largest preprocessed crop."""
+    from pixal3d.audit.autocast import standin_autocast
+    from pixal3d.models.moge import build_moge
+
+    config = json.loads((REPO / "assets" / "moge_checkpoint.json").read_text())["model_config"]
+    model = build_moge(config, device="meta").eval()
+    side = int(1.1 * 1024)  # preprocess: the object's bbox (at most 1024) times 1.1
+    with standin_autocast():
+        model.forward(torch.empty(1, 3, side, side, device="meta"), model.num_tokens_range[1])
+
+
 def structure_case(models: Models) -> None:
     cond = _condition(models, "ss", 512, 16, None, None)
     flow = models.flow("sparse_structure_flow_model", resolve_route("auto", MPS))
@@ -185,7 +200,8 @@ def tiled_decode_case(models: Models, tokens: int) -> None:
 def cases(models: Models) -> list[Case]:
     """The product's device work at real sizes (see the module doc)."""
     fp32 = resolve_route("auto", MPS)
-    out = [Case("structure", lambda: structure_case(models), SizeOracle(nonzero_fraction=0.12))]
+    out = [Case("camera", camera_case, SizeOracle()),
+           Case("structure", lambda: structure_case(models), SizeOracle(nonzero_fraction=0.12))]
     for label, tokens in (("1024", COUNTS.hr_tokens), ("1536", TOKEN_BUDGET)):
         for route in (fp32, "sdpa"):
             suffix = f" {label}" + ("" if route == fp32 else " (sdpa route)")
@@ -196,11 +212,11 @@ def cases(models: Models) -> list[Case]:
             out.append(Case("texture" + suffix, flow_stage_case(
                 models, "tex_slat_flow_model_1024", tokens=tokens, image=1024, grid=64, naf=1024, route=route,
                 concat=32, naf_modes=modes), SizeOracle(nonzero_fraction=0.5)))
-    out.insert(1, Case("shape_512", flow_stage_case(models, "shape_slat_flow_model_512", tokens=COUNTS.lr_tokens,
+    out.insert(2, Case("shape_512", flow_stage_case(models, "shape_slat_flow_model_512", tokens=COUNTS.lr_tokens,
                                                      image=512, grid=32, naf=512, route=fp32),
                        SizeOracle(nonzero_fraction=0.5)))
     fraction = COUNTS.hr_tokens / (COUNTS.lr_tokens * REFERENCE_GROWTH ** COUNTS.decoder_levels)
-    out.insert(2, Case("upsample", lambda: upsample_case(models),
+    out.insert(3, Case("upsample", lambda: upsample_case(models),
                        SizeOracle(nonzero_fraction=SUBDIVISION, unique_fraction=fraction)))
     out.append(Case("decode 1024", lambda: decode_case(models, COUNTS.hr_tokens), SizeOracle(SUBDIVISION)))
     out.append(Case("decode 1536 (tiled on mps)", lambda: tiled_decode_case(models, HR_1536),

@@ -161,6 +161,11 @@ def test_tiny_cascade_sends_only_mps_ops_to_the_device(tiny):
     ops = {r.op for r in audit.rows.values()}
     assert "aten::index_add_" in ops and "aten::segment_reduce" not in ops  # the sampler's rescale ran
     assert audit.summary()["bfloat16_ops"], "the published placement runs the flows in bfloat16"
+    camera_half = {r.op for r in audit.rows.values() if "camera" in r.stages and "f16" in r.dtypes}
+    assert {"aten::convolution", "aten::addmm"} <= camera_half, "MoGe-2 runs in float16, as under autocast on mps"
+    control = audit_tiny_cascade([("staged", "tiny")], config=tiny,
+                                 weights=resolve_weights(tiny.weights, offline=True, need_moge=True))
+    assert not {r.op for r in control.rows.values() if "camera" in r.stages and "f16" in r.dtypes}  # no autocast
 
 
 def test_standin_model_matches_its_cpu_run_to_rounding(tiny):

@@ -114,3 +114,25 @@ def test_a_published_width_flow_block_at_the_1536_token_budget_is_within_every_l
     assert largest.shape == (n, 8192) and largest.dtype == torch.bfloat16  # the MLP's hidden features
     softmax = max((r for r in audit.rows.values() if r.op == "aten::_softmax"), key=lambda r: r.largest.nbytes)
     assert softmax.largest.dtype == torch.float32 and softmax.largest.numel <= 1 << 26
+
+
+def test_moge2_at_its_released_width_and_3600_tokens_is_within_every_limit_in_float16_as_on_mps(monkeypatch):
+    """The real-size camera case (scripts/mps_real_size.py): MoGe-2 ViT-L's forward on 1126 px with autocast's
+    casts; its convolutions and linears run in float16, its norms in float32 — the stand-in autocast at work
+    (without it every row would be float32)."""
+    from scripts.mps_real_size import camera_case
+
+    with torch.no_grad(), real_size_audit() as audit:
+        camera_case()
+    assert audit.problems() == []
+    ops = {(r.op, r.dtypes) for r in audit.rows.values()}
+    assert ("aten::convolution", ("f16",)) in ops and ("aten::addmm", ("f16",)) in ops
+    assert any(op == "aten::native_layer_norm" and "f32" in dtypes for op, dtypes in ops)
+    import contextlib
+
+    from pixal3d.audit import autocast
+
+    monkeypatch.setattr(autocast, "standin_autocast", contextlib.nullcontext)
+    with torch.no_grad(), real_size_audit() as control:
+        camera_case()
+    assert all(r.dtypes == ("f32",) for r in control.rows.values() if r.op in ("aten::convolution", "aten::addmm"))
