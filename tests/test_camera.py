@@ -129,15 +129,23 @@ def test_the_demo_estimates_its_fov_with_moge_logs_it_without_warnings_and_a_fix
     from pixal3d.config import CameraConfig
     from tests.cascade_fixtures import run_tiny
 
+    from pixal3d.staging.events import EventLog
+
+    log = EventLog()
     with caplog.at_level(logging.INFO):
-        estimated = run_tiny(tiny, "staged", until="camera")
+        estimated = run_tiny(tiny, "staged", until="structure", events=log)
+    moves = [(e.kind, e.model, e.stage) for e in log.events if e.kind in ("load", "release")]
+    # loaded for the camera stage; released as the next stage starts, before that stage loads anything
+    assert moves[0] == ("load", "moge", "camera")
+    assert moves[1] == ("release", "moge", "structure") and moves[2][0] == "load"
+    assert sum(1 for kind, model, _ in moves if model == "moge") == 2
     camera = estimated.record()["camera"]
     assert camera["source"] == "MoGe-2" and 50.0 < camera["fov_deg"] < 70.0  # the demo model's ~59 degrees
     assert camera["moge_precision"] == "float32"  # auto on the CPU
     assert estimated.camera_line() == f"camera: {camera['fov_deg']:.2f}° horizontal field of view (MoGe-2, float32)"
     assert "MoGe-2 estimated a horizontal field of view of" in caplog.text
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no missing package
-    assert [r.used for r in estimated.stages] == [[], ["moge"]]
+    assert [r.used for r in estimated.stages][:2] == [[], ["moge"]] and "moge" not in estimated.stages[2].used
     fixed = run_tiny(tiny.with_overrides(camera=CameraConfig(fov_deg=49.1)), "staged", until="camera")
     assert fixed.record()["camera"]["source"] == "given" and fixed.stages[1].used == []
     assert fixed.fingerprints()["camera"]["camera.fov"] != estimated.fingerprints()["camera"]["camera.fov"]
