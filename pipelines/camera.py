@@ -2,6 +2,7 @@
 ``[-0.5, 0.5]`` cube (reference §1.2). With a fixed field of view the stage needs no model."""
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 
@@ -9,11 +10,11 @@ import torch
 from torch import nn
 
 from pixal3d.config import MOGE_PRECISIONS, CascadeConfig
-from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES, CAMERA_FLOAT32_BYTES
+from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES, CAMERA_FLOAT32_BYTES, CAMERA_MEASURED_WEIGHT_BYTES
 from pixal3d.models.camera import camera_from_fov, estimate_camera
 from pixal3d.staging import preserved_rng
 
-from .stage import CascadeStage
+from .stage import CascadeStage, StageBudget
 from .state import RunState
 
 
@@ -34,6 +35,7 @@ class CameraStage(CascadeStage):
         self.fov_deg = fov_deg
         self.use_moge = use_moge and fov_deg is None
         self.precision = precision  # CameraConfig.moge_precision
+        self.weight_bytes = 0  # MoGe-2's, once fitted (0: unknown)
         self.needs = ("moge",) if self.use_moge else ()
 
     @classmethod
@@ -43,12 +45,24 @@ class CameraStage(CascadeStage):
         return cls(fov, use_moge=fov is None and config.weights.moge is not None,
                    precision=config.camera.moge_precision)
 
+    def fitted(self, budget: StageBudget) -> CameraStage:
+        """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them)."""
+        stage = copy.copy(self)
+        stage.weight_bytes = budget.weight_bytes
+        return stage
+
     def working_set(self) -> int:
-        """MoGe-2's ``infer`` as measured (benchmarks/camera.md; its token count does not grow with the image);
-        nothing without it. ``auto`` counts float16 autocast's, the larger: the stage does not know the device."""
+        """MoGe-2's ``infer`` as measured for the released ViT-L (benchmarks/camera.md; its token count does not
+        grow with the image); nothing without it. ``auto`` counts float16 autocast's, the larger: the stage does
+        not know the device. A smaller checkpoint (the demo's) scales it by √(its bytes / the released bytes):
+        activations go with width × depth, weights with width² × depth, so for a model no deeper than the
+        release the square root bounds the activations' ratio from above. Unknown bytes (0) count the release."""
         if not self.use_moge:
             return 0
-        return CAMERA_FLOAT32_BYTES if self.precision == "float32" else CAMERA_FLOAT16_BYTES
+        measured = CAMERA_FLOAT32_BYTES if self.precision == "float32" else CAMERA_FLOAT16_BYTES
+        if 0 < self.weight_bytes < CAMERA_MEASURED_WEIGHT_BYTES:
+            return int(measured * math.sqrt(self.weight_bytes / CAMERA_MEASURED_WEIGHT_BYTES))
+        return measured
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         fov = state.fov_deg if state.fov_deg is not None else self.fov_deg

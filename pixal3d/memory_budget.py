@@ -49,6 +49,7 @@ UPSAMPLE_BYTES_PER_VOXEL = 3_300  # per level-3 voxel: the 128-channel blocks of
 # in float32; 2.00 GiB under float16 autocast, which keeps a float16 copy of the weights beside them
 CAMERA_FLOAT32_BYTES = 1_650_000_000
 CAMERA_FLOAT16_BYTES = 2_300_000_000
+CAMERA_MEASURED_WEIGHT_BYTES = 1_304_836_908  # the released model.pt's tensors, the model those figures are of
 
 
 @dataclass(frozen=True)
