@@ -145,7 +145,11 @@ def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_cha
         worker.close()
 
 
-def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(worker, tmp_path):
+def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(worker, tmp_path, monkeypatch):
+    from pipelines import pipeline
+
+    machine = pipeline.detect_machine("cpu")  # read once: the two tables compare texts, not two moments of memory
+    monkeypatch.setattr(pipeline, "detect_machine", lambda device=None: machine)
     assert plan_or_refusal(worker, RESIDENT) == worker.plan(RESIDENT).table()  # the text --plan prints
     offload = JobSettings(policy="offload")  # parks models in host memory: refused where memory is unified (CPU)
     refusal = plan_or_refusal(worker, offload)
