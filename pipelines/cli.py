@@ -13,7 +13,9 @@ image's GLB, ``<output>.run.json`` and latents as it comes, with its per-stage t
 Errors a user can cause (``pipelines.errors.classify``) print one line on stderr, naming the library's
 settings by their flags (``in_flags``), and exit non-zero (2 before the run starts, 1 during it,
 130/143/129 when SIGINT/SIGTERM/SIGHUP stop it). The GLB, its run.json and its latents appear together or not at all; no partial or
-temporary file is ever left.
+temporary file is ever left. After a SIGKILL or a power loss the GLB still never appears without its record (it is
+renamed last: ``Result.save_outputs``), and the next run over the same outputs removes what the killed one left
+(``pipelines/leftovers.py``) and says so in one line.
 
 Several inputs (or a folder) are a batch (``pipelines.batch``): stage by stage under staged/offload, so each
 model loads once per batch. An input that is not a usable image is reported in one line and skipped, the
@@ -62,6 +64,7 @@ from .batch import BatchItem, default_order, trace_path
 from .camera import CameraStage
 from .data_parallel import DataJob, GroupStoppedError
 from .errors import DeviceError, Failure, UsageError, classify, one_line
+from .leftovers import clean_leftovers, cleaned_line
 from .parallel import rank_device
 from .pipeline import Pixal3D
 from .plan import RunPlan, check_device, check_inputs, default_device
@@ -359,6 +362,13 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
         if args.work_dir is not None:
             held.enter_context(exclusive_lock(args.work_dir / WORK_DIR_LOCK, wait=False,
                                               what=str(args.work_dir), owner="another run"))
+        latents = [args.keep_latents / f"{i.stem}.latents.pt" for i, _ in jobs] if args.keep_latents else []
+        # Under --parallel data the other groups write these outputs and records meanwhile, without these locks: a
+        # temporary file or a lone run.json may be theirs, so only lock files nobody holds are cleared there.
+        removed = clean_leftovers([o for _, o in jobs], latents=latents, work_dir=args.work_dir,
+                                  temporaries=job is None)
+        if removed:
+            print(f"pixal3d-image-to-mesh: {cleaned_line(removed)}", file=sys.stderr, flush=True)
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it); with --fov
     #    every image has its field of view, so no camera model is planned or fetched

@@ -4,6 +4,7 @@ run.json content, ``save_latents`` the coords and latents; ``save_outputs`` writ
 group that appears whole or not at all."""
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import platform
@@ -177,20 +178,24 @@ class Result:
                      command: Sequence[str] = ()) -> list[Path]:
         """Write the GLB and, when paths are given, its run.json (``record(output=glb, command=...)``) and its
         latents, atomically as one group: every file is written before any appears, so a full disk, an
-        error or a signal leaves none of them, never a GLB without its record. Returns the paths."""
+        error or a signal leaves none of them. The GLB is the group's commit point (``pixal3d.files``): it is
+        renamed last, after the latents and the run.json are complete on disk, so even a SIGKILL or a power loss
+        never leaves a GLB without its record (at most a record without its GLB, which counts as absent; the
+        record's ``export.glb_sha256`` ties it to its GLB). Returns the paths: GLB, run.json, latents."""
         if self.mesh is None:
             raise ValueError("this run has no mesh to save (it stopped before the export stage)")
-        files = {Path(glb): lambda: self.mesh.glb}
-        if record is not None:
-            files[Path(record)] = lambda: json_bytes(self.record(output=glb, command=command))
+        files: dict[Path, Any] = {}
         if latents is not None:
             files[Path(latents)] = self.latents_bytes
+        if record is not None:
+            files[Path(record)] = lambda: json_bytes(self.record(output=glb, command=command))
+        files[Path(glb)] = lambda: self.mesh.glb
         for path in files:
             path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_paths(list(files)) as temps:
             for tmp, (path, data) in zip(temps, files.items()):
                 write_bytes_to(tmp, data(), path)
-        return list(files)
+        return [Path(glb), *(Path(p) for p in (record, latents) if p is not None)]
 
     def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
         """The run.json content: config, seed, versions, the CPU kernels and their pins (``pixal3d.kernels``),
@@ -227,6 +232,7 @@ class Result:
         if self.mesh is None:
             return {}
         export = self.mesh.report.to_dict()
+        export["glb_sha256"] = hashlib.sha256(self.mesh.glb).hexdigest()  # ties the record to its GLB
         if output is not None:
             export["path"] = str(output)  # where the GLB is, not where the exporter held it
         return export

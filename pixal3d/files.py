@@ -6,6 +6,14 @@ temporary file is removed and no target is touched. ``atomic_paths`` does this f
 run.json and its latents): all are written before the first rename, so a full disk leaves none of them,
 and if a rename itself fails the targets already renamed are removed again (both or neither).
 
+The group's invariant, which holds after SIGKILL and power loss too (no ``finally`` runs then): **the last
+path is the commit point.** It is visible only when every other path of the group is complete beside it:
+an older file under the last path's name is removed first, the others are renamed and flushed (their
+folders ``fsync``-ed), and the last is renamed after them. A kill between two renames therefore leaves at
+most the group's other files without the last one (a run.json without its GLB) — an unfinished group that
+a reader treats as absent and the next run over that path removes (``pipelines/leftovers.py``) — never the
+last file without the others, and never an older last file beside newer others.
+
 Durable too: each temporary file is flushed to disk (``fsync``) before its rename and the folder after
 the renames, so a power loss or a crash of the machine (not only of the process) leaves the old file or the
 new one, never an empty or truncated one under the target's name (a resumable work dir relies on it).
@@ -35,7 +43,7 @@ def _umask() -> int:
 @contextmanager
 def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
     """Yield one temporary path beside each of ``paths``; they all become their targets when the block
-    succeeds, none does otherwise."""
+    succeeds, none does otherwise. The last of ``paths`` is the group's commit point (see the module's doc)."""
     targets = [Path(p) for p in paths]
     temps: list[Path] = []
     renamed: list[Path] = []
@@ -62,15 +70,22 @@ def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
                 _sync(tmp)
             except OSError as err:
                 raise name_target(err, target) from err
-        for tmp, target in zip(temps, targets):
+        if len(targets) > 1:  # the commit point first goes: an older one never stands beside newer others
+            try:
+                targets[-1].unlink(missing_ok=True)
+            except OSError as err:
+                raise name_target(err, targets[-1]) from err
+        for index, (tmp, target) in enumerate(zip(temps, targets)):
+            if index == len(targets) - 1:
+                for folder in dict.fromkeys(t.parent for t in targets[:-1]):
+                    _sync_folder(folder)  # the others' renames are on the disk before the commit point's
             try:
                 os.replace(tmp, target)
             except OSError as err:
                 raise name_target(err, target) from err
             renamed.append(target)
         committed = True
-        for folder in dict.fromkeys(target.parent for target in targets):
-            _sync_folder(folder)
+        _sync_folder(targets[-1].parent)
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
@@ -116,6 +131,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write to; it becomes ``path`` when the block succeeds."""
     with atomic_paths([path]) as (tmp,):
         yield tmp
+
+
+def leftover_temporaries(target: str | os.PathLike) -> list[Path]:
+    """The temporary files a killed writer of ``target`` left beside it (``.NAME.<random>.tmp``): only a writer
+    of ``target`` makes them, so once a caller holds ``target``'s lock every one found is a leftover."""
+    target = Path(target)
+    prefix = f".{target.name}."
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    return sorted(p for p in entries if p.name.startswith(prefix) and p.name.endswith(".tmp")
+                  and len(p.name) > len(prefix) + len(".tmp"))
 
 
 def write_bytes_to(tmp: Path, data: bytes, target: str | os.PathLike) -> int:

@@ -4,8 +4,9 @@ Two uses: first runs that generate the same cache folder wait for each other (th
 rest find the folder complete); two runs that would write the same output refuse to (``wait=False``
 raises ``LockedError`` naming the process that holds it). The lock is ``flock`` on a small hidden file
 that holds the owner's pid; the kernel drops it when its process dies, however it dies, so a crashed
-run never leaves a stale lock, and the file is removed on release. Where ``fcntl`` does not exist
-(Windows) the lock does nothing.
+run never leaves a stale lock, and the file is removed on release. A SIGKILL skips that removal: the file
+stays, unlocked, until ``remove_if_stale`` (which locks it first, so a live holder's file is never taken)
+clears it. Where ``fcntl`` does not exist (Windows) the lock does nothing.
 """
 from __future__ import annotations
 
@@ -80,3 +81,29 @@ def _holder(fd: int) -> int | None:
     except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
+
+
+def remove_if_stale(path: str | os.PathLike) -> bool:
+    """Remove the lock file ``path`` when no process holds it (its owner died without releasing it); True when
+    removed. Removed while locked, as a release does, so a process waiting for it retries on a fresh file."""
+    path = Path(path)
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its owner is alive
+        os.close(fd)
+        return False
+    try:
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            return False  # released and recreated meanwhile: not the file we locked
+        path.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

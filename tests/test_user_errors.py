@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 import signal
 import time
 
@@ -96,13 +97,15 @@ def test_a_terminated_atomic_write_leaves_no_temporary_file(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
-def test_an_atomic_group_is_flushed_to_disk_before_any_rename_and_its_folder_after(tmp_path, monkeypatch):
+def test_an_atomic_group_is_flushed_to_disk_before_any_rename_and_its_commit_point_renamed_last(tmp_path, monkeypatch):
     """Durability for a crash of the machine: every temporary file's data is fsync'ed before the first
-    rename (so no target can appear empty or short after a power loss), and the folder after the renames."""
+    rename (so no target can appear empty or short after a power loss); the group's last path (its commit
+    point: the GLB) is renamed only after the others' renames are flushed (their folder fsync'ed), and an older
+    file under its name is removed before any rename, so no power loss shows a GLB without its record."""
     from pixal3d.files import atomic_paths
 
     log: list[str] = []
-    fsync, replace = os.fsync, os.replace
+    fsync, replace, unlink = os.fsync, os.replace, Path.unlink
 
     def logged_fsync(fd):
         log.append("fsync:" + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
@@ -112,13 +115,20 @@ def test_an_atomic_group_is_flushed_to_disk_before_any_rename_and_its_folder_aft
         log.append("replace:" + os.path.basename(dst))
         return replace(src, dst)
 
+    def logged_unlink(path, missing_ok=False):
+        if not path.name.startswith("."):
+            log.append("unlink:" + path.name)
+        return unlink(path, missing_ok=missing_ok)
+
+    (tmp_path / "a.glb").write_bytes(b"old glb")
     monkeypatch.setattr(os, "fsync", logged_fsync)
     monkeypatch.setattr(os, "replace", logged_replace)
-    with atomic_paths([tmp_path / "a.glb", tmp_path / "a.run.json"]) as (glb, record):
-        glb.write_bytes(b"glb")
+    monkeypatch.setattr(Path, "unlink", logged_unlink)
+    with atomic_paths([tmp_path / "a.run.json", tmp_path / "a.glb"]) as (record, glb):
         record.write_bytes(b"{}")
+        glb.write_bytes(b"glb")
     synced = [entry for entry in log if entry.startswith("fsync:.")]  # the hidden temporary names
     assert len(synced) == 2 and log[:2] == synced
-    assert log[2:4] == ["replace:a.glb", "replace:a.run.json"]
-    assert log[4:] == [f"fsync:{tmp_path.name}"]
+    assert log[2:] == ["unlink:a.glb", "replace:a.run.json", f"fsync:{tmp_path.name}", "replace:a.glb",
+                       f"fsync:{tmp_path.name}"]
     assert (tmp_path / "a.glb").read_bytes() == b"glb" and (tmp_path / "a.run.json").read_bytes() == b"{}"
