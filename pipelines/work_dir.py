@@ -13,7 +13,9 @@ class and settings, i.e. its part of the config), the run inputs it reads (the i
 view, the device, the latent normalizations), the files of the models it needs (path, size, modification time:
 for the Hub that is the pinned revision's snapshot) and the torch and pixal3d versions. A stored record counts
 only when its key is the one this run would make, and the safetensors file beside it carries the same key in its
-metadata and is as long as its header says. So a changed seed keeps ``preprocess`` and ``camera`` (they do not
+metadata, is as long as its header says, and hashes to the sha256 its record stored when it was written
+(``data_sha256``): a record damaged on disk (a flipped bit, a truncated copy) is named in one line, dropped, and
+its stage recomputed from the last sound record. So a changed seed keeps ``preprocess`` and ``camera`` (they do not
 read the generator) and recomputes from ``structure``; a changed export setting recomputes only ``export``.
 
 Both files are written atomically (``pixal3d.files``), the safetensors first: a kill at any instant leaves
@@ -202,8 +204,10 @@ class WorkDir:
         data.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(data) as tmp:
             save_file(tensors, str(tmp), metadata={"key": key.digest, "format": RECORD_FORMAT})
+            content = file_sha256(tmp)
         write_json_atomic(meta, {"format": RECORD_FORMAT, "image": image, "stage": key.stage, "key": key.digest,
-                                 "parts": key.parts, "record": dataclasses.asdict(record), "fields": fields})
+                                 "data_sha256": content, "parts": key.parts, "record": dataclasses.asdict(record),
+                                 "fields": fields})
 
     def discard(self, image: str, stages: Sequence[str]) -> None:
         """Remove the records of ``stages`` (stale ones), record first."""
@@ -234,7 +238,7 @@ class WorkDir:
                 note = (f"{image}: the stored records from {key.stage} on were made with {why_stale(stored, key)}; "
                         f"recomputing from {key.stage}")
                 break
-            problem = self._check_data(image, key)
+            problem = self._check_data(image, key, stored)
             if problem:
                 note = f"{image}: the stored {key.stage} record is unusable ({problem}); recomputing from {key.stage}"
                 break
@@ -263,7 +267,9 @@ class WorkDir:
             return {"unreadable": True}
         return stored if isinstance(stored, dict) and stored.get("format") == RECORD_FORMAT else {"unreadable": True}
 
-    def _check_data(self, image: str, key: StageKey) -> str | None:
+    def _check_data(self, image: str, key: StageKey, stored: Mapping[str, Any]) -> str | None:
+        """Why the data file beside a record whose key matches cannot be used, or None: its header, its key, and
+        its bytes against the sha256 the record stored when it was written (a flipped bit anywhere counts)."""
         data, _ = self._paths(image, key.stage)
         try:
             header = read_safetensors_header(data)
@@ -271,6 +277,15 @@ class WorkDir:
             return str(err)
         if header.metadata.get("key") != key.digest:
             return f"{data.name} belongs to another run"
+        expected = stored.get("data_sha256")
+        if not isinstance(expected, str):
+            return f"{key.stage}.json holds no sha256 of {data.name} (an older pixal3d wrote it)"
+        try:
+            actual = file_sha256(data)
+        except OSError as err:
+            return f"{data.name} cannot be read: {err.strerror or err}"
+        if actual != expected:
+            return f"{data.name} is damaged: its bytes no longer match the sha256 in {key.stage}.json; dropped"
         return None
 
 
@@ -369,14 +384,21 @@ class StateStore(Store):
                   getattr(state, stage.draws) if stage.draws is not None else None, self.kinds)
 
 
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def input_digest(source: Any) -> str:
     """sha256 of the input: the file's bytes, or an in-memory image's mode, size and pixels."""
-    digest = hashlib.sha256()
     if isinstance(source, (str, Path)):
-        with open(source, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    elif isinstance(source, Image.Image):
+        return file_sha256(source)
+    digest = hashlib.sha256()
+    if isinstance(source, Image.Image):
         digest.update(f"{source.mode}|{source.size}|".encode())
         digest.update(source.tobytes())
     elif isinstance(source, np.ndarray):
