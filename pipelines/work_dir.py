@@ -46,6 +46,7 @@ import numpy as np
 import psutil
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pixal3d.files import atomic_path, write_json_atomic
@@ -180,6 +181,8 @@ class WorkDir:
             if not marker.exists():
                 write_json_atomic(marker, {"format": RECORD_FORMAT, "layout": "<image>/<stage>.safetensors + "
                                                                              "<image>/<stage>.json"})
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".pixal3d-write-test-", suffix=".tmp"):
+                pass  # a read-only folder (or file system) is refused now, not at the first stage's record
         except OSError as err:
             raise WorkDirError(f"work directory {self.root} cannot be used ({err.strerror or err}); "
                                f"choose another work_dir") from None
@@ -203,7 +206,7 @@ class WorkDir:
         data, meta = self._paths(image, key.stage)
         data.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(data) as tmp:
-            save_file(tensors, str(tmp), metadata={"key": key.digest, "format": RECORD_FORMAT})
+            save_tensors(tensors, tmp, data, metadata={"key": key.digest, "format": RECORD_FORMAT})
             content = file_sha256(tmp)
         write_json_atomic(meta, {"format": RECORD_FORMAT, "image": image, "stage": key.stage, "key": key.digest,
                                  "data_sha256": content, "parts": key.parts, "record": dataclasses.asdict(record),
@@ -382,6 +385,23 @@ class StateStore(Store):
         stage, state = self.stages[k], item.state
         disk.save(item.name, item.keys[k], item.records[k], {name: getattr(state, name) for name in stage.outputs},
                   getattr(state, stage.draws) if stage.draws is not None else None, self.kinds)
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], tmp: Path, target: Path, *, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` to ``tmp``; a failed write (a full disk, a read-only file system, a quota)
+    is the ``OSError`` of the system's error number, naming ``target``, as every other write of the run reports
+    it (``pipelines.errors.classify``), not safetensors' own ``SafetensorError`` with the number in its text."""
+    try:
+        save_file(dict(tensors), str(tmp), metadata=metadata)
+    except SafetensorError as err:
+        match = _OS_ERROR.search(str(err))
+        if match is None:
+            raise
+        number = int(match[1])
+        raise OSError(number, os.strerror(number), str(target)) from err
 
 
 def file_sha256(path: str | Path) -> str:
