@@ -163,7 +163,7 @@ class Pixal3D:
         chosen, reasons = resolve_policy(policy, memory, machine, limit=None if budget is None else
                                          models_and_work(budget))
         reasons += [shared] if shared else []
-        reasons += describe_fit(stages, budget)
+        reasons += describe_fit(stages, budget, machine)
         reasons.append(describe_route(config.runtime.attention, device))
         # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
         mps_limit = None

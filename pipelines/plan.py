@@ -171,9 +171,16 @@ def with_attention_route_of(stages: Sequence[Any], route: str) -> tuple[Any, ...
     return tuple(out)
 
 
-def describe_fit(stages: Sequence[Any], budget: int | None) -> list[str]:
-    """The plan's reasons for what fitting decided (NAF mode per stage, decode tiles, chunks)."""
-    reasons = [f"memory budget {gib(budget)}: every stage's work is bounded to it"] if budget is not None else []
+def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | None = None) -> list[str]:
+    """The plan's reasons for what fitting decided (NAF mode per stage, decode tiles, chunks); a budget above the
+    ``machine``'s memory is a warning first: it bounds nothing there (``1000T`` on a 24 GiB machine)."""
+    reasons = []
+    if budget is not None and machine is not None and budget > machine.device_total:
+        reasons.append(f"warning: the memory budget {format_bytes(budget)} is more than this machine's "
+                       f"{format_bytes(machine.device_total)} of {machine.device} memory, so it bounds nothing; "
+                       f"give memory_budget a size below it, or auto")
+    elif budget is not None:
+        reasons.append(f"memory budget {format_bytes(budget)}: every stage's work is bounded to it")
     modes: dict[str, list[str]] = {}
     for stage in stages:
         choices = stage.choices() if hasattr(stage, "choices") else {}

@@ -89,8 +89,16 @@ class MemoryBudgetError(ValueError):
     """A stage cannot run within the memory budget, whatever its tiles or chunks."""
 
 
+_SHOWN_UNITS = (("TiB", 2**40, 2), ("GiB", GIB, 2), ("MiB", MIB, 1), ("KiB", 2**10, 1))
+
+
 def format_bytes(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """``n`` bytes in the largest binary unit it reaches, so every size shows (``1.0 KiB``, ``450.0 MiB``,
+    ``2.00 GiB``; ``512 B``), never a ``0.00 GiB`` that hides a kilobyte."""
+    for unit, size, decimals in _SHOWN_UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.{decimals}f} {unit}"
+    return f"{int(n)} B"
 
 
 def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBudgetError:
@@ -112,7 +120,11 @@ def models_and_work(budget: int) -> int:
 
 
 def parse_budget(text: str | int) -> int:
-    """``"8G"``, ``"8GiB"``, ``"7.5G"``, ``"6000M"`` or a byte count -> bytes (binary units: G = 2**30)."""
+    """``"8G"``, ``"8GiB"``, ``"7.5G"``, ``"6000M"`` or a byte count -> bytes (binary units: G = 2**30). A
+    lower-case ``b`` is bits by convention (``8Gb`` = 1 GiB): refused with the spelling meant, not guessed."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise SettingError("memory_budget", f"memory budget {text!r} is not a size; write e.g. 8G, 7.5GiB or "
+                                            f"6000M (a string), or a number of bytes")
     if isinstance(text, int):
         value = text
     else:
@@ -121,6 +133,11 @@ def parse_budget(text: str | int) -> int:
         if match is None or unit not in _UNITS:
             raise SettingError("memory_budget", f"memory budget {text!r} is not a size; write e.g. 8G, 7.5GiB or "
                                                 f"6000M")
+        if match.group(2).endswith("b"):
+            prefix = match.group(2)[:-1].upper()
+            meant = match.group(1) + (prefix[0] + "iB" if prefix.endswith("I") else prefix + "B")
+            raise SettingError("memory_budget", f"memory budget {text!r} ends in a lower-case b, which means bits; "
+                                                f"sizes are in bytes: write {meant!r} (or {meant[:-1]!r})")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise SettingError("memory_budget", f"memory budget {text!r} must be positive")

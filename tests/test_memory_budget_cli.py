@@ -18,8 +18,8 @@ def _run(capsys, *argv):
 
 @pytest.mark.parametrize(("budget", "message"), [
     ("7x", "--memory-budget: memory budget '7x' is not a size; write e.g. 8G"),
-    ("100M", "stage 'preprocess' needs at least 0.44 GiB (weights 0.00 GiB and a working set of 0.00 GiB) but the "
-             "memory budget is 0.10 GiB; raise --memory-budget or use a smaller config"),
+    ("100M", "stage 'preprocess' needs at least 450.0 MiB (weights 0 B and a working set of 0 B) but the "
+             "memory budget is 100.0 MiB; raise --memory-budget or use a smaller config"),
 ])
 def test_a_budget_that_cannot_be_read_or_met_is_one_line_before_any_weight_is_read(tiny_cache, tmp_path, capsys,
                                                                                     monkeypatch, budget, message):
