@@ -47,7 +47,7 @@ from pixal3d.staging.mps_memory import apply_mps_memory_limit, check_mps_memory_
 from pixal3d.staging.policy import usable
 from pixal3d.telemetry import MemoryMeter
 
-from . import state_codec
+from . import arguments, state_codec
 from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
 from .build import build_stages
 from .data_parallel import DataJob
@@ -118,6 +118,8 @@ class Pixal3D:
         part: the flow stages, on shards of the flow models (the plan counts each rank's shard).
         """
         # 1. config and device; this rank's part of a parallel job (its device: cuda:<local rank>)
+        arguments.check_plan_arguments(config, policy=policy, device=device, replace=replace, until=until,
+                                       memory_budget=memory_budget)
         config = load_config(config) if isinstance(config, (str, Path)) else config
         device = check_device(torch.device(device)) if device is not None else default_device()
         rank = rank_plan(parallel, device)
@@ -268,6 +270,9 @@ class Pixal3D:
         trace:    also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
         name:     what run.json calls the input (default: the path, or "<image>")
         """
+        arguments.check_image(image)
+        arguments.check_optional(name, "name", (str,), "a string")
+        arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
         items = image_items([image], seed=seed, default_seed=self.config.seed, labels=[name] if name else None)
         [item] = self._execute(items, "image", fov=fov, events=events, progress=progress, callback=callback,
                                trace=trace, trace_meta=trace_meta)
@@ -287,6 +292,11 @@ class Pixal3D:
         for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order).
         ``share``: this rank's part of a ``--parallel data`` job (``data_parallel.DataJob``): only the images this
         group claims (in ``work_dir``) or is given (i mod K) run here and are yielded."""
+        arguments.check_images(images)
+        arguments.check_names(names)
+        arguments.check_optional(work_dir, "work_dir", (str, Path), "a path")
+        arguments.check_state_budget(state_budget)
+        arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
         order = order or default_order(self.policy)
         if order not in ("image", "stage"):
             raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
