@@ -155,9 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     _configure_logging(quiet=args.quiet)
     if args.quiet:
-        import transformers
-
-        transformers.logging.disable_progress_bar()  # its "Loading weights" bar ignores our --quiet
+        _quiet_transformers()
     try:
         settings = parallel_settings(args)
         if settings is None:
@@ -189,6 +187,17 @@ def _data_command(args: argparse.Namespace, settings: ParallelSettings) -> int:
         return _command(args, settings, job=job)
     finally:
         job.close()
+
+
+def _quiet_transformers() -> None:
+    """Silence transformers' "Loading weights" bar (it ignores our --quiet) without importing transformers, whose
+    modeling code costs seconds that ``--plan`` never needs: it reads huggingface_hub's switch when imported."""
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].logging.disable_progress_bar()
+    else:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRuntime | None = None, *,

@@ -11,8 +11,6 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.ndimage import distance_transform_edt
-from scipy.spatial import cKDTree
 
 from .fields import PBR_LAYOUT
 from .sparse_index import SparseIndex
@@ -116,6 +114,8 @@ class SurfaceProjector:
         self.max_shift = max_shift
         self.vertices = vertices.astype(np.float32, copy=False)
         self.faces = faces
+        from scipy.spatial import cKDTree  # 0.4 s to import: only when a mesh is exported
+
         self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False)
         if mode == "exact":
             self.incident = self._incident_faces(len(vertices), faces, max_valence)
@@ -229,6 +229,8 @@ def fill_gutters(image: np.ndarray, covered: np.ndarray) -> np.ndarray:
     """Copy into every uncovered texel the value of its nearest covered texel (EDT indices)."""
     if covered.all() or not covered.any():
         return image
+    from scipy.ndimage import distance_transform_edt  # 0.7 s to import: only when a texture is baked
+
     iy, ix = distance_transform_edt(~covered, return_distances=False, return_indices=True)
     return image[iy, ix]
 

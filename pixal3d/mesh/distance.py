@@ -14,7 +14,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from scipy.spatial import cKDTree
 
 
 def point_triangle_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -90,6 +89,8 @@ class SurfaceDistance:
         used = np.zeros(len(self.vertices), bool)
         used[faces.reshape(-1)] = True
         self.tree_ids = np.flatnonzero(used)  # vertices of no face stay out of the tree
+        from scipy.spatial import cKDTree  # 0.4 s to import: only when a mesh is exported
+
         self.tree = cKDTree(self.vertices[self.tree_ids], balanced_tree=False, compact_nodes=False)
         corner_owner = faces.reshape(-1)
         # [3F] the faces incident to each vertex, grouped by vertex (CSR with ``start``)

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import trimesh
 from tqdm.auto import tqdm
 
 from pixal3d.files import write_bytes_atomic
@@ -43,6 +44,9 @@ from .rss import PeakRss
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
 from .uv import UvMesh, uv_unwrap
+
+if TYPE_CHECKING:  # the mesh's type only; trimesh itself is imported where a mesh is built (glb.py)
+    import trimesh
 
 log = logging.getLogger(__name__)
 

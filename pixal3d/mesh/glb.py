@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import trimesh
 from PIL import Image
-from trimesh.exchange.gltf import export_glb
-from trimesh.visual.material import PBRMaterial
-from trimesh.visual.texture import TextureVisuals
 
 from pixal3d.files import write_bytes_atomic
+
+if TYPE_CHECKING:  # trimesh costs a second to import: only when a mesh is built
+    import trimesh
 
 INTERNAL_TO_GLB = np.array([[-1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, -1.0]])
 ALPHA_MODES = ("OPAQUE", "BLEND", "auto")
@@ -59,6 +59,10 @@ def build_mesh(
     alpha_mode: str = "OPAQUE",
 ) -> trimesh.Trimesh:
     """A textured trimesh in the GLB frame; ``uvs`` in the baker's convention (row 0 at v ≈ 0)."""
+    import trimesh
+    from trimesh.visual.material import PBRMaterial
+    from trimesh.visual.texture import TextureVisuals
+
     material = PBRMaterial(
         baseColorTexture=Image.fromarray(base_color_rgba, mode="RGBA"),
         baseColorFactor=[255, 255, 255, 255],
@@ -82,6 +86,9 @@ def encode_glb(mesh: trimesh.Trimesh, *, texture_format: str = "png") -> bytes:
     """The GLB file's bytes for ``mesh`` (textures encoded as PNG or WebP)."""
     if texture_format not in TEXTURE_FORMATS:
         raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {texture_format!r}")
+    import trimesh
+    from trimesh.exchange.gltf import export_glb
+
     return export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
 
 

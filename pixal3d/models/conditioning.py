@@ -21,11 +21,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from PIL import Image
-from transformers import DINOv3ViTModel
 
 from ..nn.sparse_tensor import SparseTensor
 from .camera import Camera
@@ -38,6 +37,9 @@ from .projection import (
     sample_map,
     sample_pointwise,
 )
+
+if TYPE_CHECKING:  # annotations only: importing transformers' modeling code costs seconds
+    from transformers import DINOv3ViTModel
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+if TYPE_CHECKING:  # transformers' modeling code costs seconds to import: only where a backbone is built
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 DINOV3_REPO = "camenduru/dinov3-vitl16-pretrain-lvd1689m"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -28,11 +32,15 @@ def tiny_dinov3_config(**overrides) -> DINOv3ViTConfig:
     args = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "patch_size": 16, "num_register_tokens": 4, "image_size": 512, "layerscale_value": 1.0}
     args.update(overrides)
+    from transformers import DINOv3ViTConfig
+
     return DINOv3ViTConfig(**args)
 
 
 def _random_dinov3(config: DINOv3ViTConfig, seed: int) -> DINOv3ViTModel:
     """Deterministic random init that leaves the caller's RNG state untouched."""
+    from transformers import DINOv3ViTModel
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return DINOv3ViTModel(config)
@@ -48,6 +56,8 @@ def write_tiny_dinov3(folder: str | Path, *, seed: int = 0, config: DINOv3ViTCon
 def load_dinov3(source: str | Path | DINOv3ViTConfig, device: torch.device | str = "cpu", *,
                 dtype: torch.dtype = torch.float32, revision: str | None = None, seed: int = 0) -> DINOv3ViTModel:
     """The backbone in eval mode: from a model folder / Hub repo id, or random-initialised from a config."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
     if isinstance(source, DINOv3ViTConfig):
         model = _random_dinov3(source, seed)
     else:
