@@ -226,6 +226,8 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
             raise
         if runtime is not None:
             runtime.fail(err)  # the other ranks stop too (nothing happens if they already know)
+            if failure.kind == "interrupted":  # torchrun's agent stops every rank when one dies: say which
+                failure = replace(failure, message=f"{failure.message}; {ended_ranks_line(runtime)}")
         if job is not None and job.rank == 0 and not isinstance(err, PeerFailedError):
             job.post_exit(failure.exit_code, readers=0)  # the other groups stop before their next image
         if failure.kind == "interrupted" and args.work_dir is not None:
@@ -258,6 +260,17 @@ def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
         print(f"pixal3d-image-to-mesh: error: {message}", file=sys.stderr)
         return failure.exit_code
     return 0
+
+
+def ended_ranks_line(runtime: ParallelRuntime) -> str:
+    """Why a parallel job's rank 0 was stopped, as far as it can tell: the ranks on this machine that had ended."""
+    ended = runtime.ended_ranks()
+    if not ended:
+        return ("if torchrun sent it, another rank of the job ended (torchrun stops every rank when one does): "
+                "its own output, or the system log for the OOM killer, says why")
+    names = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in ended)
+    return (f"{names} of the parallel job had ended without a word (killed: SIGKILL or the OOM killer?), and "
+            f"torchrun stops every rank when one ends")
 
 
 def _fail(failure: Failure) -> int:
@@ -336,12 +349,6 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     if args.seed is not None:
         check_seed(args.seed)
     check_fov(args.fov)
-    data = getattr(parallel, "mode", None) == "data"
-    if parallel is not None and not data and (args.work_dir is not None or args.batch_order == "stage"):
-        raise UsageError(f"--work-dir and --batch-order stage need one process per image; under --parallel "
-                         f"{parallel.settings.mode if isinstance(parallel, ParallelRuntime) else parallel.mode} the "
-                         f"other ranks follow rank 0 image by image: drop them, use --parallel data (each process "
-                         f"runs whole images), or run without --parallel")
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
     #    batch a bad one costs only itself: reported, skipped, counted in the summary
     inputs = everything = collect_inputs(args.inputs)
@@ -416,6 +423,11 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
                              f"cascade and write the same files; pass --parallel cfg, pipefusion or both, or run "
                              f"without torchrun")
         return None
+    # Every rank sees this alike, before any rendezvous: rank 0 says it once, every rank exits 2.
+    if args.parallel != "data" and (args.work_dir is not None or args.batch_order == "stage"):
+        raise UsageError(f"--work-dir and --batch-order stage need one process per image; under --parallel "
+                         f"{args.parallel} the other ranks follow rank 0 image by image: drop them, use --parallel "
+                         f"data (each process runs whole images), or run without --parallel")
     cfg = 2 if args.parallel in ("cfg", "both") else 1
     piped = args.parallel in ("pipefusion", "both")
     if "RANK" not in env or "WORLD_SIZE" not in env:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -116,6 +117,31 @@ class ParallelRuntime:
                                f"{self.settings.timeout_s:.0f} s ({err})") from None
         return tuple(json.loads(self.store.get(f"{prefix}all")))
 
+    def ended_ranks(self) -> list[tuple[int, int]]:
+        """The other ranks whose process has ended, as ``(rank, pid)``: those on this machine (each rank posted its
+        host and pid at ``init_parallel``) that no longer run or are zombies awaiting torchrun's agent. What rank 0
+        can say when torchrun's agent stops it because another rank died (a SIGKILL, the OOM killer) without a
+        word on the failure board. Ranks on other machines, or whose post cannot be read, are not judged."""
+        import psutil
+
+        ended = []
+        for rank in range(self.topology.world_size):
+            if rank == self.topology.rank:
+                continue
+            try:
+                host, pid = self.store.get(f"pid/{rank}").decode().rsplit(":", 1)
+            except Exception:  # noqa: BLE001  (no post, or a store that went away with the job: unknown)
+                continue
+            if host != socket.gethostname() or not pid.isdigit():
+                continue
+            try:
+                gone = psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:  # no such process (reaped), or not ours to look at
+                gone = not psutil.pid_exists(int(pid))
+            if gone:
+                ended.append((rank, int(pid)))
+        return ended
+
     def group(self, kind: str, src: int, dst: int) -> Any:
         return self.groups[(kind, src, dst)]
 
@@ -154,6 +180,7 @@ def init_parallel(settings: ParallelSettings, *, device: torch.device | str | No
     groups = {link: dist.new_group([link[1], link[2]], timeout=timeout, backend=backend)
               for link in topology.links()}
     store = dist.PrefixStore("pixal3d/parallel/", c10d._get_default_store())  # the store env:// made
+    store.set(f"pid/{topology.rank}", f"{socket.gethostname()}:{os.getpid()}")  # for ended_ranks
     logger.info("parallel %s: rank %d of %d (cfg group %d, pipeline stage %d of %d) on %s over %s",
                 settings.mode, topology.rank, topology.world_size, topology.cfg_index, topology.stage,
                 topology.pp_degree, device, backend)
