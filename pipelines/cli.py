@@ -153,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that every model release runs scans only the run's own objects (0.5 s → ~0.01 s per release).
     gc.freeze()
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command = command_as_typed(argv)
     _configure_logging(quiet=args.quiet)
     if args.quiet:
         _quiet_transformers()
@@ -187,6 +188,22 @@ def _data_command(args: argparse.Namespace, settings: ParallelSettings) -> int:
         return _command(args, settings, job=job)
     finally:
         job.close()
+
+
+def command_as_typed(argv: Sequence[str] | None = None) -> list[str]:
+    """run.json's and batch.json's ``command``: the program as the user started it (``python
+    scripts/image_to_mesh.py``, ``pixal3d-image-to-mesh``, ``python -m pipelines.cli``) and its arguments, so
+    pasting it runs the same thing; ``main(argv)`` called from Python is recorded under the command's name."""
+    if argv is not None:
+        return ["pixal3d-image-to-mesh", *argv]
+    program = sys.argv[0]
+    if program and Path(program).resolve() == Path(__file__).resolve():
+        head = ["python", "-m", "pipelines.cli"]
+    elif program.endswith(".py"):
+        head = ["python", program]
+    else:
+        head = [Path(program).name or "pixal3d-image-to-mesh"]
+    return [*head, *sys.argv[1:]]
 
 
 def _quiet_transformers() -> None:
@@ -600,7 +617,7 @@ def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None
     result = item.result
     latents = args.keep_latents / f"{item.name}.latents.pt" if args.keep_latents is not None else None
     result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
-                        command=["pixal3d-image-to-mesh", *args.argv])
+                        command=args.command)
     if not args.quiet:
         print(result.table())
         if (camera := result.camera_line()) is not None:
@@ -659,7 +676,7 @@ def _summary(args: argparse.Namespace, items: Sequence[BatchItem], prepared: Pre
     line = f"{written} written, {len(failures)} failed" + (": " + "; ".join(failures) if failures else "")
     folder = next(iter(outputs.values())).parent
     write_json_atomic(folder / "batch.json", {
-        "command": ["pixal3d-image-to-mesh", *args.argv], "order": order,
+        "command": args.command, "order": order,
         "work_dir": None if args.work_dir is None else str(args.work_dir),
         "written": written, "failed": len(failures), "summary": line, "images": rows})
     print(line, file=sys.stderr if failures else sys.stdout, flush=True)

@@ -126,8 +126,8 @@ class Result:
 
     @property
     def seconds(self) -> float:
-        """Wall seconds of all stages."""
-        return sum(r.seconds for r in self.stages)
+        """Wall seconds this run spent in its stages (a stage reused from a work directory costs none)."""
+        return sum(r.seconds for r in self.stages if not r.reused)
 
     def stage_rows(self) -> list[list[str]]:
         """One row per stage (``STAGE_COLUMNS``): seconds, peak process and device memory, the models it used,
@@ -144,6 +144,9 @@ class Result:
             window = windows.get(record.stage, {})
             loads = window.get("loads", 0)
             loaded = f"{loads} ({format_bytes(window.get('loaded_bytes', 0))})" if loads else "-"
+            if record.reused:  # restored from the work directory: nothing ran, the old figures are not this run's
+                rows.append([record.stage, f"reused ({record.seconds:.2f} then)", "-", "-", "-", "-"])
+                continue
             rows.append([record.stage, f"{record.seconds:.2f}", format_bytes(record.peak_process_bytes),
                          format_bytes(record.peak_device_bytes), ", ".join(record.used) or "-", loaded])
         rows.append(["total", f"{self.seconds:.2f}", "", "", "", ""])
@@ -199,10 +202,11 @@ class Result:
 
     def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
         """The run.json content: config, seed, versions, the CPU kernels and their pins (``pixal3d.kernels``),
-        policy and reasons, camera, tokens, per-stage rows."""
+        policy and reasons, camera, tokens, per-stage rows (``reused``: taken from a work directory, its seconds
+        those of the run that made it; ``total_seconds`` counts only this run's)."""
         stages = [{"stage": r.stage, "seconds": round(r.seconds, 4), "models": r.used,
                    "peak_process_bytes": r.peak_process_bytes, "peak_device_bytes": r.peak_device_bytes,
-                   "fingerprints": r.fingerprints} for r in self.stages]
+                   "fingerprints": r.fingerprints, "reused": r.reused} for r in self.stages]
         s = self.state
         return {
             "input": self.input,

@@ -363,7 +363,7 @@ class StateStore(Store):
             if stored.generator_state is not None:
                 getattr(state, self.stages[i].draws).set_state(stored.generator_state)
             if resumed:
-                item.records.append(stored.record)
+                item.records.append(dataclasses.replace(stored.record, reused=True))
 
     def forget(self, item: Item) -> None:
         self._held.pop(item.index, None)

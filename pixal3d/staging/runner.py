@@ -77,7 +77,9 @@ class StageGraphError(ValueError):
 @dataclass
 class StageRecord:
     """What one stage did: wall seconds, the models it asked for, fingerprints of what it wrote, and
-    (when a memory meter watched the run) its peak process and device memory in bytes."""
+    (when a memory meter watched the run) its peak process and device memory in bytes. ``reused``: the record
+    was restored from an earlier run's store (a resumed work directory), so its seconds and peaks are that
+    run's, not this one's."""
 
     stage: str
     seconds: float
@@ -85,6 +87,7 @@ class StageRecord:
     fingerprints: dict[str, str] = field(default_factory=dict)
     peak_process_bytes: int | None = None
     peak_device_bytes: int | None = None
+    reused: bool = False
 
 
 def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state_type: type | None = None,
