@@ -17,6 +17,7 @@ import gradio as gr
 from pixal3d.staging import Policy
 from pixal3d.telemetry.plot import trace_figure
 
+from ..camera import CameraStage
 from .errors import error_line
 from ..result import STAGE_COLUMNS
 from .job import REFUSAL, JobUpdate, plan_or_refusal, run_job
@@ -27,6 +28,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
 INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
          "before the run, memory per stage while it runs, and what each stage cost after.")
 DEFAULT_FOV = 49.1  # the reference's fallback field of view, the slider's starting point
+NO_ESTIMATOR = ("automatic field of view: not with this config (it names no MoGe-2 weights, or it fixes "
+                "camera.fov_deg): set it on the slider")
 PLOT_EVERY = 1.0  # seconds between redraws of the memory plot: drawing takes CPU from the run
 CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines are long: small, full width
 
@@ -45,10 +48,12 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                                           elem_id="image", height=300))
                 gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
                 seed = gr.Number(value=worker.config.seed, precision=0, minimum=0, label="seed", elem_id="seed")
+                estimates = CameraStage.from_config(worker.config).use_moge  # else "automatic" would be 49.1° as is
                 with gr.Row():
-                    fov_auto = gr.Checkbox(value=True, label="automatic field of view", elem_id="fov-auto")
+                    fov_auto = gr.Checkbox(value=estimates, interactive=estimates, elem_id="fov-auto",
+                                           label="automatic field of view" if estimates else NO_ESTIMATOR)
                     fov = gr.Slider(10, 120, value=worker.config.camera.fov_deg or DEFAULT_FOV, step=0.1,
-                                    label="field of view (degrees)", interactive=False, elem_id="fov")
+                                    label="field of view (degrees)", interactive=not estimates, elem_id="fov")
                 policy = gr.Dropdown([p.value for p in Policy], value="auto", label="memory policy",
                                      elem_id="policy")
                 texture = gr.Dropdown(textures, value=export.texture_size, label="texture size", elem_id="texture")
@@ -113,18 +118,17 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
 
 
 def _lenient(image: gr.Image) -> gr.Image:
-    """``image`` handing an upload Pillow cannot open to the job as its (cached) path, so the page shows the library's
-    one-line ``ImageError`` in the status line instead of Gradio's preprocessing error. (On the instance: a subclass
-    of a Gradio component writes a ``.pyi`` stub beside its source file when it is defined.)"""
-    preprocess = image.preprocess
+    """``image`` handing the job the uploaded file itself (its cached path), never an image Gradio decoded: the job
+    checks it as the command does (not an image, too small, too large to decode, a decompression bomb) and the page
+    shows the library's one-line ``ImageError`` in the status line, instead of Gradio's preprocessing error, which
+    came first for a 20000² PNG (Pillow's ``DecompressionBombError`` is neither an ``OSError`` nor a ``ValueError``).
+    (On the instance: a subclass of a Gradio component writes a ``.pyi`` stub beside its source file when it is
+    defined.)"""
 
-    def lenient(payload: Any) -> Any:
-        try:
-            return preprocess(payload)
-        except (OSError, ValueError):  # PIL.UnidentifiedImageError is an OSError
-            return str(payload.path)  # what Gradio returns for a readable file too (type="filepath")
+    def the_file(payload: Any) -> str | None:
+        return None if payload is None else str(payload.path)  # what Gradio returns too (type="filepath")
 
-    image.preprocess = lenient
+    image.preprocess = the_file
     return image
 
 

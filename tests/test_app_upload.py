@@ -1,0 +1,60 @@
+"""Issue 30, item 7 (uploads): the web app hands the job the uploaded file, never an image Gradio decoded, so an
+upload goes through the command's image checks and messages. A decompression bomb used to stop in Gradio's own
+preprocessing (``DecompressionBombError``, neither an ``OSError`` nor a ``ValueError``) before our checks ran;
+here Pillow's bomb limit is lowered so that the example image counts as one."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from PIL import Image
+
+from tests.cascade_fixtures import EXAMPLE, tiny, tiny_cache  # noqa: F401
+
+gr = pytest.importorskip("gradio")
+
+
+def _image_input():
+    from pipelines.app.ui import _lenient
+
+    return _lenient(gr.Image(type="filepath", image_mode=None, format="png", sources=["upload", "clipboard"]))
+
+
+def test_an_upload_reaches_the_job_as_its_own_file_even_when_pillow_would_call_it_a_bomb(tmp_path, monkeypatch):
+    from gradio.data_classes import FileData
+
+    upload = tmp_path / "upload.png"
+    shutil.copy(EXAMPLE, upload)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 64)  # over 2 x 64 pixels: DecompressionBombError on decode
+    with pytest.raises(Image.DecompressionBombError):  # control: decoding it is what used to stop the upload
+        Image.open(upload).load()
+    assert _image_input().preprocess(FileData(path=str(upload))) == str(upload)
+
+
+def test_no_upload_is_none():
+    assert _image_input().preprocess(None) is None
+
+
+def _fov_inputs(config, tmp_path) -> dict:
+    from pipelines.app.ui import build_ui
+    from pipelines.app.worker import Worker
+
+    worker = Worker(config, device="cpu")
+    try:
+        page = build_ui(worker, outputs=tmp_path)
+    finally:
+        worker.close()
+    return {b.elem_id: b for b in page.blocks.values() if getattr(b, "elem_id", None) in ("fov-auto", "fov")}
+
+
+def test_the_fov_checkbox_is_off_and_disabled_saying_why_where_the_config_cannot_estimate_one(tiny, tmp_path):
+    import dataclasses
+
+    blind = dataclasses.replace(tiny, camera=dataclasses.replace(tiny.camera, fov_deg=None),
+                                weights=dataclasses.replace(tiny.weights, moge=None))  # no MoGe-2: nothing estimates
+    inputs = _fov_inputs(blind, tmp_path)
+    assert inputs["fov-auto"].value is False and inputs["fov-auto"].interactive is False
+    assert "not with this config" in inputs["fov-auto"].label and inputs["fov"].interactive is True
+    inputs = _fov_inputs(tiny, tmp_path)  # control: tiny's MoGe-2 estimates it, so "automatic" stays on
+    assert inputs["fov-auto"].value is True and inputs["fov-auto"].interactive is True
+    assert inputs["fov-auto"].label == "automatic field of view" and inputs["fov"].interactive is False
