@@ -30,16 +30,21 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7", "wheel"],  # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it)
+        # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it); the [serve] packages and httpx: the
+        # job server's tests start it and talk to it over HTTP
+        "test": ["pytest>=7", "wheel", "httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9"],
         "dev": ["pytest>=7", "ruff"],
         # the web app (pixal3d-app); tested with 6.31
         "app": ["gradio>=6.31,<7"],
+        # the job server (pixal3d-serve); tested with fastapi 0.165, uvicorn 0.54, python-multipart 0.0.34
+        "serve": ["fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9"],
     },
     entry_points={
         "console_scripts": [
             "pixal3d-image-to-mesh=pipelines.cli:main",
             "pixal3d-guard=pixal3d.guard:main",
             "pixal3d-app=pipelines.app.main:main",
+            "pixal3d-serve=pipelines.serve.main:main",
         ],
     },
 )

@@ -1,0 +1,178 @@
+"""``pixal3d-serve``: the job server (``python -m pipelines.serve`` is the same command).
+
+    pixal3d-serve [--config configs/1024_cascade.yaml] [--data DIR] [--host 127.0.0.1] [--port 8000]
+        [--devices cuda:0,cuda:1 | mps | cpu] [--token-file FILE] [--max-upload 32M] [--max-pixels N]
+        [--queue-size 64] [--job-timeout 3600] [--keep 7d] [--group-size 8] [--threads N]
+
+Closed by default: it binds the loopback address, and a non-loopback ``--host`` is refused unless a token is set
+(``--token-file``, or the environment variable ``PIXAL3D_SERVE_TOKEN``); with a token every request needs
+``Authorization: Bearer <token>``. Startup errors are one line on stderr and exit code 2; once serving, one line on
+stdout says where (``pixal3d-serve: serving http://HOST:PORT ...``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import ipaddress
+import logging
+import os
+import re
+import socket
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from pixal3d.config import ConfigError, load_config
+from pixal3d.locks import LockedError, exclusive_lock
+from pixal3d.memory_budget import parse_budget
+from pixal3d.models.preprocess import MAX_DECODE_PIXELS
+
+from ..cli import DEFAULT_CONFIG, UsageError, parse_device
+from ..plan import default_device
+from .store import LOCK, DataDirError, JobStore
+
+TOKEN_ENV = "PIXAL3D_SERVE_TOKEN"
+logger = logging.getLogger("pixal3d-serve")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pixal3d-serve", allow_abbrev=False,
+                                     description="Pixal3D job server: HTTP API, durable queue, one worker per device.")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help="cascade config (default: 1024_cascade; tiny is the offline demo)")
+    parser.add_argument("--data", type=Path, default=Path("pixal3d-serve-data"),
+                        help="the durable queue: jobs, results and stage records (default: ./pixal3d-serve-data)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1, this machine only; any other needs a token)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port)")
+    parser.add_argument("--devices", default=None,
+                        help="one worker per device, comma-separated: cuda:0,cuda:1 / mps / cpu / cpu,cpu "
+                             "(default: cuda, else mps, else cpu)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help=f"a file holding the API token (or set {TOKEN_ENV}); every request then needs "
+                             f"Authorization: Bearer <token>")
+    parser.add_argument("--max-upload", default="32M", help="largest image upload (default: 32M)")
+    parser.add_argument("--max-pixels", type=int, default=MAX_DECODE_PIXELS,
+                        help=f"largest image in pixels (default: {MAX_DECODE_PIXELS}, the command's)")
+    parser.add_argument("--queue-size", type=int, default=64, help="jobs that may wait (default: 64; then 429)")
+    parser.add_argument("--job-timeout", type=float, default=3600.0,
+                        help="seconds a job may run before it is stopped at its next stage or step (default: 3600; "
+                             "0: none); a group of n jobs gets n times this")
+    parser.add_argument("--keep", default="7d",
+                        help="remove jobs this long after they end (e.g. 30m, 12h, 7d; default 7d; 0: keep all)")
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="queued jobs with one plan run as one batch, stage by stage, up to this many (default 8)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default: torch's; two CPU workers share the cores)")
+    return parser.parse_args(argv)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: Path | None, env: dict[str, str] | None = None) -> str | None:
+    """The API token from ``--token-file`` (first line, stripped) or the environment; None when neither is set."""
+    env = os.environ if env is None else env
+    if path is not None:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise UsageError(f"--token-file {path} cannot be read ({err.strerror or err})") from None
+        if not token:
+            raise UsageError(f"--token-file {path} is empty; put the token on its first line")
+    else:
+        token = env.get(TOKEN_ENV, "").strip() or None
+    if token is not None and len(token) < 16:
+        raise UsageError("the API token is shorter than 16 characters; use e.g. python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(32))'")
+    return token
+
+
+def parse_duration(text: str) -> float | None:
+    """``30m``, ``12h``, ``7d``, ``90s`` or plain seconds as seconds; ``0`` as None (keep everything)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        raise UsageError(f"--keep {text!r} is not a duration; use e.g. 30m, 12h or 7d (0: keep all)")
+    seconds = float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+    return None if seconds == 0 else seconds
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], str | None, int]:
+    """The devices, the token and the upload limit; ``UsageError`` for what cannot work, before anything starts."""
+    devices = [str(parse_device(d.strip())) for d in args.devices.split(",")] if args.devices else \
+        [str(default_device())]
+    token = read_token(args.token_file)
+    if not is_loopback(args.host) and token is None:
+        raise UsageError(f"--host {args.host} is reachable from other machines: set a token (--token-file FILE or "
+                         f"{TOKEN_ENV}) so that only its holders can run jobs, or bind 127.0.0.1")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port; use 1-65535 (0: any free one)")
+    for name in ("queue_size", "group_size", "max_pixels"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    try:
+        max_upload = parse_budget(args.max_upload)
+    except ValueError:  # SettingError: its words are about a memory budget
+        raise UsageError(f"--max-upload {args.max_upload!r} is not a size; write e.g. 32M or 500K") from None
+    return devices, token, max_upload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: serves until interrupted; returns the exit code."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="pixal3d-serve: %(levelname)s: %(message)s")
+    with ExitStack() as held:
+        try:
+            config = load_config(args.config)
+            devices, token, max_upload = check_args(args)
+            keep = parse_duration(args.keep)
+            store = JobStore(args.data)
+            held.enter_context(exclusive_lock(args.data / LOCK, wait=False, what=str(args.data),
+                                              owner="another pixal3d-serve"))
+            sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, args.port))
+            import uvicorn  # here, so that a missing extra is one line
+        except (ConfigError, UsageError, DataDirError, LockedError) as err:
+            print(f"pixal3d-serve: error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:
+            print(f"pixal3d-serve: error: cannot listen on {args.host}:{args.port} ({err.strerror or err})",
+                  file=sys.stderr)
+            return 2
+        except ImportError as err:
+            print(f"pixal3d-serve: error: the server needs FastAPI and uvicorn ({err}); install them with: "
+                  f"pip install -e \".[serve]\"", file=sys.stderr)
+            return 2
+        from .app import create_app
+        from .scheduler import Scheduler
+
+        gc.freeze()
+        scheduler = Scheduler(store, devices=devices, config=str(args.config), queue_size=args.queue_size,
+                              group_size=args.group_size, job_timeout=args.job_timeout or None, keep_seconds=keep,
+                              threads=args.threads)
+        app = create_app(scheduler, config, token=token, max_upload=max_upload, max_pixels=args.max_pixels)
+        sock.listen(128)
+        host, port = sock.getsockname()[:2]
+        scheduler.start()
+        shown = f"[{host}]" if ":" in host else host
+        print(f"pixal3d-serve: serving http://{shown}:{port} (devices {', '.join(devices)}; data {args.data}; "
+              f"{'token required' if token else 'no token: this machine only'})", flush=True)
+        try:
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            server.run(sockets=[sock])
+        finally:
+            scheduler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

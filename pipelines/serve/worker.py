@@ -1,0 +1,200 @@
+"""One worker process per device: it keeps a pipeline between jobs (the web app's ``Worker``: rebuilt only when the
+plan changes) and runs the groups of jobs the scheduler hands it through ``Pixal3D.run_batch`` over the data
+folder's work directory, so every stage of every job is recorded as it finishes and a job started again resumes at
+its first unrecorded stage.
+
+It talks to the server over two pipes: commands in (``run`` a group, ``cancel`` a job), events out (``ready``,
+``progress``, ``ended``, ``released``, ``idle``). When the command pipe closes (the server stopped, or was killed)
+the worker exits at once: whatever it was doing is in the records, and the next server resumes it.
+
+A group is several queued jobs with one plan (every setting but the seed), run stage by stage under ``staged`` and
+``offload`` so each model is loaded once for the group. A cancelled job, or one past its time, stops the group at
+the next stage or sampler step: that job ends (cancelled, or failed with the timeout), the others are released
+back to the queue and resume from their records.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pixal3d.config import load_config
+from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.locks import exclusive_lock
+
+from ..app.errors import error_line
+from ..app.worker import Worker
+from .settings import from_dict
+from .store import JobStore
+
+logger = logging.getLogger(__name__)
+
+
+class JobStopped(Exception):
+    """A job of the running group was cancelled or ran past its time: the group stops at this stage or step."""
+
+    def __init__(self, job: str, status: str, message: str):
+        super().__init__(message)
+        self.job, self.status = job, status
+
+
+def worker_main(commands: Connection, events: Connection, device: str, config: str, data: str,
+                threads: int | None) -> None:
+    """The worker process's body (``multiprocessing`` spawn target)."""
+    logging.basicConfig(level=logging.WARNING, format=f"pixal3d-serve[{device} {os.getpid()}]: %(levelname)s: "
+                                                      f"%(message)s")
+    import torch
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # its "Loading weights" bar on every load, in the server's log
+    if threads is not None:
+        torch.set_num_threads(threads)
+    store = JobStore(data)
+    worker = Worker(load_config(config), device=device)
+    runs: queue.Queue[dict[str, Any]] = queue.Queue()
+    cancelled: set[str] = set()
+
+    def listen() -> None:
+        """Commands from the server; the pipe closing means the server is gone: exit now (the records keep all)."""
+        while True:
+            try:
+                message = commands.recv()
+            except (EOFError, OSError):
+                os._exit(0)
+            if message["op"] == "cancel":
+                cancelled.add(message["job"])
+            else:
+                runs.put(message)
+
+    threading.Thread(target=listen, name="pixal3d-serve-commands", daemon=True).start()
+    events.send({"event": "ready", "pid": os.getpid(), "device": device, "threads": torch.get_num_threads()})
+    while True:
+        message = runs.get()
+        if message["op"] == "stop":
+            worker.close()
+            return
+        run_group(worker, store, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
+                  send=events.send)
+        events.send({"event": "idle"})
+
+
+def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, timeout: float | None,
+              cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``jobs`` (one plan) as one batch; every job ends (status.json written) or is released."""
+    ids = [job["id"] for job in jobs]
+    settings = from_dict(jobs[0]["settings"])
+    try:
+        pipe = worker.prepare(settings)
+    except Exception as err:  # noqa: BLE001 - the plan or the weights fail every job of this plan alike
+        for job_id in ids:
+            _end(store, job_id, {"status": "failed", "error": error_line(err)}, send)
+        return
+    with_locks = [exclusive_lock(store.folder(i) / ".run.lock", wait=True) for i in ids]  # never two runs of a job
+    for lock in with_locks:
+        lock.__enter__()
+    try:
+        _run(pipe, store, jobs, timeout=timeout, cancelled=cancelled, send=send)
+    finally:
+        for lock in reversed(with_locks):
+            lock.__exit__(None, None, None)
+
+
+def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: float | None, cancelled: set[str],
+         send: Callable[[dict[str, Any]], None]) -> None:
+    ids = [job["id"] for job in jobs]
+    settings = from_dict(jobs[0]["settings"])
+    deadline = None if timeout is None else time.monotonic() + timeout * len(ids)
+    current = {"job": ids[0]}
+    for job_id in ids:
+        store.attempt(job_id, {"event": "started", "pid": os.getpid(), "group": len(ids)})
+
+    def callback(report: dict[str, Any]) -> None:
+        job = current["job"] = report["image"]
+        stopped = next((i for i in ids if i in cancelled), None)
+        if stopped is not None:
+            raise JobStopped(stopped, "cancelled", "cancelled by DELETE /jobs/{id}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobStopped(job, "failed", f"the job ran past its {timeout:g} s (--job-timeout) and was stopped")
+        send({"event": "progress", "job": job, **{k: report.get(k) for k in ("kind", "stage", "index", "stages",
+                                                                            "step", "steps")}})
+
+    traces = store.root / "traces"
+    traces.mkdir(exist_ok=True)
+    trace = traces / f"{ids[0]}.jsonl"
+    ended: list[str] = []
+    done: list[str] = []
+    loads: dict[str, int] = {}  # model -> loads during this group's run (a group under staged: 1 each)
+
+    def count(event: Any) -> None:
+        if event.kind in ("load", "reload"):
+            loads[event.model] = loads.get(event.model, 0) + 1
+
+    try:
+        batch = pipe.run_batch([str(store.folder(j["id"]) / j["input"]) for j in jobs], names=ids,
+                               seed=[int(j["settings"].get("seed", 42)) for j in jobs], fov=settings.fov,
+                               work_dir=store.work.root, callback=callback, trace=trace, events=count)
+        for item in batch:
+            if item.ok:
+                _save(store, item, jobs[ids.index(item.name)], len(ids))
+                done.append(item.name)
+                _end(store, item.name, {**_done_status(item, len(ids)), "group_loads": dict(loads)}, send)
+            else:
+                _end(store, item.name, {"status": "failed", "error": item.message, "stage": item.stage}, send)
+            ended.append(item.name)
+    except JobStopped as stop:
+        _end(store, stop.job, {"status": stop.status, "error": str(stop)}, send)
+        ended.append(stop.job)
+    except Exception as err:  # noqa: BLE001 - the job in progress fails with the line; the others go back
+        _end(store, current["job"], {"status": "failed", "error": error_line(err)}, send)
+        ended.append(current["job"])
+    finally:
+        for job_id in done:  # the group's memory trace (stage order: one for all; image order: one each)
+            own = trace.with_name(f"{trace.stem}.{job_id}{trace.suffix}")
+            source = own if own.exists() else trace
+            if source.exists():
+                with atomic_path(store.folder(job_id) / "trace.jsonl") as tmp:
+                    shutil.copyfile(source, tmp)
+        for leftover in traces.glob(f"{ids[0]}*.jsonl"):
+            leftover.unlink(missing_ok=True)
+    released = [i for i in ids if i not in ended]
+    if released:
+        send({"event": "released", "jobs": released})
+    for job_id in ended:
+        cancelled.discard(job_id)
+
+
+def _save(store: JobStore, item: Any, job: dict[str, Any], group: int) -> None:
+    """The GLB and run.json of a finished job (the job's settings and what was resumed beside the config)."""
+    folder = store.folder(item.name)
+    result = item.result
+    result.save(folder / "result.glb")
+    record = result.record(output="result.glb", command=["pixal3d-serve"])
+    record["serve"] = {"job": item.name, "settings": job["settings"], "resumed": list(item.resumed),
+                       "group": group, "notes": list(item.notes)}
+    write_json_atomic(folder / "run.json", record)
+
+
+def _done_status(item: Any, group: int) -> dict[str, Any]:
+    result = item.result
+    resumed = set(item.resumed)
+    return {"status": "done", "seconds": round(result.seconds, 4), "policy": result.policy.value,
+            "resumed": list(item.resumed), "group": group, "notes": list(item.notes),
+            "stages": [{"stage": r.stage, "seconds": round(r.seconds, 4), "peak_process_bytes": r.peak_process_bytes,
+                        "peak_device_bytes": r.peak_device_bytes, "models": list(r.used),
+                        "resumed": r.stage in resumed} for r in result.stages]}
+
+
+def _end(store: JobStore, job_id: str, status: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+    status = {**status, "finished": time.time()}
+    store.end(job_id, status)
+    shutil.rmtree(store.work_folder(job_id), ignore_errors=True)  # an ended job is never resumed
+    store.attempt(job_id, {"event": "ended", "status": status["status"], "pid": os.getpid()})
+    send({"event": "ended", "job": job_id, "status": status})
+
+

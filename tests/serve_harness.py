@@ -1,0 +1,122 @@
+"""A real ``pixal3d-serve`` for the tests: a process on a free loopback port, its worker processes, and a client.
+
+``Server.start`` runs ``python -m pipelines.serve`` (with this checkout first on the path, the session's tiny cache
+and kernel pins inherited), waits for its ``serving`` line and for every worker to be ready. ``kill`` sends
+SIGKILL to the server alone and waits until its workers have gone, as after a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+SERVING = re.compile(r"serving (http://\S+)")
+ENDED = ("done", "failed", "cancelled")
+
+
+@dataclass
+class Server:
+    """One server process and how to reach it."""
+
+    data: Path
+    args: list[str]
+    log: Path
+    process: subprocess.Popen | None = None
+    url: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, data: Path, *args: str, token: str | None = None, ready: bool = True,
+              timeout: float = 180) -> Server:
+        server = cls(data, list(args), data.parent / f"{data.name}.log")
+        if token is not None:
+            server.headers = {"Authorization": f"Bearer {token}"}
+        server.launch(ready=ready, timeout=timeout)
+        return server
+
+    def launch(self, *, ready: bool = True, timeout: float = 180) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "pipelines.serve", "--data", str(self.data),
+                                             "--port", "0", *self.args], stdout=out, stderr=subprocess.STDOUT,
+                                            env=env, cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = SERVING.search(self.log.read_text(errors="replace"))
+            if match and match[1] != self.url:
+                self.url = match[1]
+                break
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")
+            time.sleep(0.1)
+        else:
+            raise TimeoutError(f"the server did not start in {timeout} s:\n{self.tail()}")
+        while ready and not self.get("/health").json().get("ready"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers did not start in {timeout} s:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    # -- requests ----------------------------------------------------------------------------
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        with self.client() as client:
+            return client.get(path, **kwargs)
+
+    def submit(self, image: bytes, settings: dict[str, Any] | None = None, *, path: str = "/jobs") -> httpx.Response:
+        files = {"image": ("image.png", image, "image/png")}
+        data = {"settings": json.dumps(settings)} if settings is not None else {}
+        with self.client() as client:
+            return client.post(path, files=files, data=data)
+
+    def wait(self, job_id: str, until: Any = None, timeout: float = 300) -> dict[str, Any]:
+        """Poll the job until ``until(view)`` (default: it has ended); returns the last view."""
+        until = until or (lambda view: view["status"] in ENDED)
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.get(f"/jobs/{job_id}").json()
+            if until(view):
+                return view
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {view}:\n{self.tail()}")
+            time.sleep(0.2)
+
+    # -- stopping ----------------------------------------------------------------------------
+    def worker_pids(self) -> list[int]:
+        return [child.pid for child in psutil.Process(self.process.pid).children(recursive=True)
+                if "spawn_main" in " ".join(child.cmdline())]
+
+    def kill(self) -> list[int]:
+        """SIGKILL the server process only; wait until its workers have exited too. Returns their pids."""
+        workers = self.worker_pids()
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+        _, alive = psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
+        assert not alive, f"workers {alive} outlived their server"
+        return workers
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            workers = self.worker_pids()
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+            psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
