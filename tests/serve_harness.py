@@ -46,6 +46,7 @@ class Server:
         return server
 
     def launch(self, *, ready: bool = True, timeout: float = 180) -> None:
+        seen = len(SERVING.findall(self.log.read_text(errors="replace"))) if self.log.exists() else 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "pipelines.serve", "--data", str(self.data),
@@ -53,9 +54,9 @@ class Server:
                                             env=env, cwd=REPO)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = SERVING.search(self.log.read_text(errors="replace"))
-            if match and match[1] != self.url:
-                self.url = match[1]
+            found = SERVING.findall(self.log.read_text(errors="replace"))
+            if len(found) > seen:  # this launch's line (the log keeps earlier launches' too)
+                self.url = found[-1]
                 break
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")

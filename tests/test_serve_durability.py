@@ -1,0 +1,71 @@
+"""Durability of the job server: three jobs submitted, the server killed (SIGKILL) while the second runs, started
+again on the same data folder: all three finish, the interrupted one resumed from exactly the stage records it had
+(its status and run.json say which), none ran twice to completion, and the resumed job's fingerprints are those of
+an uninterrupted run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipelines.build import CASCADE_STAGES
+from tests.cascade_fixtures import (  # noqa: F401
+    EXAMPLE,
+    TINY_CONFIG,
+    tiny,
+    tiny_cache,
+    tiny_reference,
+)
+from tests.serve_harness import Server
+
+pytest.importorskip("fastapi")
+
+SETTINGS = {"texture_size": 128, "face_budget": 2000, "memory_policy": "staged"}
+ORDER = [stage.name for stage in CASCADE_STAGES]
+
+
+def _attempts(server: Server, job_id: str) -> list[str]:
+    path = server.data / "jobs" / job_id / "attempts.jsonl"
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_twice(tiny_cache, tiny_reference,
+                                                                                     tmp_path):
+    server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), "--group-size", "1")
+    try:
+        image = EXAMPLE.read_bytes()
+        ids = [server.submit(image, {**SETTINGS, "seed": seed}).json()["id"] for seed in (1, 42, 3)]
+        first, middle, last = ids
+        # 1. the first finishes; kill the server once the second has recorded a few stages
+        assert server.wait(first)["status"] == "done"
+        server.wait(middle, lambda v: v.get("stage_index", 0) >= 4, timeout=120)
+        glb = server.data / "jobs" / first / "result.glb"
+        before = (glb.stat().st_mtime_ns, glb.stat().st_ino)
+        server.kill()
+        recorded = sorted((p.stem for p in (server.data / "work" / middle).glob("*.json")), key=ORDER.index)
+        assert len(recorded) >= 4 and recorded == ORDER[:len(recorded)], recorded
+        assert not (server.data / "jobs" / middle / "status.json").exists()
+        assert not (server.data / "jobs" / last / "status.json").exists()
+        # 2. started again: the queue goes on
+        server.launch()
+        views = {job_id: server.wait(job_id) for job_id in ids}
+        assert [views[i]["status"] for i in ids] == ["done"] * 3, views
+        # 3. the interrupted job resumed at its first unrecorded stage; its records and run.json say which
+        assert views[middle]["resumed"] == recorded
+        assert [s["stage"] for s in views[middle]["stages"] if s["resumed"]] == recorded
+        run = server.get(f"/jobs/{middle}/run.json").json()
+        assert run["serve"]["resumed"] == recorded
+        # its fingerprints are an uninterrupted run's (seed 42: the session's reference, through the decode)
+        prints = {s["stage"]: s["fingerprints"] for s in run["stages"] if s["fingerprints"]}
+        prints.pop("export")
+        assert prints == tiny_reference
+        # 4. nothing ran twice to completion: the first was not touched, each job ended once
+        assert (glb.stat().st_mtime_ns, glb.stat().st_ino) == before
+        assert _attempts(server, first) == ["started", "ended"]
+        assert _attempts(server, middle) == ["started", "started", "ended"]
+        assert _attempts(server, last).count("ended") == 1 and views[last]["resumed"] == []
+        # an ended job's stage records are gone; its results stay downloadable after the restart
+        assert not (server.data / "work" / middle).exists()
+        assert server.get(f"/jobs/{first}/result.glb").content == glb.read_bytes()
+    finally:
+        server.stop()
