@@ -122,7 +122,7 @@ class Scheduler:
                 view["position"] = 1 + sum(1 for other in self.jobs.values()
                                            if other.status == "queued" and other.sequence < job.sequence)
             elif job.status == "running":
-                view |= {"started": job.started, "device": self.slots[job.worker].device,
+                view |= {"started": job.started, "worker": job.worker, "device": self.slots[job.worker].device,
                          "cancelling": job.cancelling, **job.progress}
             else:
                 view |= {k: v for k, v in job.end.items() if k != "format"}
