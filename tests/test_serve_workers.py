@@ -8,18 +8,16 @@ import time
 
 import pytest
 
+from pipelines.serve.scheduler import Scheduler
+from pipelines.serve.store import JobStore
 from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.serve_harness import Server
-
-pytest.importorskip("fastapi")
-
-from pipelines.serve.scheduler import Scheduler  # noqa: E402
-from pipelines.serve.store import JobStore  # noqa: E402
 
 SETTINGS = {"seed": 42, "texture_size": 128, "face_budget": 2000, "memory_policy": "staged"}
 
 
 def test_two_workers_on_two_cpu_devices_run_two_jobs_at_once(tiny_cache, tmp_path):
+    pytest.importorskip("fastapi")
     server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), "--devices", "cpu,cpu", "--threads", "1",
                           "--group-size", "1")
     try:

@@ -1,9 +1,10 @@
 """``pixal3d-app``: start the web app (Gradio) on one cascade config.
 
     pixal3d-app [--config configs/1024_cascade.yaml] [--host 127.0.0.1] [--port 7860] [--device D]
-        [--outputs DIR] [--queue-size N]
+        [--outputs DIR] [--queue-size N] [--auth-file FILE | --insecure]
 
-Binds to the loopback address unless ``--host`` says otherwise. Job files (GLB, run.json, memory trace)
+Binds to the loopback address unless ``--host`` says otherwise; a non-loopback ``--host`` needs ``--auth-file``
+(Gradio's sign-in, ``user:password`` lines) or an explicit ``--insecure``, and one line at start says which. Job files (GLB, run.json, memory trace)
 go to ``--outputs`` (default: a temporary folder removed when the app stops). A bad config or device is
 one line on stderr and exit code 2.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from pixal3d.config import ConfigError, load_config
 
 from ..cli import DEFAULT_CONFIG, UsageError, parse_device
+from ..exposure import is_loopback
 
 logger = logging.getLogger("pixal3d-app")
 
@@ -35,7 +37,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--outputs", type=Path, default=None,
                         help="keep job files here (default: a temporary folder removed at exit)")
     parser.add_argument("--queue-size", type=int, default=16, help="jobs that may wait in the queue (default: 16)")
+    parser.add_argument("--auth-file", type=Path, default=None,
+                        help="sign-in: a file of user:password lines (needed for a non-loopback --host)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve a non-loopback --host without sign-in: anyone who reaches it can run jobs")
     return parser.parse_args(argv)
+
+
+def exposure(args: argparse.Namespace) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """The sign-in pairs (None: none) and the line to say at start (None on loopback without sign-in);
+    ``UsageError`` for a non-loopback ``--host`` with neither ``--auth-file`` nor ``--insecure``."""
+    auth = read_auth_file(args.auth_file) if args.auth_file is not None else None
+    if is_loopback(args.host):
+        return auth, None if auth is None else f"sign-in required ({len(auth)} users in {args.auth_file})"
+    if auth is not None:
+        return auth, f"--host {args.host} is reachable from other machines; sign-in required ({args.auth_file})"
+    if args.insecure:
+        return None, (f"--host {args.host} is reachable from other machines and --insecure is set: anyone who reaches "
+                      f"it can run jobs and upload files")
+    raise UsageError(f"--host {args.host} is reachable from other machines: pass --auth-file FILE (user:password "
+                     f"lines) so that visitors sign in, or --insecure to serve it open, or bind 127.0.0.1")
+
+
+def read_auth_file(path: Path) -> list[tuple[str, str]]:
+    """``user:password`` pairs, one a line (blank lines and ``#`` comments skipped)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise UsageError(f"--auth-file {path} cannot be read ({err.strerror or err})") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        user, colon, password = line.strip().partition(":")
+        if not colon or not user or not password:
+            raise UsageError(f"--auth-file {path} line {number} is not user:password")
+        pairs.append((user, password))
+    if not pairs:
+        raise UsageError(f"--auth-file {path} holds no user:password line")
+    return pairs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = parse_device(args.device) if args.device else None
         if not 0 < args.port < 65536:
             raise UsageError(f"--port {args.port} is not a TCP port; use 1-65535, e.g. --port 7860")
+        auth, exposed = exposure(args)
         import gradio  # noqa: F401 - checked here so a missing extra is one line, not a traceback
     except (ConfigError, UsageError) as err:
         print(f"pixal3d-app: error: {err}", file=sys.stderr)
@@ -58,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .ui import CSS, build_ui
     from .worker import Worker
 
+    if exposed is not None:
+        print(f"pixal3d-app: {exposed}", flush=True)
     gc.freeze()  # as the CLI does: the imports' objects are never rescanned by the collections each release runs
     worker = Worker(config, device=device)
     with tempfile.TemporaryDirectory(prefix="pixal3d-app-") as scratch:
@@ -67,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         page.queue(max_size=args.queue_size, default_concurrency_limit=1)
         try:
             page.launch(server_name=args.host, server_port=args.port, show_error=True, quiet=False,
-                        allowed_paths=[str(outputs.resolve())], footer_links=[], css=CSS)
+                        allowed_paths=[str(outputs.resolve())], footer_links=[], css=CSS, auth=auth)
         except KeyboardInterrupt:
             pass
         finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
 
 from ..cli import DEFAULT_CONFIG, UsageError, parse_device
+from ..exposure import is_loopback
 from ..plan import default_device
 from .store import LOCK, DataDirError, JobStore
 
@@ -66,16 +66,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: torch's; two CPU workers share the cores)")
     return parser.parse_args(argv)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(path: Path | None, env: dict[str, str] | None = None) -> str | None:
