@@ -1,10 +1,12 @@
 """Durability of the job server: three jobs submitted, the server killed (SIGKILL) while the second runs, started
 again on the same data folder: all three finish, the interrupted one resumed from exactly the stage records it had
 (its status and run.json say which), none ran twice to completion, and the resumed job's fingerprints are those of
-an uninterrupted run."""
+an uninterrupted run. A worker process killed alone is replaced and its job resumes likewise."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -67,5 +69,15 @@ def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_tw
         # an ended job's stage records are gone; its results stay downloadable after the restart
         assert not (server.data / "work" / middle).exists()
         assert server.get(f"/jobs/{first}/result.glb").content == glb.read_bytes()
+        # 5. a worker killed alone is replaced; its job goes back to the queue and resumes from its records
+        [worker] = server.get("/health").json()["workers"]
+        job = server.submit(image, {**SETTINGS, "seed": 4}).json()["id"]
+        server.wait(job, lambda v: v.get("stage_index", 0) >= 4, timeout=120)
+        os.kill(worker["pid"], signal.SIGKILL)
+        view = server.wait(job)
+        assert view["status"] == "done" and len(view["resumed"]) >= 4, view
+        assert _attempts(server, job) == ["started", "started", "ended"]
+        assert server.get("/health").json()["workers"][0]["pid"] not in (None, worker["pid"])
+        assert "the worker on cpu" in server.tail()
     finally:
         server.stop()

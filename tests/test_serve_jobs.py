@@ -1,15 +1,19 @@
 """The job server end to end over real HTTP on loopback: tiny jobs submitted, polled and downloaded give the GLB and
 the fingerprints of the command for the same settings; jobs queued with one plan run as one group that loads each
-model once; ``POST /generate`` returns the same bytes; ``DELETE`` stops a running job and the worker goes on."""
+model once; ``POST /generate`` returns the same bytes; ``DELETE`` stops a running job and the worker goes on; the
+example client (``examples/serve_client.py``) downloads the same GLB."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from pipelines import cli
-from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
+from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
 from tests.serve_harness import Server
 
 pytest.importorskip("fastapi")
@@ -118,3 +122,15 @@ def test_delete_stops_a_running_job_at_its_next_stage_and_the_worker_goes_on(ser
         assert client.delete(f"/jobs/{queued}").json()["status"] == "cancelled"
     assert server.wait(busy)["status"] == "done"
     assert server.get(f"/jobs/{queued}").json()["status"] == "cancelled"
+
+
+def test_the_example_client_downloads_the_commands_glb(server, cli_run, tmp_path):
+    out = tmp_path / "served.glb"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "serve_client.py"), str(EXAMPLE), "-o", str(out),
+                           "--url", server.url, "--settings", json.dumps(SETTINGS)], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == cli_run[0]
+    assert json.loads(out.with_suffix(".run.json").read_text())["serve"]["settings"]["seed"] == 42
+    assert "export" in proc.stdout and "queued" in proc.stdout

@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -95,14 +96,10 @@ def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, ti
         for job_id in ids:
             _end(store, job_id, {"status": "failed", "error": error_line(err)}, send)
         return
-    with_locks = [exclusive_lock(store.folder(i) / ".run.lock", wait=True) for i in ids]  # never two runs of a job
-    for lock in with_locks:
-        lock.__enter__()
-    try:
+    with ExitStack() as held:  # never two runs of one job (a worker of a killed server may still be exiting)
+        for job_id in ids:
+            held.enter_context(exclusive_lock(store.folder(job_id) / ".run.lock", wait=True))
         _run(pipe, store, jobs, timeout=timeout, cancelled=cancelled, send=send)
-    finally:
-        for lock in reversed(with_locks):
-            lock.__exit__(None, None, None)
 
 
 def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: float | None, cancelled: set[str],
@@ -111,12 +108,13 @@ def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: flo
     settings = from_dict(jobs[0]["settings"])
     deadline = None if timeout is None else time.monotonic() + timeout * len(ids)
     current = {"job": ids[0]}
+    ended: list[str] = []
     for job_id in ids:
         store.attempt(job_id, {"event": "started", "pid": os.getpid(), "group": len(ids)})
 
     def callback(report: dict[str, Any]) -> None:
         job = current["job"] = report["image"]
-        stopped = next((i for i in ids if i in cancelled), None)
+        stopped = next((i for i in ids if i in cancelled and i not in ended), None)
         if stopped is not None:
             raise JobStopped(stopped, "cancelled", "cancelled by DELETE /jobs/{id}")
         if deadline is not None and time.monotonic() > deadline:
@@ -127,7 +125,6 @@ def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: flo
     traces = store.root / "traces"
     traces.mkdir(exist_ok=True)
     trace = traces / f"{ids[0]}.jsonl"
-    ended: list[str] = []
     done: list[str] = []
     loads: dict[str, int] = {}  # model -> loads during this group's run (a group under staged: 1 each)
 
