@@ -99,8 +99,14 @@ class Server:
 
     # -- stopping ----------------------------------------------------------------------------
     def worker_pids(self) -> list[int]:
-        return [child.pid for child in psutil.Process(self.process.pid).children(recursive=True)
-                if "spawn_main" in " ".join(child.cmdline())]
+        pids = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if "spawn_main" in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.Error:  # gone (or a zombie) meanwhile
+                pass
+        return pids
 
     def kill(self) -> list[int]:
         """SIGKILL the server process only; wait until its workers have exited too. Returns their pids."""

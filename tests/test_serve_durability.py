@@ -8,6 +8,7 @@ import json
 import os
 import signal
 
+import psutil
 import pytest
 
 from pipelines.build import CASCADE_STAGES
@@ -78,6 +79,7 @@ def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_tw
         assert view["status"] == "done" and len(view["resumed"]) >= 4, view
         assert _attempts(server, job) == ["started", "started", "ended"]
         assert server.get("/health").json()["workers"][0]["pid"] not in (None, worker["pid"])
+        assert not psutil.pid_exists(worker["pid"])  # reaped by the server, not left a zombie
         assert "the worker on cpu" in server.tail()
     finally:
         server.stop()

@@ -86,6 +86,7 @@ class Scheduler:
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._sequence = 0
+        self._creating = 0
         store.clean()
         for stored in store.load():
             self.jobs[stored.id] = Job.from_stored(stored)
@@ -95,12 +96,16 @@ class Scheduler:
     def submit(self, image: bytes, suffix: str, settings: dict[str, Any]) -> Job:
         """Write the job to the data folder (durably), then queue it; ``QueueFull`` when the queue is full."""
         with self._changed:
-            if self.queued() >= self.queue_size:
+            if self.queued() + self._creating >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} jobs wait, --queue-size); retry later")
             self._sequence += 1
+            self._creating += 1  # a place held while its files are written outside the lock
             sequence = self._sequence
-        stored = self.store.create(new_id(), sequence, image, suffix, settings)
-        job = Job.from_stored(stored)
+        try:
+            job = Job.from_stored(self.store.create(new_id(), sequence, image, suffix, settings))
+        finally:
+            with self._changed:
+                self._creating -= 1
         with self._changed:
             self.jobs[job.id] = job
             self._changed.notify_all()
@@ -199,6 +204,7 @@ class Scheduler:
                 if self._stopping:
                     return
                 self._crashed(slot)
+                time.sleep(1.0)  # a worker that cannot start at all is not restarted in a tight loop
             finally:
                 events.close()
 
@@ -274,7 +280,10 @@ class Scheduler:
 
     def _crashed(self, slot: Slot) -> None:
         """The worker died: its unfinished jobs go back to the queue (or end, after ``MAX_CRASHES``)."""
-        code = slot.process.exitcode if slot.process is not None else None
+        code = None
+        if slot.process is not None:
+            slot.process.join(10)  # reaps it (no zombie left) and reads its exit code
+            code = slot.process.exitcode
         logger.warning("the worker on %s (pid %s) stopped (exit code %s); starting another", slot.device, slot.pid,
                        code)
         with self._changed:
