@@ -4,6 +4,7 @@ with a one-line JSON error, and the server goes on serving. Also the jobs' time 
 non-loopback ``--host`` needs a token."""
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -136,7 +137,8 @@ def test_a_full_queue_is_429_and_a_job_past_its_time_ends_failed(server):
     assert len(_jobs(server)) >= len(ids)
     for job_id in ids:  # --job-timeout 2: a tiny job takes longer, so it is stopped at a stage or step
         view = server.wait(job_id, timeout=120)
-        assert view["status"] == "failed" and "--job-timeout" in view["error"], view
+        assert view["status"] == "failed" and "--job-timeout" in view["error"], (json.dumps(view), statuses,
+                                                                                  server.tail())
     assert server.get("/health").json()["queue"] == 0
 
 
