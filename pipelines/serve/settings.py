@@ -6,6 +6,10 @@
 Every key is optional; an unknown key, a wrong type or a value out of range is refused with one line naming it.
 The values are the web app's (``pipelines.app.settings.JobSettings``) under the names the command uses (the
 memory policy is ``--memory-policy`` there); the export settings are checked by building the job's config.
+The hosted Pixal3D endpoint's names (fal-ai/pixal3d, mirrored by lee101/pixal3dcog's predictor) are ``seed`` and
+``texture_size`` as here, and ``decimation_target`` for the face budget, accepted as its alias (``ALIASES``). Its
+``fov`` is in radians with ``<= 0`` meaning "estimate"; ours is in degrees with null meaning "estimate", so that one
+name is not the hosted one's meaning and is documented as such.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "memory_budget": (str,),
 }
 """Each accepted key and the JSON types it may have (any may be null: the config's value, or no budget)."""
+ALIASES = {"decimation_target": "face_budget"}
+"""The hosted endpoint's name for a setting → ours."""
 
 
 class SettingsError(ValueError):
@@ -38,9 +44,14 @@ def parse_settings(text: str | None, config: CascadeConfig) -> JobSettings:
             raise SettingsError(f"settings is not JSON ({err}); send an object such as {{\"seed\": 42}}") from None
     if not isinstance(raw, dict):
         raise SettingsError(f"settings must be a JSON object, not {type(raw).__name__}; e.g. {{\"seed\": 42}}")
+    for alias, key in ALIASES.items():
+        if alias in raw:
+            if key in raw:
+                raise SettingsError(f"settings give both {alias} and {key} (the same setting); send one")
+            raw[key] = raw.pop(alias)
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
-        raise SettingsError(f"unknown settings {unknown}; accepted: {sorted(FIELDS)}")
+        raise SettingsError(f"unknown settings {unknown}; accepted: {sorted([*FIELDS, *ALIASES])}")
     for key, value in raw.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, FIELDS[key])):
             kinds = " or ".join(t.__name__ for t in FIELDS[key])
