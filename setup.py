@@ -45,6 +45,7 @@ setup(
             "pixal3d-guard=pixal3d.guard:main",
             "pixal3d-app=pipelines.app.main:main",
             "pixal3d-serve=pipelines.serve.main:main",
+            "pixal3d-fetch=pixal3d.fetch:main",
         ],
     },
 )

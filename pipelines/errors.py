@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pixal3d.config import ConfigError, SettingError
-from pixal3d.hub import WeightsError
+from pixal3d.hub import MissingWeightsError, WeightsError
 from pixal3d.interrupts import Terminated
 from pixal3d.locks import LockedError
 from pixal3d.memory_budget import MemoryBudgetError
@@ -93,6 +93,8 @@ def classify(err: BaseException, *, started: bool) -> Failure | None:
     if isinstance(err, KeyboardInterrupt):
         return Failure("interrupted", "stopped by Ctrl-C (SIGINT); nothing was written for the image in progress",
                        130)
+    if isinstance(err, MissingWeightsError):  # a list, one file a line, ending with the command that fetches them
+        return Failure("weights", str(err).strip(), code)
     for cls, kind in KINDS:
         if isinstance(err, cls):
             return Failure(kind, one_line(err), code)

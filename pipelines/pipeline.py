@@ -127,7 +127,7 @@ class Pixal3D:
         # 2. the samplers' settings the config leaves to pipeline.json
         pipeline = planned_pipeline_json(config.weights)
         if pipeline is None:  # not on disk, not reachable: one error naming it and every other missing file
-            planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"))
+            planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"), config_file=config.source or None)
         config = resolve_samplers(config, pipeline)
         # 3. stages, this rank's part of them, their declarations checked before anything is read
         stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
@@ -141,7 +141,8 @@ class Pixal3D:
         needs = {s.name: tuple(s.needs) for s in stages}
         models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
         flows = {s.flow_model for s in flow_stages(stages)} if rank is not None else set()
-        sizes, notes = planned_sizes(config.weights, models=[m for m in models if m not in flows])
+        sizes, notes = planned_sizes(config.weights, models=[m for m in models if m not in flows],
+                                     config_file=config.source or None)
         split_notes: list[str] = []
         if rank is not None:
             machine, shared = machine_share(machine, rank.topology)
@@ -149,7 +150,7 @@ class Pixal3D:
                          default=0)
             rank = rank.with_memory(max(0, usable(machine.device_available) - beside))
             flow_sizes, flow_notes = planned_sizes(config.weights, models=[m for m in models if m in flows],
-                                                   select=rank.shards(stages))
+                                                   select=rank.shards(stages), config_file=config.source or None)
             sizes, notes = {**sizes, **flow_sizes}, [*notes, *flow_notes]
             rank, split_notes = plan_splits(rank, stages, lambda select: planned_sizes(
                 config.weights, models=list(select), select=select)[0])
@@ -202,7 +203,8 @@ class Pixal3D:
     @staticmethod
     def _weights(plan: RunPlan) -> ResolvedWeights:
         names = plan.model_names()
-        weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names)
+        weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names,
+                                  config_file=plan.config.source or None)
         if plan.parallel is not None:  # every pipeline rank needs a block of every flow: N <= blocks
             check_blocks(plan.parallel.settings, weights, [s.flow_model for s in flow_stages(plan.stages)])
         return weights

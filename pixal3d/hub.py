@@ -8,8 +8,9 @@
   ``~/.cache/pixal3d``), checked against its sha256 when the config pins one.
 - ``generate: tiny``: the deterministic demo weights, generated into the cache on first use.
 
-Files that are not there become one ``MissingWeightsError`` naming every missing file of every source,
-where they should come from and the commands that fetch them (without network, the first request that
+Files that are not there become one ``MissingWeightsError`` naming every missing file of every source, one
+per line, where they should come from, the commands that fetch them one source at a time and, last, the one
+command that fetches everything (``pixal3d-fetch``, ``pixal3d.fetch``; without network, the first request that
 fails stops the lookups: the rest comes from the cache, without retries); a safetensors file that is
 truncated, corrupt or a git-lfs pointer is a ``CorruptWeightsError`` whose advice fits its source
 (download it again, replace it, or regenerate it). What Pixal3D's ``pipeline.json`` names, and which files one
@@ -60,6 +61,7 @@ class _Missing:
     files: list[str]
     folder: Path | None
     reason: str | None = None  # what the Hub answered, when it did
+    note: str | None = None  # why the files are expected (e.g. named by pipeline.json at the pinned revision)
 
 
 class Fetcher:
@@ -71,9 +73,12 @@ class Fetcher:
     time it cannot be reached (no network) the rest is looked up in the cache only, without retries.
     """
 
-    def __init__(self, *, offline: bool, generate: Callable[[Path], Path] | None):
+    def __init__(self, *, offline: bool, generate: Callable[[Path], Path] | None, config_file: str | None = None,
+                 progress: bool = False):
         self.offline = offline
         self.generate = generate
+        self.config_file = config_file  # named in the pixal3d-fetch command that ends a missing-weights error
+        self.progress = progress  # a progress bar for URL downloads (pixal3d-fetch)
         self.unreachable: str | None = None  # why the Hub could not be reached, once it could not
         self.missing: list[_Missing] = []
 
@@ -112,7 +117,7 @@ class Fetcher:
             if self.offline:
                 self.missing.append(_Missing(source, label, [str(source.filename)], target.parent))
                 return None
-            error = _download_url(source.url, target)
+            error = _download_url(source.url, target, progress=self.progress)
             if error is not None:
                 self.missing.append(_Missing(source, label, [str(source.filename)], target.parent, error))
                 return None
@@ -177,10 +182,36 @@ class Fetcher:
             return 0
         return int(getattr(info[0], "size", 0) or 0) if info else 0
 
+    def expect(self, source: WeightSource, files: list[str], *, label: str, note: str) -> None:
+        """Record ``files`` of ``source`` as missing although nothing has looked for them yet (the checkpoints a
+        ``pipeline.json`` not downloaded yet will name), so that one error lists them too."""
+        if files:
+            self.missing.append(_Missing(source, label, list(files), None, note=note))
+
+    def download_repo_file(self, source: WeightSource, filename: str) -> Path:
+        """Download one file of a ``repo`` source into the Hugging Face cache at its pinned revision
+        (``hf_hub_download``: a progress bar, and a partial ``.incomplete`` file is resumed), then check its
+        size against the one the Hub lists; a file of another size is refused (``CorruptWeightsError``)."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+
+        expected = get_hf_file_metadata(hf_hub_url(source.repo, filename, revision=source.revision), timeout=30).size
+        path = Path(hf_hub_download(repo_id=source.repo, filename=filename, revision=source.revision))
+        got = path.stat().st_size
+        if expected is not None and got != int(expected):
+            blob = path.resolve()  # the cache's blob behind the snapshot's link: removed both, never kept
+            path.unlink()
+            blob.unlink(missing_ok=True)
+            raise CorruptWeightsError(f"{path} ({source.describe()}) has {got} bytes, but the Hub lists {filename} "
+                                      f"with {int(expected)}; it was removed, run pixal3d-fetch again")
+        if filename.endswith(".safetensors"):
+            verify_safetensors(path, source=source)
+        return path
+
     def raise_missing(self) -> None:
         """One ``MissingWeightsError`` for everything recorded as missing, if anything was."""
         if self.missing:
-            raise MissingWeightsError(_missing_message(self.missing, offline=self.offline, reason=self.unreachable))
+            raise MissingWeightsError(_missing_message(self.missing, offline=self.offline, reason=self.unreachable,
+                                                       config_file=self.config_file))
 
     # -- the Hub -------------------------------------------------------------------------------
     def _snapshot(self, source: WeightSource, files: list[str], *, label: str) -> tuple[Path | None, str | None]:
@@ -263,33 +294,56 @@ def _present(folder: Path, pattern: str) -> bool:
     return (folder / pattern).is_file()
 
 
-def _missing_message(missing: list[_Missing], *, offline: bool, reason: str | None = None) -> str:
-    """One line: every missing file by source, then what fetches them."""
-    merged: dict[int, _Missing] = {}
-    for entry in missing:  # one entry per source, files in a stable order
-        kept = merged.setdefault(id(entry.source), _Missing(entry.source, entry.label, [], entry.folder))
+def merged_missing(missing: list[_Missing]) -> list[_Missing]:
+    """One entry per source (and reason for expecting the files), each file once, in a stable order."""
+    merged: dict[tuple[int, str | None], _Missing] = {}
+    for entry in missing:
+        kept = merged.setdefault((id(entry.source), entry.note),
+                                 _Missing(entry.source, entry.label, [], entry.folder, note=entry.note))
         kept.files += [f for f in entry.files if f not in kept.files]
         kept.reason = kept.reason or entry.reason
-    entries = list(merged.values())
-    for entry in entries:
+        kept.folder = kept.folder or entry.folder
+    for entry in merged.values():
         entry.files.sort()
-    parts = []
+    return list(merged.values())
+
+
+def fetch_command(config_file: str | None) -> str:
+    """The one command that downloads everything a config needs."""
+    return shlex.join(["pixal3d-fetch", "--config", config_file]) if config_file else "pixal3d-fetch --config CONFIG"
+
+
+def _missing_message(missing: list[_Missing], *, offline: bool, reason: str | None = None,
+                     config_file: str | None = None) -> str:
+    """Every missing file on its own line (by source), why, the commands per source, then the one command."""
+    entries = merged_missing(missing)
+    count = sum(len(e.files) for e in entries)
+    lines = [f"missing weights: {count} file{'s' if count != 1 else ''} a run needs "
+             f"{'is' if count == 1 else 'are'} not on this machine"]
+    shown: set[int] = set()
     for entry in entries:
-        shown = ", ".join(entry.files[:8]) + (f" and {len(entry.files) - 8} more" if len(entry.files) > 8 else "")
-        where = f" in {entry.folder}" if entry.folder is not None else ""
-        answer = f" [{entry.reason}]" if entry.reason else ""
-        parts.append(f"{entry.label}: {shown}{where} (from {entry.source.describe()}){answer}")
-    text = "missing weights for " + "; ".join(parts)
+        if id(entry.source) not in shown:  # one heading per source, then its files (found missing or expected)
+            shown.add(id(entry.source))
+            folder = next((e.folder for e in entries if e.source is entry.source and e.folder is not None), None)
+            where = f" (in {folder})" if folder is not None and entry.source.local is None else ""
+            lines.append(f"  {entry.label} from {entry.source.describe()}{where}:")
+            for same in (e for e in entries if e.source is entry.source):
+                why = f" ({same.note})" if same.note else ""
+                answer = f" [{same.reason}]" if same.reason else ""
+                lines += [f"    {name}{why}{answer}" for name in same.files]
     if reason:
-        text += f" [{reason}]"
-    fixes = [_fix(entry, offline=offline) for entry in entries]
-    text += "; " + "; ".join(dict.fromkeys(fixes))
+        lines.append(reason)
     if any(e.source.repo is not None for e in entries):
         if offline:
-            text += " (HF_HUB_OFFLINE is set, so only the local cache was searched)"
+            lines.append("HF_HUB_OFFLINE is set, so only the local cache was searched")
         elif reason:
-            text += " (or set HF_HUB_OFFLINE=1 to skip the network)"
-    return text
+            lines.append("set HF_HUB_OFFLINE=1 to skip the network")
+    fixes = dict.fromkeys(_fix(entry, offline=offline) for entry in merged_missing(
+        [_Missing(e.source, e.label, e.files, e.folder) for e in entries]))
+    lines += list(fixes)
+    if any(e.source.repo is not None or e.source.url is not None for e in entries):
+        lines.append(f"fetch everything this config needs with: {fetch_command(config_file)}")
+    return "\n".join(lines)
 
 
 def _fix(entry: _Missing, *, offline: bool) -> str:
@@ -298,31 +352,57 @@ def _fix(entry: _Missing, *, offline: bool) -> str:
         command = ["hf", "download", source.repo, *entry.files]
         if source.revision:
             command += ["--revision", source.revision]
-        return f"fetch them {'online' if offline else 'with network access'} with: {shlex.join(command)}"
+        return f"or this source alone ({'online' if offline else 'with network access'}): {shlex.join(command)}"
     if source.url is not None:
         target = cache_root() / "downloads" / str(source.filename)
-        return f"fetch it with: curl -L -o {shlex.quote(str(target))} {shlex.quote(source.url)}"
+        return f"or this file alone: curl -L -o {shlex.quote(str(target))} {shlex.quote(source.url)}"
     if source.local is not None:
         return "put the files there or point the config at the folder that holds them"
     return f"delete {entry.folder.parent if entry.folder else cache_root() / 'tiny'} and run again to regenerate it"
 
 
-def _download_url(url: str, target: Path) -> str | None:
-    """Download ``url`` to ``target`` (through a ``.part`` file); ``None``, or why it failed."""
+def _download_url(url: str, target: Path, *, progress: bool = False) -> str | None:
+    """Download ``url`` to ``target`` through a ``.part`` file that a later call resumes (an HTTP range
+    request); the size is checked against the server's ``Content-Length``. ``None``, or why it failed."""
     import urllib.request
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".part")
-    logger.info("downloading %s to %s", url, target)
+    done = tmp.stat().st_size if tmp.is_file() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={done}-"} if done else {})
+    logger.info("downloading %s to %s%s", url, target, f" (resuming after {done} bytes)" if done else "")
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status = getattr(response, "status", 200)
+            if done and status != 206:  # the server ignored the range: start again
+                done = 0
+            length = response.headers.get("Content-Length")
+            expected = done + int(length) if length is not None else None
+            bar = _progress_bar(progress, expected, done, target.name)
+            with open(tmp, "ab" if done else "wb") as out:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+            if bar is not None:
+                bar.close()
+    except OSError as err:  # the .part stays: the next run resumes it
         return f"could not download it: {_first_line(err)}"
+    got = tmp.stat().st_size
+    if expected is not None and got != expected:
+        tmp.unlink()
+        return f"the download has {got} bytes, but the server announced {expected}; it was removed, run again"
     tmp.replace(target)
     return None
+
+
+def _progress_bar(enabled: bool, total: int | None, done: int, name: str) -> Any:
+    """A tqdm byte bar on stderr when ``enabled`` (else ``None``)."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="B", unit_scale=True, desc=name)
 
 
 def _sha256(path: Path) -> str:

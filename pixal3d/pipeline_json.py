@@ -36,6 +36,30 @@ PIPELINE_MODELS = (
     "shape_slat_flow_model_1024", "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder",
 )
 
+PINNED_CHECKPOINTS: dict[tuple[str, str], dict[str, str]] = {
+    ("TencentARC/Pixal3D", "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"): {
+        "sparse_structure_flow_model": "ckpts/ss_flow_img_dit_1_3B_64_bf16",
+        "sparse_structure_decoder": "ckpts/ss_dec_conv3d_16l8_fp16",
+        "shape_slat_flow_model_512": "ckpts/slat_flow_img2shape_dit_1_3B_512_bf16",
+        "shape_slat_flow_model_1024": "ckpts/slat_flow_img2shape_dit_1_3B_1024_bf16",
+        "tex_slat_flow_model_1024": "ckpts/slat_flow_imgshape2tex_dit_1_3B_1024_bf16",
+        "shape_slat_decoder": "ckpts/shape_dec_next_dc_f16c32_fp16",
+        "tex_slat_decoder": "ckpts/tex_dec_next_dc_f16c32_fp16",
+    },
+}
+"""What ``pipeline.json`` names (``args.models``, as ``checkpoint_stems`` reads it) at the revisions configs pin
+(reference: pixal3d-inference.md §weights), so that a missing-weights error can list the checkpoints before
+``pipeline.json`` is downloaded. A run always reads the downloaded file, never this table."""
+
+
+def expect_pinned_checkpoints(fetch: Fetcher, weights: WeightsConfig, wanted: Iterable[str]) -> None:
+    """With ``pipeline.json`` not on disk, record the checkpoints it will name at the pinned revision as missing
+    too (nothing when the revision is not in ``PINNED_CHECKPOINTS``), so one error lists every file."""
+    source = weights.pixal3d
+    stems = PINNED_CHECKPOINTS.get((str(source.repo), str(source.revision)), {})
+    files = [f"{stems[m]}{suffix}" for m in wanted if m in stems for suffix in (".json", ".safetensors")]
+    fetch.expect(source, files, label="weights.pixal3d", note="named by pipeline.json at this revision")
+
 
 @dataclass(frozen=True)
 class Normalization:
@@ -74,41 +98,22 @@ class ResolvedWeights:
 
 def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = None,
                     need_moge: bool = False, offline: bool | None = None,
-                    generate: Callable[[Path], Path] | None = None) -> ResolvedWeights:
+                    generate: Callable[[Path], Path] | None = None,
+                    config_file: str | None = None) -> ResolvedWeights:
     """Resolve, download (unless offline) and verify the files for ``models`` (registry names; default:
     the seven checkpoints, DINOv3 and NAF; MoGe-2 with ``need_moge``); every file that is missing, from every source,
     is named in one
     ``MissingWeightsError``. DINOv3 and NAF are fetched only when named (a follower rank needs neither).
 
     ``generate(folder) -> folder`` builds the tiny weights for ``generate: tiny`` sources (by
-    default ``pixal3d.tiny_weights.ensure_tiny_weights``).
+    default ``pixal3d.tiny_weights.ensure_tiny_weights``). ``config_file`` is named in the error's
+    ``pixal3d-fetch`` command.
     """
     offline = hub_offline() if offline is None else offline
     models = [*PIPELINE_MODELS, "dinov3", "naf"] if models is None else list(models)
-    wanted = [m for m in models if m in PIPELINE_MODELS]
-    fetch = Fetcher(offline=offline, generate=generate)
+    fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
 
-    # 1. pipeline.json, then the checkpoints it names for the models this run uses
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    pipeline: dict[str, Any] = {}
-    checkpoints: dict[str, Path] = {}
-    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
-        pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
-        stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
-        files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
-        pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
-        checkpoints = {name: pipe_dir / stem for name, stem in stems.items()} if pipe_dir is not None else {}
-
-    # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
-    dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
-                          label="weights.dinov3") if "dinov3" in models else None
-    naf = fetch.file(weights.naf, label="weights.naf") if "naf" in models else None
-    moge = None
-    if need_moge:
-        if weights.moge is None:
-            raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
-                                      "given; pass fov=DEG or add weights.moge to the config")
-        moge = fetch.folder(weights.moge, list(weights.moge.files) or [MOGE_FILE], label="weights.moge")
+    pipe_dir, pipeline, checkpoints, dinov3, naf, moge = _locate(fetch, weights, models, need_moge)
     fetch.raise_missing()  # everything missing, from every source, in one error
 
     # 3. every safetensors file the run will read must be whole
@@ -123,9 +128,47 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     return resolved
 
 
+def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge: bool) -> tuple[Any, ...]:
+    """Steps 1-2 of ``resolve_weights``: every file's place, what is missing recorded in ``fetch``."""
+    wanted = [m for m in models if m in PIPELINE_MODELS]
+    # 1. pipeline.json, then the checkpoints it names for the models this run uses
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    pipeline: dict[str, Any] = {}
+    checkpoints: dict[str, Path] = {}
+    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
+        pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
+        stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
+        files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
+        pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
+        checkpoints = {name: pipe_dir / stem for name, stem in stems.items()} if pipe_dir is not None else {}
+    else:
+        expect_pinned_checkpoints(fetch, weights, wanted)
+
+    # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
+    dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
+                          label="weights.dinov3") if "dinov3" in models else None
+    naf = fetch.file(weights.naf, label="weights.naf") if "naf" in models else None
+    moge = None
+    if need_moge:
+        if weights.moge is None:
+            raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
+                                      "given; pass fov=DEG or add weights.moge to the config")
+        moge = fetch.folder(weights.moge, list(weights.moge.files) or [MOGE_FILE], label="weights.moge")
+    return pipe_dir, pipeline, checkpoints, dinov3, naf, moge
+
+
+def missing_files(weights: WeightsConfig, *, include_moge: bool) -> Fetcher:
+    """An offline ``Fetcher`` holding every file a run of ``weights`` needs that is not on disk (its ``missing``;
+    the checkpoints of a ``pipeline.json`` not downloaded yet from ``PINNED_CHECKPOINTS``), for ``pixal3d-fetch``."""
+    fetch = Fetcher(offline=True, generate=None)
+    _locate(fetch, weights, [*PIPELINE_MODELS, "dinov3", "naf"], include_moge and weights.moge is not None)
+    return fetch
+
+
 def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
                   generate: Callable[[Path], Path] | None = None,
-                  select: Mapping[str, TensorSelector] | None = None) -> tuple[dict[str, int], list[str]]:
+                  select: Mapping[str, TensorSelector] | None = None,
+                  config_file: str | None = None) -> tuple[dict[str, int], list[str]]:
     """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
 
     Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
@@ -138,7 +181,7 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     offline = hub_offline() if offline is None else offline
     select = select or {}
     wanted = list(models)
-    fetch = Fetcher(offline=offline, generate=generate)
+    fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
     sizes: dict[str, int] = {}
     notes: list[str] = []
     pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
@@ -148,6 +191,8 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
         for name, stem in stems.items():
             sizes[name] = fetch.planned_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d",
                                               select=select.get(name))
+    else:
+        expect_pinned_checkpoints(fetch, weights, [m for m in wanted if m in PIPELINE_MODELS])
     if "dinov3" in wanted:
         folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
         sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, folder, "model.safetensors", label="weights.dinov3")

@@ -194,9 +194,9 @@ def test_offline_without_moges_checkpoint_the_fetcher_names_it_with_the_command(
     weights = dataclasses.replace(tiny.weights, moge=source)
     with pytest.raises(MissingWeightsError) as info:
         resolve_weights(weights, need_moge=True)
-    message = str(info.value)
-    assert "weights.moge: model.pt" in message
-    assert f"hf download Ruicheng/moge-2-vitl model.pt --revision {source.revision}" in message
+    lines = str(info.value).splitlines()
+    assert lines[1] == f"  weights.moge from Ruicheng/moge-2-vitl@{source.revision}:" and lines[2] == "    model.pt"
+    assert f"or this source alone (online): hf download Ruicheng/moge-2-vitl model.pt --revision {source.revision}" in lines
     sizes, notes = planned_sizes(weights, models=["moge"])
     assert sizes["moge"] == 0 and "model.pt: size unknown offline" in notes
 

@@ -35,6 +35,14 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
+def _missing_weights_lines(err: str, config: Path | str) -> list[str]:
+    """A missing-weights error: the error line, one line per file, and last the one command that fetches them."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("pixal3d-image-to-mesh: error: missing weights: "), err
+    assert lines[-1] == f"fetch everything this config needs with: pixal3d-fetch --config {config}", err
+    return lines
+
+
 def _files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
@@ -166,8 +174,10 @@ def test_missing_weights(tmp_path, capsys):
     config.write_text(TINY_CONFIG.read_text().replace("pixal3d: {generate: tiny}", "pixal3d: {local: empty}"))
     (tmp_path / "empty").mkdir()
     code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "out" / "o.glb")
-    line = _one_error_line(err)
-    assert code == 2 and "missing weights for weights.pixal3d: pipeline.json" in line and "empty" in line
+    lines = [line for line in err.splitlines() if line.strip()]  # a local folder: pixal3d-fetch cannot fill it
+    assert lines[0] == "pixal3d-image-to-mesh: error: missing weights: 1 file a run needs is not on this machine"
+    assert "weights.pixal3d from folder" in lines[1] and "empty" in lines[1] and lines[2] == "    pipeline.json"
+    assert lines[-1] == "put the files there or point the config at the folder that holds them"
     assert _files(tmp_path / "out") == []
 
 

@@ -28,7 +28,7 @@ from pipelines import Pixal3D, cli
 from pixal3d.tiny_weights import TINY_VERSION
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.stub_result import stub_run
-from tests.test_cli import _files, _one_error_line, _run
+from tests.test_cli import _files, _missing_weights_lines, _one_error_line, _run
 
 
 def _empty_cache(monkeypatch, tmp_path: Path) -> Path:
@@ -180,11 +180,11 @@ def test_an_unreachable_hub_is_one_error_naming_every_missing_file_without_retri
                                                                                    monkeypatch, caplog):
     rev, config = _unreachable_hub(tiny_cache, tmp_path, monkeypatch)
     code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
-    line = _one_error_line(err)
-    assert code == 2 and "could not be reached" in line
-    assert all(name in line for name in MISSING), line
-    assert f"hf download t/p {' '.join(sorted(MISSING[:3]))} --revision {rev}" in line
-    assert f"hf download t/d model.safetensors --revision {rev}" in line
+    lines = _missing_weights_lines(err, config)
+    assert code == 2 and any("could not be reached" in line for line in lines)
+    assert all(f"    {name}" in lines for name in MISSING), lines  # each file on its own line
+    assert f"or this source alone (with network access): hf download t/p {' '.join(sorted(MISSING[:3]))} --revision {rev}" in lines
+    assert f"or this source alone (with network access): hf download t/d model.safetensors --revision {rev}" in lines
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # were 22 lines over 26-32 s
 
 
@@ -210,8 +210,9 @@ def test_offline_with_a_partial_cache_names_every_missing_file_at_once(tiny_cach
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
-    line = _one_error_line(err)
-    assert code == 2 and all(name in line for name in MISSING) and "HF_HUB_OFFLINE" in line
+    lines = _missing_weights_lines(err, config)
+    assert code == 2 and all(f"    {name}" in lines for name in MISSING)
+    assert "HF_HUB_OFFLINE is set, so only the local cache was searched" in lines
 
 
 def test_the_command_configures_its_own_loggers_and_leaves_library_loggers_alone(tiny_cache, tmp_path, capsys,

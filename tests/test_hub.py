@@ -52,7 +52,8 @@ def test_missing_checkpoint_names_the_file_the_folder_and_what_to_do(local_copy)
         resolve_weights(_local(local_copy), offline=True)
     message = str(info.value)
     assert "ckpts/tex_dec_tiny.safetensors" in message and str(local_copy / "pixal3d") in message
-    assert "weights.pixal3d" in message and "\n" not in message
+    lines = message.splitlines()  # a heading per source, each file on its own line
+    assert "weights.pixal3d" in lines[1] and "    ckpts/tex_dec_tiny.safetensors" in lines
 
 
 def test_hub_repo_offline_with_an_empty_cache_gives_the_download_command(tmp_path, monkeypatch):
@@ -65,9 +66,32 @@ def test_hub_repo_offline_with_an_empty_cache_gives_the_download_command(tmp_pat
                             naf=WeightSource(local=str(tmp_path), files=("naf.safetensors",)))
     with pytest.raises(MissingWeightsError) as info:
         resolve_weights(weights)
-    message = str(info.value)
-    assert f"hf download TencentARC/Pixal3D pipeline.json --revision {REV}" in message
-    assert "HF_HUB_OFFLINE" in message
+    lines = str(info.value).splitlines()
+    # pipeline.json and the 14 files it names at the pinned revision (PINNED_CHECKPOINTS), each on its own line
+    assert lines[0] == "missing weights: 18 files a run needs are not on this machine"  # + DINOv3 2, NAF 1
+    assert lines[1] == f"  weights.pixal3d from TencentARC/Pixal3D@{REV}:" and lines[2] == "    pipeline.json"
+    assert "    ckpts/ss_flow_img_dit_1_3B_64_bf16.safetensors (named by pipeline.json at this revision)" in lines
+    assert sum("named by pipeline.json" in line for line in lines) == 14
+    command = next(line for line in lines if "hf download" in line)
+    assert command.startswith("or this source alone (online): hf download TencentARC/Pixal3D ckpts/")
+    assert command.endswith(f" pipeline.json --revision {REV}")
+    assert "HF_HUB_OFFLINE is set, so only the local cache was searched" in lines
+    assert lines[-1] == "fetch everything this config needs with: pixal3d-fetch --config CONFIG"
+
+
+def test_an_unknown_revision_lists_pipeline_json_alone(tmp_path, monkeypatch):
+    """Control for the pinned listing: at a revision PINNED_CHECKPOINTS does not know, nothing is guessed."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    weights = WeightsConfig(pixal3d=WeightSource(repo="TencentARC/Pixal3D", revision="1" * 40),
+                            dinov3=WeightSource(local=str(tmp_path)),
+                            naf=WeightSource(local=str(tmp_path), files=("naf.safetensors",)))
+    with pytest.raises(MissingWeightsError) as info:
+        resolve_weights(weights, offline=True, config_file="my.yaml")
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("missing weights: 4 files") and "named by pipeline.json" not in str(info.value)
+    assert lines[-1] == "fetch everything this config needs with: pixal3d-fetch --config my.yaml"
 
 
 def test_hub_repo_offline_uses_the_local_hugging_face_cache(local_copy, tmp_path, monkeypatch):
@@ -86,7 +110,8 @@ def test_hub_repo_offline_uses_the_local_hugging_face_cache(local_copy, tmp_path
     resolved = resolve_weights(weights, offline=True)
     assert resolved.pipeline_dir == snapshot
     (snapshot / "ckpts" / "ss_flow_tiny.json").unlink()
-    with pytest.raises(MissingWeightsError, match=r"ckpts/ss_flow_tiny\.json .*hf download TencentARC/Pixal3D "):
+    with pytest.raises(MissingWeightsError, match=r"\n    ckpts/ss_flow_tiny\.json\n(.*\n)*or this source alone "
+                                                  r"\(online\): hf download TencentARC/Pixal3D ckpts/ss_flow_tiny\.json "):
         resolve_weights(weights, offline=True)
 
 
@@ -95,7 +120,8 @@ def test_url_source_offline_and_checksum(tmp_path, monkeypatch, local_copy):
     url = WeightSource(url="https://example.invalid/naf_release.pth", filename="naf_release.pth")
     weights = WeightsConfig(pixal3d=WeightSource(local=str(local_copy / "pixal3d")),
                             dinov3=WeightSource(local=str(local_copy / "dinov3")), naf=url, rembg=None)
-    with pytest.raises(MissingWeightsError, match=r"curl -L -o .*naf_release\.pth https://example\.invalid/"):
+    with pytest.raises(MissingWeightsError, match=r"\n    naf_release\.pth\n(.*\n)*or this file alone: curl -L -o "
+                                                  r".*naf_release\.pth https://example\.invalid/"):
         resolve_weights(weights, offline=True)
     target = tmp_path / "cache" / "downloads" / "naf_release.pth"
     target.parent.mkdir(parents=True)

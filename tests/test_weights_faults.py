@@ -110,9 +110,11 @@ def test_offline_partial_cache_names_every_missing_file_of_every_source(tiny_cac
                  lambda: planned_sizes(weights, models=["sparse_structure_flow_model", "dinov3"], offline=True)):
         with pytest.raises(MissingWeightsError) as info:
             call()
-        message = str(info.value)
-        assert "ckpts/ss_flow_tiny.safetensors" in message and "model.safetensors" in message
-        assert "\n" not in message and "weights.pixal3d" in message and "weights.dinov3" in message
+        lines = str(info.value).splitlines()  # a heading per source, then each of its files on its own line
+        assert "    ckpts/ss_flow_tiny.safetensors" in lines and "    model.safetensors" in lines
+        assert any(line.startswith("  weights.pixal3d from t/p@") for line in lines)
+        assert any(line.startswith("  weights.dinov3 from t/d@") for line in lines)
+        assert lines[-1] == "fetch everything this config needs with: pixal3d-fetch --config CONFIG"
     with pytest.raises(MissingWeightsError) as info:
         resolve_weights(weights, offline=True)
     assert "ckpts/tex_dec_tiny.json" in str(info.value)  # the whole run's files, not only the first missing one
