@@ -318,8 +318,8 @@ def _missing_message(missing: list[_Missing], *, offline: bool, reason: str | No
     """Every missing file on its own line (by source), why, the commands per source, then the one command."""
     entries = merged_missing(missing)
     count = sum(len(e.files) for e in entries)
-    lines = [f"missing weights: {count} file{'s' if count != 1 else ''} a run needs "
-             f"{'is' if count == 1 else 'are'} not on this machine"]
+    files = "1 file a run needs is" if count == 1 else f"{count} files a run needs are"
+    lines = [f"missing weights: {files} not on this machine"]
     shown: set[int] = set()
     for entry in entries:
         if id(entry.source) not in shown:  # one heading per source, then its files (found missing or expected)

@@ -62,7 +62,7 @@ class FakeServer:
         self.ranges: list[str | None] = []
         self.short = 0
 
-    def urlopen(self, request, timeout: float = 0):  # noqa: ANN001 -- urllib's Request
+    def urlopen(self, request, timeout: float = 0):  # request: urllib's Request
         assert request.full_url == NAF_URL
         asked = request.get_header("Range")
         self.ranges.append(asked)
@@ -92,8 +92,9 @@ class _Response:
 @pytest.fixture
 def fake(tiny_cache, tmp_path, monkeypatch):
     """A config of three Hub repos and a URL file, an empty HF cache and pixal3d cache, the fakes installed."""
-    import huggingface_hub
     import urllib.request
+
+    import huggingface_hub
     from huggingface_hub import constants
 
     tiny = tiny_cache / "tiny" / TINY_VERSION
