@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from pixal3d.mesh.export import ExportSettings
+from pixal3d.shipped import CHECKOUT, SHIPPED, shipped_config  # noqa: F401 -- re-exported
 
 
 class ConfigError(ValueError):
@@ -306,17 +307,6 @@ class CascadeConfig:
 
 
 # -- reading -------------------------------------------------------------------------------------
-
-SHIPPED = Path(__file__).resolve().parent / "configs"
-"""The configs installed with the package (package data; in a checkout they are in ``configs/``)."""
-CHECKOUT = Path(__file__).resolve().parents[1] / "configs"
-
-
-def shipped_config(name: str) -> Path:
-    """The shipped config called ``name`` (``tiny``, ``tiny.yaml``, ``1024_cascade.yaml``, ...)."""
-    folder = SHIPPED if SHIPPED.is_dir() else CHECKOUT
-    return folder / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
-
 
 def shipped_config_names() -> list[str]:
     """The names of the shipped configs."""

@@ -56,3 +56,42 @@ def test_control_a_run_does_import_them(tiny_cache, tmp_path):
                           capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "PYTHONPATH": str(REPO), "PIXAL3D_CACHE": str(tiny_cache)})
     assert proc.stdout.strip().splitlines()[-1] == "True", proc.stderr
+
+
+TORCH_PROBE = """
+    import json, sys
+    from pipelines import cli
+    try:
+        code = cli.main(sys.argv[1:])
+    except SystemExit as stop:
+        code = stop.code
+    print(json.dumps({"code": code, "torch": "torch" in sys.modules}), file=sys.stderr)
+"""
+
+
+def _torch_imported(*argv: str, cache) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(TORCH_PROBE), *map(str, argv)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PIXAL3D_CACHE": str(cache)})
+    return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--no-such-flag"]], ids=["help", "usage-error"])
+def test_help_and_a_usage_error_import_no_torch(argv, tiny_cache):
+    """The parser (pipelines/cli_args.py) answers before the command's body, and torch, are imported."""
+    report = _torch_imported(*argv, cache=tiny_cache)
+    assert report == {"code": 0 if argv == ["--help"] else 2, "torch": False}, report
+
+
+def test_control_a_plan_does_import_torch(tiny_cache, tmp_path):
+    """The probe can fail: past the parser, the same probe sees torch."""
+    report = _torch_imported(EXAMPLE, "--config", TINY_CONFIG, "--plan", "-o", tmp_path / "o.glb", cache=tiny_cache)
+    assert report == {"code": 0, "torch": True}, report
+
+
+def test_the_parsers_policies_are_the_libraries():
+    """cli_args writes Policy's values out (no torch for --help): they must stay the same."""
+    from pipelines.cli_args import POLICIES
+    from pixal3d.staging import Policy
+
+    assert POLICIES == tuple(p.value for p in Policy)

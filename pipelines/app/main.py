@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pixal3d.config import ConfigError, load_config
 
-from ..cli import DEFAULT_CONFIG, UsageError, parse_device
+from ..command import DEFAULT_CONFIG, UsageError, parse_device
 from ..exposure import is_loopback
 
 logger = logging.getLogger("pixal3d-app")

@@ -27,7 +27,7 @@ from pixal3d.locks import LockedError, exclusive_lock
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
 
-from ..cli import DEFAULT_CONFIG, UsageError, parse_device
+from ..command import DEFAULT_CONFIG, UsageError, parse_device
 from ..exposure import is_loopback
 from ..plan import default_device
 from .store import LOCK, DataDirError, JobStore
