@@ -78,14 +78,14 @@ def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
         for index, (tmp, target) in enumerate(zip(temps, targets)):
             if index == len(targets) - 1:
                 for folder in dict.fromkeys(t.parent for t in targets[:-1]):
-                    _sync_folder(folder)  # the others' renames are on the disk before the commit point's
+                    sync_folder(folder)  # the others' renames are on the disk before the commit point's
             try:
                 os.replace(tmp, target)
             except OSError as err:
                 raise name_target(err, target) from err
             renamed.append(target)
         committed = True
-        _sync_folder(targets[-1].parent)
+        sync_folder(targets[-1].parent)
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
@@ -112,7 +112,7 @@ def _sync(path: Path) -> None:
         os.close(fd)
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """Flush ``folder``'s entries (the renames) to the disk, where the system allows it (not on Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pixal3d.files import write_bytes_atomic, write_json_atomic
+from pixal3d.files import sync_folder, write_bytes_atomic, write_json_atomic
 
 from ..work_dir import WorkDir
 
@@ -123,7 +123,7 @@ class JobStore:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        _sync_folder(self.jobs)
+        sync_folder(self.jobs)
         return job
 
     def end(self, job_id: str, status: Mapping[str, Any]) -> None:
@@ -172,16 +172,3 @@ class JobStore:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-
-def _sync_folder(folder: Path) -> None:
-    """Flush the folder's entries (the rename that commits a job) to the disk, where the system allows it."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
