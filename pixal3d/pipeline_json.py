@@ -172,8 +172,9 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     """Bytes of each model in ``models`` for the memory plan, without downloading any weights.
 
     Files already on disk (folder, Hugging Face cache, generated) give their safetensors header; a
-    checkpoint not downloaded yet gives the header the Hub serves for it (a few KB, needs network).
-    Only ``pipeline.json`` is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
+    checkpoint not downloaded yet (the flows, DINOv3) gives the header the Hub serves for it (a few KB through
+    HTTP range reads, needs network), MoGe-2 its size in the Hub's file listing. Only ``pipeline.json`` (a few
+    KB) is fetched, to learn the checkpoint names. Returns ``(sizes, notes)``,
     notes naming models whose size is unknown (counted as 0). Files that are neither on disk nor
     reachable are named, all of them, in one ``MissingWeightsError``. ``select`` counts only part of a
     Pixal3D checkpoint (model name → tensor selector), e.g. a pipeline rank's shard of a flow model.
@@ -193,9 +194,10 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
                                               select=select.get(name))
     else:
         expect_pinned_checkpoints(fetch, weights, [m for m in wanted if m in PIPELINE_MODELS])
-    if "dinov3" in wanted:
-        folder = fetch.folder(weights.dinov3, ["config.json"], label="weights.dinov3")
-        sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, folder, "model.safetensors", label="weights.dinov3")
+    if "dinov3" in wanted:  # on disk: its header; else the Hub's header (nothing of DINOv3 is downloaded)
+        path = fetch.cached_file(weights.dinov3, "model.safetensors", label="weights.dinov3")
+        sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, None if path is None else path.parent,
+                                              "model.safetensors", label="weights.dinov3")
     if "naf" in wanted:
         if weights.naf.url is not None:
             target = cache_root() / "downloads" / str(weights.naf.filename)

@@ -1,0 +1,120 @@
+"""``--plan`` from headers only (issue 30, item 5): the real 1024 cascade planned on an empty cache reads each
+checkpoint's and DINOv3's safetensors header through the Hub's metadata API (HTTP range reads, faked here),
+MoGe-2's size from the Hub's file listing, and downloads nothing but ``pipeline.json``; offline, one error lists
+what it needs."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipelines import Pixal3D
+from pixal3d.hub import MissingWeightsError
+from pixal3d.pipeline_json import PINNED_CHECKPOINTS, PUBLISHED_INTERVALS
+from pixal3d.tiny_weights import pipeline_json
+
+REPO = Path(__file__).resolve().parents[1]
+REAL = REPO / "configs" / "1024_cascade.yaml"
+CHECKPOINTS = json.loads((REPO / "assets" / "checkpoints.json").read_text())["models"]
+DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
+DINOV3_BYTES = 1_212_559_808  # a ViT-L/16 in fp32: what the fake header of its model.safetensors says
+MOGE_BYTES = 1_325_000_000
+
+
+def _header(entry):
+    """A fake ``parse_safetensors_file_metadata`` answer: the real checkpoint's tensors, back to back."""
+    size, offset, tensors = DTYPE_BYTES[entry["dtype"]], 0, {}
+    for name, shape in entry["tensors"].items():
+        end = offset + math.prod(shape) * size
+        tensors[name] = SimpleNamespace(data_offsets=(offset, end))
+        offset = end
+    return SimpleNamespace(tensors=tensors), offset
+
+
+class FakeHub:
+    """The Hub's answers the plan may ask for, and a log of every call; no file download but pipeline.json."""
+
+    def __init__(self, root: Path):
+        import huggingface_hub.errors
+
+        self.root, self.calls, self.snapshot = root, [], None
+        self.missing = huggingface_hub.errors.LocalEntryNotFoundError
+        stems = next(iter(PINNED_CHECKPOINTS.values()))
+        self.pipeline = pipeline_json()
+        self.pipeline["args"]["models"] = dict(stems)
+        for section, interval in PUBLISHED_INTERVALS.items():
+            self.pipeline["args"][section] = {"params": {"guidance_interval": list(interval)}}
+        by_file = {entry["file"]: entry for entry in CHECKPOINTS.values()}
+        self.headers = {f"{stem}.safetensors": _header(by_file[stem]) for stem in stems.values()}
+        self.headers["model.safetensors"] = (SimpleNamespace(tensors={"w": SimpleNamespace(
+            data_offsets=(0, DINOV3_BYTES))}), DINOV3_BYTES)
+
+    def snapshot_download(self, repo_id, revision=None, allow_patterns=None, local_files_only=False, **_):
+        self.calls.append(("snapshot_download", repo_id, tuple(allow_patterns or ()), local_files_only))
+        if local_files_only:  # the cache holds only what was downloaded here: pipeline.json
+            if self.snapshot is None or list(allow_patterns) != ["pipeline.json"]:
+                raise self.missing("not in the cache")
+            return str(self.snapshot)
+        assert list(allow_patterns) == ["pipeline.json"], allow_patterns  # nothing else is ever downloaded
+        self.snapshot = self.root / "snapshot"
+        self.snapshot.mkdir(exist_ok=True)
+        (self.snapshot / "pipeline.json").write_text(json.dumps(self.pipeline))
+        return str(self.snapshot)
+
+    def get_hf_file_metadata(self, url, timeout=None, **_):
+        self.calls.append(("get_hf_file_metadata", url))
+        return SimpleNamespace(size=1)
+
+    def parse_safetensors_file_metadata(self, repo_id, filename, revision=None, **_):
+        self.calls.append(("header", repo_id, filename))
+        return self.headers[filename][0]
+
+    def get_paths_info(self, repo_id, paths, revision=None, **_):
+        self.calls.append(("listing", repo_id, tuple(paths)))
+        return [SimpleNamespace(size=MOGE_BYTES)]
+
+    def hf_hub_download(self, *args, **kwargs):
+        raise AssertionError(f"the plan downloaded a file: {args} {kwargs}")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    fake = FakeHub(tmp_path)
+    monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path / "pixal3d"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for name in ("snapshot_download", "get_hf_file_metadata", "parse_safetensors_file_metadata", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, name, getattr(fake, name))
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", fake.get_paths_info)
+    return fake
+
+
+def test_the_real_cascade_is_planned_from_headers_without_downloading_any_weight(hub):
+    """Every model's planned bytes are its header's (the flows and decoders at the real sizes of
+    assets/checkpoints.json, DINOv3 from its header, MoGe-2 from the listing); the only download is
+    pipeline.json, and DINOv3 was asked for its header, not its config or weights."""
+    plan = Pixal3D.plan(REAL, device="cpu")
+    sizes = plan.memory.model_bytes
+    for name, entry in CHECKPOINTS.items():
+        assert sizes[name] == hub.headers[f"{entry['file']}.safetensors"][1], name
+    assert sizes["dinov3"] == DINOV3_BYTES and sizes["moge"] == MOGE_BYTES
+    downloads = [c for c in hub.calls if c[0] == "snapshot_download" and not c[3]]
+    assert downloads == [("snapshot_download", "TencentARC/Pixal3D", ("pipeline.json",), False)]
+    headers = {c[2] for c in hub.calls if c[0] == "header"}
+    assert headers == set(hub.headers)  # the seven checkpoints and DINOv3's model.safetensors
+    assert plan.table()  # the rest of the plan is made as before
+
+
+def test_offline_the_plan_names_every_header_it_needs_in_one_error(hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MissingWeightsError) as caught:
+        Pixal3D.plan(REAL, device="cpu")
+    text = str(caught.value)
+    for stem in next(iter(PINNED_CHECKPOINTS.values())).values():
+        assert f"{stem}.safetensors" in text, stem
+    assert "pipeline.json" in text and "model.safetensors" in text and "pixal3d-fetch" in text
+    assert not [c for c in hub.calls if c[0] in ("header", "listing", "get_hf_file_metadata")]
