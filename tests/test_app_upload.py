@@ -58,3 +58,29 @@ def test_the_fov_checkbox_is_off_and_disabled_saying_why_where_the_config_cannot
     inputs = _fov_inputs(tiny, tmp_path)  # control: tiny's MoGe-2 estimates it, so "automatic" stays on
     assert inputs["fov-auto"].value is True and inputs["fov-auto"].interactive is True
     assert inputs["fov-auto"].label == "automatic field of view" and inputs["fov"].interactive is False
+
+
+def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_outcome(tiny, tmp_path, monkeypatch):
+    """Issue 30, item 7 (progress): while a job runs, only Gradio's bar (over the status line) says the stage; the
+    status line is not written again until the outcome. Two texts used to show different stages."""
+    from pipelines.app import ui
+    from pipelines.app.job import JobUpdate
+    from pipelines.app.worker import Worker
+
+    updates = [JobUpdate(status="planning"), JobUpdate(status="stage 3/9 · structure", fraction=0.3),
+               JobUpdate(status="stage 7/9 · texture · sampler step 2/4", fraction=0.7),
+               JobUpdate(status="error: injected", error="injected")]
+    monkeypatch.setattr(ui, "run_job", lambda *args, **kwargs: iter(updates))
+    worker = Worker(tiny, device="cpu")
+    try:
+        page = ui.build_ui(worker, outputs=tmp_path)
+        [on_run] = [f.fn for f in page.fns.values() if getattr(f.fn, "__name__", "") == "on_run"]
+        told = []
+        yields = list(on_run(str(EXAMPLE), 1, True, 40.0, "auto", 1024, 1000, "",
+                             progress=lambda fraction, desc: told.append((fraction, desc))))
+    finally:
+        worker.close()
+    assert told == [(u.fraction, u.status) for u in updates[:3]]  # the bar: every running update
+    status = [y[0] for y in yields[1:]]  # after the first yield, which clears the last job's outputs
+    assert all(isinstance(s, type(gr.skip())) for s in status[:3]), status  # not written while it runs
+    assert status[3] == "**error: injected**"

@@ -94,14 +94,18 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                 return
             drawn, drawn_at = 0, 0.0
             for update in run_job(worker, image_, settings, outputs=outputs, poll=poll):
-                progress(update.fraction, desc=update.status)
                 figure = gr.skip()
                 if update.records and len(update.records) != drawn and (
                         update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
                     figure, drawn, drawn_at = _figure(update), len(update.records), time.monotonic()
-                yield _final(update, figure) if update.done else (
-                    _status(update.status), figure, gr.skip(), gr.skip(), gr.skip(),
-                    _plan_markdown(update.plan) if update.plan else gr.skip())
+                if update.done:
+                    yield _final(update, figure)
+                    continue
+                # One progress text while it runs: Gradio's bar over the status line says the stage; the status
+                # line itself is written again only with the outcome (two texts, updated apart, disagreed).
+                progress(update.fraction, desc=update.status)
+                yield (gr.skip(), figure, gr.skip(), gr.skip(), gr.skip(),
+                       _plan_markdown(update.plan) if update.plan else gr.skip())
 
         settings_inputs = [policy, texture, faces, budget]
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
