@@ -58,6 +58,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="pipefusion/both: token patches per step (default: N)")
     group.add_argument("--warmup", type=int, default=None, metavar="W",
                        help="pipefusion/both: leading steps run synchronously, exact (default 1)")
+    group.add_argument("--data-groups", type=int, default=None, metavar="K",
+                       help="cfg/pipefusion/both: K groups of the processes, each its own cfg/pipefusion job on its "
+                            "share of a batch's images (K x 2 x N processes; --work-dir: groups claim images); "
+                            "default 1")
     group.add_argument("--parallel-timeout", type=float, default=600.0, metavar="S",
                        help="longest wait for another rank before every rank stops with an error (default 600; "
                             "raise it when rank 0's decode and export take longer)")

@@ -91,17 +91,24 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             return _data_command(args, settings)
         topology = Topology.from_env(settings)
         if args.plan and settings.pp_split != "auto":  # each rank can plan; rank 0 prints its plan, nobody joins
-            return _command(args, settings) if topology.rank == 0 else 0
+            return _command(args, settings) if topology.global_rank == 0 else 0
         runtime = init_parallel(settings, device=rank_device(parse_device(args.device) if args.device else
                                                              default_device(), topology))
     except (UsageError, ParallelConfigError) as err:  # the same on every rank: said once
         return _fail(_classify(err, started=False)) if launch_rank() == 0 else 2
+    # With --data-groups each group's rank 0 leads its group and takes part in the data job (it claims images);
+    # the group's other ranks follow it alone.
+    job = None
     try:
-        return _command(args, runtime, runtime=runtime) if topology.rank == 0 else _follow(args, runtime)
+        if topology.data_groups > 1 and topology.rank == 0 and not args.plan:
+            job = DataJob.join(settings)
+        return _command(args, runtime, runtime=runtime, job=job) if topology.rank == 0 else _follow(args, runtime)
     except BaseException as err:  # an unforeseen error: the other ranks stop too, then the traceback
         runtime.fail(err)
         raise
     finally:
+        if job is not None:
+            job.close()
         runtime.close()
 
 
@@ -148,7 +155,7 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
     """Everything one process does (rank 0's part of a parallel job, or a data group, included): check, plan,
     run, write."""
     started = False
-    lead = job is None or job.rank == 0  # says what every rank would say alike
+    lead = _leads(runtime, job)  # says what every rank would say alike
     try:
         with terminate_as_exception(), ExitStack() as held:
             prepared = _prepare(args, held, parallel, job=job)
@@ -177,6 +184,12 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
             failure = replace(failure, message=f"{failure.message}; run the same command again to resume from "
                                                f"{args.work_dir}")
         return _fail(failure)
+
+
+def _leads(runtime: ParallelRuntime | None, job: DataJob | None) -> bool:
+    """Whether this process says what every group's leader would say alike (the plan, skipped inputs) and holds
+    the locks against other runs: rank 0 of the job."""
+    return (job is None or job.rank == 0) and (runtime is None or runtime.topology.global_rank == 0)
 
 
 def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
@@ -286,7 +299,7 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
              *, job: DataJob | None = None) -> Prepared:
     """``job``: a data job's ranks != 0 leave the locks against other runs to rank 0, and open the work directory
     after it."""
-    lead = job is None or job.rank == 0
+    lead = _leads(parallel if isinstance(parallel, ParallelRuntime) else None, job)
     # 1. config and the run's settings: ranges are the config's own (pixal3d.config) and the run's (state.py)
     config = load_config(args.config)
     if args.seed is not None:
@@ -359,6 +372,8 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
     knobs = [f"--{k.replace('_', '-')}" for k in ("pp", "pp_split", "patches", "warmup")
              if getattr(args, k) is not None]
     if args.parallel == "none":
+        if args.data_groups is not None:
+            raise UsageError("--data-groups needs --parallel cfg, pipefusion or both (--parallel is none)")
         if knobs:
             raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel is none)")
         if world > 1:
@@ -367,14 +382,23 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
                              f"without torchrun")
         return None
     # Every rank sees this alike, before any rendezvous: rank 0 says it once, every rank exits 2.
-    if args.parallel != "data" and (args.work_dir is not None or args.batch_order == "stage"):
-        raise UsageError(f"--work-dir and --batch-order stage need one process per image; under --parallel "
-                         f"{args.parallel} the other ranks follow rank 0 image by image: drop them, use --parallel "
-                         f"data (each process runs whole images), or run without --parallel")
+    groups = 1 if args.data_groups is None else args.data_groups
+    if args.data_groups is not None and (args.parallel == "data" or args.data_groups < 1):
+        raise UsageError(f"--data-groups {args.data_groups}: " + (
+            "--parallel data makes every process a data group of its own; drop --data-groups"
+            if args.parallel == "data" else "give 1 or more groups"))
+    if args.parallel != "data" and args.batch_order == "stage":
+        raise UsageError(f"--batch-order stage needs one process per image; under --parallel {args.parallel} the "
+                         f"other ranks follow rank 0 image by image: drop it, use --parallel data (each process "
+                         f"runs whole images), or run without --parallel")
+    if args.parallel != "data" and groups == 1 and args.work_dir is not None:
+        raise UsageError(f"--work-dir needs data groups under --parallel {args.parallel} (the other ranks follow "
+                         f"rank 0 image by image): add --data-groups K, use --parallel data (each process runs "
+                         f"whole images), or run without --parallel")
     cfg = 2 if args.parallel in ("cfg", "both") else 1
     piped = args.parallel in ("pipefusion", "both")
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        ranks = 2 if args.parallel == "data" else 2 * cfg if piped else cfg
+        ranks = 2 if args.parallel == "data" else groups * (2 * cfg if piped else cfg)
         raise ParallelConfigError(f"--parallel {args.parallel} runs under torchrun, which starts the processes: "
                                   f"torchrun --nproc-per-node {ranks} scripts/image_to_mesh.py ... "
                                   f"(README: Several GPUs or machines)")
@@ -383,10 +407,11 @@ def parallel_settings(args: argparse.Namespace, env: dict[str, str] | None = Non
             raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel data runs every "
                              f"image whole on one process)")
         return ParallelSettings(mode="data", data_groups=world, timeout_s=args.parallel_timeout)
-    pp = args.pp if args.pp is not None else (max(1, world // cfg) if piped else 1)
+    pp = args.pp if args.pp is not None else (max(1, world // (cfg * groups)) if piped else 1)
     settings = ParallelSettings(mode=args.parallel, pp=pp, patches=args.patches if args.patches is not None else
                                 (pp if piped else 1), warmup=1 if args.warmup is None else args.warmup,
-                                timeout_s=args.parallel_timeout, pp_split=parse_pp_split(args.pp_split))
+                                timeout_s=args.parallel_timeout, pp_split=parse_pp_split(args.pp_split),
+                                data_groups=groups)
     settings.check_world_size(world)
     return settings
 
@@ -509,6 +534,7 @@ def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace, job: DataJ
             else:
                 _skip_line(Path(item.input).name, item.message)
     if job is not None:
+        pipe.close()  # its models go, and a group's followers are told the end now, not after the slowest group
         return _job_summary(job, args, items, prepared, order)
     return _summary(args, items, prepared, order) if several else 0
 

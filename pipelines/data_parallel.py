@@ -1,8 +1,11 @@
-"""Data-parallel batches: every rank of a torchrun job runs whole images of one batch (``--parallel data``).
+"""Data-parallel batches: every data group of a torchrun job runs whole images of one batch.
 
-Each rank is a data group of one: it plans, loads and runs the cascade as a single process would (its device
-``cuda:<local rank>``, its share of the machine's memory), through the same executor, and only the images are
-shared out. Which images a group runs:
+Under ``--parallel data`` each rank is a data group of one: it plans, loads and runs the cascade as a single
+process would (its device ``cuda:<local rank>``, its share of the machine's memory), through the same executor,
+and only the images are shared out. Under ``--parallel cfg|pipefusion|both --data-groups K`` each group is a job
+of G × N ranks of its own (``pixal3d.parallel``: its own process groups and store prefix); its rank 0, the
+group's *leader*, runs the images as rank 0 of a one-group job does, its other ranks follow it, and only the
+leaders take part in what this module does. Which images a group runs:
 
 * with a work directory every rank sees (one machine, or a file system they share), groups *claim* images as
   they go (``Claims``): a claim is ``<work dir>/<image>/.pixal3d-claim``, created with ``O_EXCL`` and held
@@ -10,8 +13,8 @@ shared out. Which images a group runs:
   (its lock goes with its process) leaves its image to be taken over, resumed from its stage records;
 * without one the split is static: image i to group i mod K.
 
-At the end every group reports its images' rows to rank 0 through the job's c10d store; rank 0 writes the one
-``batch.json`` and summary line and posts the exit code every rank then returns. Every rank beats a heartbeat
+At the end every group reports its images' rows to rank 0 (group 0's leader) through the job's c10d store;
+rank 0 writes the one ``batch.json`` and summary line and posts the exit code every leader then returns. Every rank beats a heartbeat
 counter in the store while it runs, so waiting for a slow group is not a timeout: a group whose heartbeat stops
 for the job's timeout (killed, its machine gone) is named by rank 0 (a rank that hangs in a
 stage keeps beating: it is waited for); the images it claimed stay resumable: the same command,
@@ -146,10 +149,12 @@ def read_claim(work: WorkDir, name: str) -> dict[str, Any] | None:
 
 # -- the job -------------------------------------------------------------------------------------------
 class DataJob:
-    """One rank's part of a ``--parallel data`` job: which images it runs, and the end of the job."""
+    """One data group's part of the job (held by its leader): which images it runs, and the end of the job.
+    ``rank`` is the group's index, ``groups`` their number K."""
 
     def __init__(self, settings: ParallelSettings, topology: Topology, store: Any, job: str):
         self.settings, self.topology, self.store, self.job = settings, topology, store, job
+        self._owns_group = True  # join() says whether this job made the process group (or the groups' runtime did)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._beating, name="pixal3d-data-heartbeat", daemon=True)
         self._beat.start()
@@ -184,25 +189,47 @@ class DataJob:
 
     @classmethod
     def join(cls, settings: ParallelSettings) -> DataJob:
-        """Join the job torchrun started (``env://``, gloo: only small messages travel) and agree on its id."""
+        """Join the job torchrun started (``env://``, gloo: only small messages travel; already joined when the
+        groups are CFG / PipeFusion jobs) and agree on its id. Called by each group's leader."""
         topology = Topology.from_env(settings)
+        if topology.rank != 0:
+            raise RuntimeError(f"{topology.name} follows its group's rank 0; only a group's leader joins the data job")
         timeout = timedelta(seconds=settings.timeout_s)
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://", rank=topology.rank,
-                                    world_size=topology.world_size, timeout=timeout)
+        joined = not dist.is_initialized()
+        if joined:
+            dist.init_process_group("gloo", init_method="env://", rank=topology.global_rank,
+                                    world_size=topology.world_size * topology.data_groups, timeout=timeout)
         store = dist.PrefixStore("pixal3d/data/", c10d._get_default_store())
-        if topology.rank == 0:
+        if topology.data_group == 0:
             store.set("job", uuid.uuid4().hex)
         store.wait(["job"], timeout)
-        return cls(settings, topology, store, store.get("job").decode())
+        job = cls(settings, topology, store, store.get("job").decode())
+        job._owns_group = joined  # the groups' runtime tears its process groups down itself
+        return job
 
     @property
     def rank(self) -> int:
-        return self.topology.rank
+        """This data group's index (its leader's rank in the job's messages)."""
+        return self.topology.data_group
 
     @property
     def groups(self) -> int:
-        return self.topology.world_size
+        return self.topology.data_groups
+
+    @property
+    def kind(self) -> str:
+        """The job's name in messages."""
+        return "--parallel data" if self.topology.world_size == 1 else f"--parallel {self.settings.mode} --data-groups"
+
+    def who(self, *groups: int) -> str:
+        """How messages name data groups: ``rank 1`` under --parallel data (a group is a rank), else ``data
+        group 1`` (its leader, torchrun's rank 2)."""
+        plural = "s" if len(groups) > 1 else ""
+        if self.topology.world_size == 1:
+            return f"rank{plural} {', '.join(map(str, groups))}"
+        size = self.topology.world_size
+        return (f"data group{plural} {', '.join(map(str, groups))} (leader{plural}: torchrun rank{plural} "
+                f"{', '.join(str(g * size) for g in groups)})")
 
     def in_turn(self, action: Callable[[], Any]) -> Any:
         """``action()`` on rank 0 first, then on the others (each waits, at most the job's timeout, until rank 0's
@@ -219,7 +246,7 @@ class DataJob:
     def check_lead(self) -> None:
         """Between images: raise when rank 0 has already ended the job (it failed), instead of running on."""
         if self.rank != 0 and self.store.check(["exit"]):
-            raise PeerFailedError(f"rank {self.rank} stopped: rank 0 ended the --parallel data job with exit code "
+            raise PeerFailedError(f"{self.who(self.rank)} stopped: rank 0 ended the {self.kind} job with exit code "
                                   f"{int(self.store.get('exit'))}")
 
     def feed(self, items: Sequence[BatchItem], executor: Executor, order: str, work: WorkDir | None
@@ -271,7 +298,7 @@ class DataJob:
         missing = [r for r in range(self.groups) if r not in got]
         if missing:
             err = GroupStoppedError(
-                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of the --parallel data job sent "
+                f"{self.who(*missing)} of the {self.kind} job sent "
                 f"no report and no heartbeat for {self.settings.timeout_s:.0f} s (it stopped); the images "
                 f"{'they' if len(missing) > 1 else 'it'} claimed are left resumable: run the same command again")
             err.rows = [got[r] for r in sorted(got)]
@@ -293,8 +320,8 @@ class DataJob:
         except Exception:  # noqa: BLE001 -- a vanished store: rank 0, its host, is gone
             stopped = [0]
         if stopped:
-            logger.error("rank %d: rank 0 stopped before writing the batch summary (no sign of it for %.0f s)",
-                         self.rank, self.settings.timeout_s)
+            logger.error("%s: rank 0 stopped before writing the batch summary (no sign of it for %.0f s)",
+                         self.who(self.rank), self.settings.timeout_s)
             return 1
         code = int(self.store.get("exit"))
         self.store.add("read", 1)
@@ -304,5 +331,5 @@ class DataJob:
         self._stop.set()
         self._beat.join()
         with contextlib.suppress(Exception):
-            if dist.is_initialized():
+            if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()

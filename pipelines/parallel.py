@@ -49,7 +49,7 @@ from pixal3d.parallel.split import describe_split, model_split
 from pixal3d.parallel.topology import Topology
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Machine, Stage
-from pixal3d.staging.executor import Executor, Hook, Item
+from pixal3d.staging.executor import Executor, Hook, Item, Store
 
 from .state import PROVIDED, RunState
 
@@ -117,6 +117,17 @@ class BetweenImages(Stage):
 def follower_stages(stages: Sequence[Stage]) -> list[Stage]:
     """A follower's stages: one ``FollowerStage`` per flow stage of the cascade, then ``BetweenImages``."""
     return [*(FollowerStage(s) for s in flow_stages(stages)), BetweenImages()]
+
+
+class Skipping(Store):
+    """A follower's store: an announced image starts at the first flow stage rank 0 will sample (``item.source``:
+    how many it resumed from its work directory and will not sample again); a follower's stages leave no state."""
+
+    def resume(self, item: Item) -> int:
+        return int(item.source or 0)
+
+    def restore(self, item: Item, k: int, state: Any) -> None:
+        return None
 
 
 # -- the plan of one rank ---------------------------------------------------------------------------
@@ -290,9 +301,12 @@ def machine_share(machine: Machine, topology: Topology) -> tuple[Machine, str | 
 def describe_parallel(settings: ParallelSettings, topology: Topology) -> str:
     """One line for the plan: the job's shape and this rank's part in it."""
     if settings.mode == "data":
-        return (f"parallel data: rank {topology.rank} of {topology.world_size} runs its share of the images "
-                f"through every stage (group {topology.rank + 1} of {settings.data_groups})")
+        return (f"parallel data: rank {topology.data_group} of {topology.data_groups} runs its share of the images "
+                f"through every stage (group {topology.data_group + 1} of {settings.data_groups})")
     role = "runs every stage" if topology.rank == 0 else "joins the flow stages"
+    if topology.data_groups > 1:
+        role += (f" of data group {topology.data_group + 1} of {topology.data_groups} (torchrun rank "
+                 f"{topology.global_rank}; each group runs its share of the images)")
     shard = (f", holds pipeline stage {topology.stage + 1} of {topology.pp_degree} of each flow model (counted "
              f"below as its shard)") if topology.pp_degree > 1 else ""
     knobs = (f", M = {settings.patches} patches after W = {settings.warmup} synchronous steps"
@@ -305,7 +319,8 @@ def rank_report(runtime: ParallelRuntime, rows: Sequence[Any]) -> dict[str, Any]
     """This rank's part of run.json: where it ran and its peak memory per stage window."""
     peaks = [r.peak_process for r in rows if r.peak_process is not None]
     device_peaks = [r.peak_device for r in rows if r.peak_device is not None]
-    return {"rank": runtime.topology.rank, "host": socket.gethostname(), "device": str(runtime.device),
+    return {"rank": runtime.topology.rank, "torchrun_rank": runtime.topology.global_rank,
+            "host": socket.gethostname(), "device": str(runtime.device),
             "pipeline_stage": runtime.topology.stage, "cfg_group": runtime.topology.cfg_index,
             "peak_process_bytes": max(peaks, default=None), "peak_device_bytes": max(device_peaks, default=None),
             "stages": [{"stage": r.stage, "peak_process_bytes": r.peak_process, "peak_device_bytes": r.peak_device}
@@ -323,7 +338,7 @@ def job_record(runtime: ParallelRuntime, ranks: list[dict[str, Any]],
     return {"mode": s.mode, "pp": s.pp_degree, "patches": s.patches, "warmup": s.warmup, "timeout_s": s.timeout_s,
             "pp_split": list(s.pp_split) if isinstance(s.pp_split, tuple) else s.pp_split, "blocks": splits,
             "world_size": topo.world_size, "cfg_degree": topo.cfg_degree, "backend": runtime.backend,
-            "ranks": ranks}
+            "data_group": topo.data_group, "data_groups": topo.data_groups, "ranks": ranks}
 
 
 class Leader(Hook):
@@ -350,7 +365,7 @@ class Leader(Hook):
                 raise PeerFailedError(f"the parallel job has stopped ({self.stopped}); start a new one")
             self._image, self._told = item, False
         if getattr(self.stages[k], "flow_model", None) is not None:
-            self._tell()
+            self._tell(k)
 
     def failed(self, item: Item, error: BaseException) -> None:
         """The followers are in this image: they stop with it, and so does the job."""
@@ -358,10 +373,12 @@ class Leader(Hook):
             self.abort(error)
         self._image = None
 
-    def _tell(self) -> None:
+    def _tell(self, k: int) -> None:
+        """Announce the image at stage ``k``, the first this run of it samples: the flow stages before it were
+        resumed from a work directory (``skip``: the followers start after them)."""
         if not self._told:
             announce(self.runtime, {"kind": "image", "index": self.images, "input": self._image.label,
-                                    "flows": self.signature})
+                                    "flows": self.signature, "skip": len(flow_stages(self.stages[:k]))})
             self.images, self._told = self.images + 1, True
 
     def abort(self, err: BaseException) -> None:
@@ -375,7 +392,7 @@ class Leader(Hook):
         stage (``until``) is still reported by every rank."""
         if self._image is not item:
             self._image, self._told = item, False
-        self._tell()
+        self._tell(len(self.stages))
         try:
             return job_record(self.runtime, exchange(self.runtime, rank_report(self.runtime, rows)), self.splits)
         except BaseException as err:
@@ -392,9 +409,12 @@ class Leader(Hook):
 
 
 def follow(runtime: ParallelRuntime, executor: Executor, meter: Any) -> int:
-    """A follower's loop: each image rank 0 announces through ``executor`` (its flow stages, then
-    ``BetweenImages``), then its report from ``meter`` (the executor's memory hook); returns the number of
-    images when rank 0 ends the job. Any error here is told to every other rank before it propagates."""
+    """A follower's loop: each image rank 0 announces through ``executor`` (its flow stages from the first rank 0
+    samples, then ``BetweenImages``; the executor's store is ``Skipping``), then its report from ``meter`` (the
+    executor's memory hook); returns the number of images when rank 0 ends the job. Any error here is told to
+    every other rank before it propagates."""
+    if not isinstance(executor.store, Skipping):
+        raise TypeError("a follower's executor needs the Skipping store (images resumed on rank 0 skip flow stages)")
     mine = flow_signature([s for s in executor.stages if isinstance(s, FollowerStage)])
 
     def announced() -> Iterator[Item]:
@@ -403,7 +423,7 @@ def follow(runtime: ParallelRuntime, executor: Executor, meter: Any) -> int:
             if command.get("kind") == "end":
                 return
             _check_flows(runtime.topology.rank, mine, command["flows"])
-            yield Item(index, str(command.get("input")), None, label=str(command.get("input")))
+            yield Item(index, str(command.get("input")), int(command.get("skip", 0)), label=str(command.get("input")))
 
     images = 0
     try:

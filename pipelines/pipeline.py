@@ -53,8 +53,8 @@ from .build import build_stages
 from .data_parallel import DataJob
 from .errors import classify
 from .loaders import model_loaders, with_attention_route
-from .parallel import (FollowerState, Leader, check_blocks, describe_parallel, flow_stages, follow, machine_share,
-                       plan_splits, rank_plan, shard_loaders)
+from .parallel import (FollowerState, Leader, Skipping, check_blocks, describe_parallel, flow_stages, follow,
+                       machine_share, plan_splits, rank_plan, shard_loaders)
 from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, fit_stages,
                    with_attention_route_of, with_sampler_of)
 from .preprocess import rembg_loader
@@ -302,9 +302,12 @@ class Pixal3D:
         order = order or default_order(self.policy)
         if order not in ("image", "stage"):
             raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
-        if self._runtime is not None and (order == "stage" or work_dir is not None):
+        if self._runtime is not None and order == "stage":
             raise ValueError("under torchrun the other ranks follow rank 0 image by image: a parallel batch runs in "
-                             "image order without a work directory")
+                             "image order")
+        if self._runtime is not None and work_dir is not None and share is None:
+            raise ValueError("under torchrun a work directory is for data groups (the groups claim images in it): "
+                             "pass share=DataJob, or run without work_dir")
         items = image_items(images, seed=seed, default_seed=self.config.seed, names=names)
         return self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
                              progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True,
@@ -398,7 +401,8 @@ class Pixal3D:
                                "and close() at the end; follow() is for the other ranks")
         meter = Meter(self._relay, lambda: self._runner.registry, device=self._runtime.device,
                       meta={"rank": self._runtime.topology.rank})
-        executor = Executor(self._runner, lambda item, k: FollowerState(parallel=self._runtime), hooks=[meter])
+        executor = Executor(self._runner, lambda item, k: FollowerState(parallel=self._runtime), hooks=[meter],
+                            store=Skipping())
         return follow(self._runtime, executor, meter)
 
     def close(self) -> None:

@@ -26,8 +26,10 @@ RANK = """
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--parallel", "cfg", "--work-dir", "WORK"], "need one process"),
-    (["--parallel", "cfg", "--batch-order", "stage"], "need one process"),
+    (["--parallel", "cfg", "--work-dir", "WORK"], "--work-dir needs data groups under --parallel cfg"),
+    (["--parallel", "cfg", "--batch-order", "stage"], "needs one process per image"),
+    (["--parallel", "cfg", "--data-groups", "2"], "needs 4 processes (2 data groups × cfg 2 × pp 1) but WORLD_SIZE is 2"),
+    (["--parallel", "data", "--data-groups", "2"], "--parallel data makes every process a data group"),
     (["--parallel", "pipefusion", "--pp", "3"], "needs 3 processes (cfg 1 × pp 3) but WORLD_SIZE is 2"),  # held before
 ])
 def test_a_setting_every_rank_refuses_is_one_line_from_rank_0_and_exit_2_everywhere_before_any_rendezvous(

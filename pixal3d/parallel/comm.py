@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +28,15 @@ SEND_DEPTH = 2
 
 @dataclass
 class Wire:
-    """How tensors travel: the backend's device, and the failure board and timeout every wait uses."""
+    """How tensors travel: the backend's device, the failure board and timeout every wait uses, and where this
+    rank's data group sits in the job (its ranks are ``base + rank``; ``group`` carries its broadcasts)."""
 
     device: torch.device     # where the backend wants tensors (cpu for gloo, cuda:i for nccl)
     board: FailureBoard
     timeout_s: float
+    rank: int                # this rank within its data group
+    base: int = 0            # torchrun's rank of the group's rank 0
+    group: Any = None        # the group's process group (None: the whole job)
 
     @property
     def threaded(self) -> bool:
@@ -51,11 +56,12 @@ class Outbox:
     name: str
     bytes_sent: int = 0
     messages: int = 0
+    waited_s: float = 0.0    # time spent waiting for sends to complete (the send queue was full, or the drain)
     _pending: collections.deque = field(default_factory=collections.deque)
 
     def send(self, tensor: torch.Tensor) -> None:
         payload = tensor.detach().to(self.wire.device).contiguous()
-        self._pending.append((dist.isend(payload, self.peer, group=self.group), payload))
+        self._pending.append((dist.isend(payload, self.wire.base + self.peer, group=self.group), payload))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
         while len(self._pending) > SEND_DEPTH:
@@ -63,7 +69,9 @@ class Outbox:
 
     def _wait_oldest(self) -> None:
         work, _ = self._pending.popleft()
+        start = time.perf_counter()
         self.wire.wait(work, f"sending {self.name} to rank {self.peer}", self.peer)
+        self.waited_s += time.perf_counter() - start
 
     def drain(self) -> None:
         while self._pending:
@@ -78,6 +86,7 @@ class Inbox:
         self.wire, self.peer, self.group, self.name = wire, peer, group, name
         self.expected, self.device = expected, device
         self.taken = 0
+        self.waited_s = 0.0  # time ``take`` spent waiting for messages not in yet (the pipeline's bubbles, seen here)
         self._posted = self._post(0)
 
     def _post(self, index: int) -> tuple[Any, torch.Tensor] | None:
@@ -85,7 +94,7 @@ class Inbox:
             return None
         shape, dtype = self.expected[index]
         buffer = torch.empty(shape, dtype=dtype, device=self.wire.device)
-        return dist.irecv(buffer, self.peer, group=self.group), buffer
+        return dist.irecv(buffer, self.wire.base + self.peer, group=self.group), buffer
 
     def take(self) -> torch.Tensor:
         """The next message (blocks until it is in)."""
@@ -93,7 +102,9 @@ class Inbox:
             raise RuntimeError(f"{self.name} from rank {self.peer}: all {len(self.expected)} expected messages "
                                f"already taken (schedule mismatch)")
         work, buffer = self._posted
+        start = time.perf_counter()
         self.wire.wait(work, f"receiving {self.name} #{self.taken} from rank {self.peer}", self.peer)
+        self.waited_s += time.perf_counter() - start
         self.taken += 1
         self._posted = self._post(self.taken)
         return buffer.to(self.device)
@@ -163,7 +174,7 @@ def broadcast_object(obj: Any, src: int, wire: Wire, what: str) -> Any:
     """``obj`` (given on rank ``src``) on every rank: pickled, sent as two tensor broadcasts (so the
     wait watches the failure board like every other wait)."""
     data = None
-    if dist.get_rank() == src:
+    if wire.rank == src:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
     size = broadcast_tensor(size, (1,), torch.int64, src, wire, torch.device("cpu"), f"size of {what}")
@@ -173,10 +184,11 @@ def broadcast_object(obj: Any, src: int, wire: Wire, what: str) -> Any:
 
 def broadcast_tensor(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int, wire: Wire,
                      device: torch.device, what: str) -> torch.Tensor:
-    """``tensor`` (given on ``src``) on every rank, on ``device``."""
-    if dist.get_rank() == src:
+    """``tensor`` (given on ``src``, a rank of this data group) on every rank of the group, on ``device``."""
+    if wire.rank == src:
         buffer = tensor.detach().to(wire.device).contiguous()
     else:
         buffer = torch.empty(shape, dtype=dtype, device=wire.device)
-    wire.wait(dist.broadcast(buffer, src=src, async_op=True), f"broadcast of {what} from rank {src}", src)
-    return buffer.to(device) if dist.get_rank() != src else tensor
+    wire.wait(dist.broadcast(buffer, src=wire.base + src, group=wire.group, async_op=True),
+              f"broadcast of {what} from rank {src}", src)
+    return buffer.to(device) if wire.rank != src else tensor

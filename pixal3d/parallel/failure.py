@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -47,8 +48,10 @@ class LinkError(RuntimeError):
 class FailureBoard:
     """The notice board of one request, in the job's store: who failed first, who has read it."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, request: int, *, grace_s: float = 10.0):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, request: int, *, grace_s: float = 10.0,
+                 name: Callable[[int], str] = "rank {}".format):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.name = name  # how notices name a rank (its data group too, in a job of several)
         self.prefix = f"request{request}/"
         self.grace_s = grace_s
         self._next_poll = 0.0
@@ -72,7 +75,7 @@ class FailureBoard:
             self.settled = True
             notice = self._read_and_ack()
             self._wait_for_acks()
-            raise PeerFailedError(f"rank {self.rank} stopped: {notice}")
+            raise PeerFailedError(f"{self.name(self.rank)} stopped: {notice}")
 
     def report(self, err: BaseException) -> str:
         """Post this rank's failure (unless another was first); return the notice everybody sees.
@@ -82,9 +85,9 @@ class FailureBoard:
         others would otherwise see break before they read why."""
         self.settled = True
         if isinstance(err, LinkError):
-            notice = f"rank {err.peer} is gone (rank {self.rank}: {err})"
+            notice = f"{self.name(err.peer)} is gone ({self.name(self.rank)}: {err})"
         else:
-            notice = f"rank {self.rank} failed: {type(err).__name__}: {err}"
+            notice = f"{self.name(self.rank)} failed: {type(err).__name__}: {err}"
         try:
             if self.store.add(self._key("failures"), 1) == 1:
                 gone = 1 if isinstance(err, LinkError) else 0  # a dead rank never acknowledges

@@ -95,6 +95,8 @@ def _sample(model: FlowTransformer, noise: Any, cond: Any, neg_cond: Any, concat
         box.finish()
     runtime.last_stats = {"bytes_sent": {name: box.bytes_sent for name, box in outboxes.items()},
                           "messages_sent": {name: box.messages for name, box in outboxes.items()},
+                          "waited_s": {**{f"recv {name}": box.waited_s for name, box in inboxes.items()},
+                                       **{f"send {name}": box.waited_s for name, box in outboxes.items()}},
                           "kv_buffer_bytes": state.buffer_bytes(), "tokens": seq.length, "steps": len(plan)}
     # 5. The owner's latent on every rank.
     x = broadcast_tensor(x if topo.is_owner else None, tuple(x.shape), x.dtype, topo.owner, wire, runtime.device,

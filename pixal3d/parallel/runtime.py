@@ -11,7 +11,9 @@ Backend: NCCL when the rank computes on CUDA (the device is set before ``init_pr
 order xDiT #735 found ``new_group`` needs), gloo otherwise (CPU, MPS, and between machines without
 CUDA). Every group gets ``settings.timeout_s`` as its timeout, so a collective never waits forever.
 Groups: the default (world) group for a request's broadcasts, and one two-rank group per directed
-point-to-point link of ``Topology.links`` (see ``comm.py`` for why one per direction).
+point-to-point link of ``Topology.links`` (see ``comm.py`` for why one per direction). With K data groups
+each group is a job of its own: its own group for the broadcasts, its own links, its own prefix in the store
+(so its requests, failure boards and memory reports are its own: a failure stops its group, not the others).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class ParallelRuntime:
     backend: str                  # "nccl" or "gloo"
     store: Any                    # the job's c10d store (under a "pixal3d/parallel/" prefix)
     groups: dict[tuple[str, int, int], Any]
+    broadcasts: Any = None        # this data group's process group for broadcasts (None: the whole job)
     requests: int = 0
     last_stats: dict[str, Any] = field(default_factory=dict)
     gathers: int = 0              # memory reports gathered so far (each one a fresh set of store keys)
@@ -62,9 +65,10 @@ class ParallelRuntime:
         """A new request: a fresh failure board (keys of earlier requests are never read again)."""
         self.requests += 1
         board = FailureBoard(self.store, self.topology.rank, self.topology.world_size, self.requests,
-                             grace_s=min(10.0, self.settings.timeout_s))
+                             grace_s=min(10.0, self.settings.timeout_s), name=self.topology.name_of)
         self._board = board
-        return Wire(self.wire_device, board, self.settings.timeout_s)
+        return Wire(self.wire_device, board, self.settings.timeout_s, rank=self.topology.rank,
+                    base=self.topology.global_of(0), group=self.broadcasts)
 
     def request(self, body: Callable[[Wire], T]) -> T:
         """Run ``body(wire)`` as the job's next request. If it raises, every other rank learns it: this
@@ -77,13 +81,13 @@ class ParallelRuntime:
             raise
         except BaseException as err:
             notice = wire.board.report(err)  # tells the other ranks (or learns who failed first)
-            rank = self.topology.rank
+            name = self.topology.name
             # A settings error is the user's to fix and every rank that sees it says the same: raise it as is.
-            if isinstance(err, ParallelConfigError) or notice.startswith(f"rank {rank} failed"):
+            if isinstance(err, ParallelConfigError) or notice.startswith(f"{name} failed"):
                 logger.debug("%s", notice)  # the caller reports the error itself
-                err.add_note(f"(raised on rank {rank} of the parallel job; every other rank stops too)")
+                err.add_note(f"(raised on {name} of the parallel job; every other rank stops too)")
                 raise
-            raise PeerFailedError(f"rank {rank} stopped: {notice}") from err
+            raise PeerFailedError(f"{name} stopped: {notice}") from err
 
     def fail(self, err: BaseException) -> str | None:
         """Tell every other rank that this rank failed with ``err`` outside a request, on the board of
@@ -165,23 +169,31 @@ def init_parallel(settings: ParallelSettings, *, device: torch.device | str | No
         raise ParallelConfigError("init_parallel is for mode=cfg, pipefusion or both; mode is 'none'")
     env = os.environ if env is None else env
     topology = Topology.from_env(settings, env)
+    world = topology.world_size * topology.data_groups
     device = default_device(topology.local_rank) if device is None else torch.device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=settings.timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=topology.rank, world_size=topology.world_size,
+        dist.init_process_group(backend, init_method="env://", rank=topology.global_rank, world_size=world,
                                 timeout=timeout)
-    elif (dist.get_rank(), dist.get_world_size()) != (topology.rank, topology.world_size):
+    elif (dist.get_rank(), dist.get_world_size()) != (topology.global_rank, world):
         raise ParallelConfigError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                                  f"{dist.get_world_size()}, but the environment says {topology.rank} of "
-                                  f"{topology.world_size}")
-    groups = {link: dist.new_group([link[1], link[2]], timeout=timeout, backend=backend)
-              for link in topology.links()}
-    store = dist.PrefixStore("pixal3d/parallel/", c10d._get_default_store())  # the store env:// made
+                                  f"{dist.get_world_size()}, but the environment says {topology.global_rank} of "
+                                  f"{world}")
+    group, groups = None, {}
+    for k in range(topology.data_groups):  # every rank makes every group, in the same order (new_group's rule)
+        members = [k * topology.world_size + r for r in range(topology.world_size)]
+        whole = dist.new_group(members, timeout=timeout, backend=backend) if topology.data_groups > 1 else None
+        links = {link: dist.new_group([members[link[1]], members[link[2]]], timeout=timeout, backend=backend)
+                 for link in topology.links()}
+        if k == topology.data_group:
+            group, groups = whole, links
+    prefix = "pixal3d/parallel/" + (f"group{topology.data_group}/" if topology.data_groups > 1 else "")
+    store = dist.PrefixStore(prefix, c10d._get_default_store())  # the store env:// made
     store.set(f"pid/{topology.rank}", f"{socket.gethostname()}:{os.getpid()}")  # for ended_ranks
-    logger.info("parallel %s: rank %d of %d (cfg group %d, pipeline stage %d of %d) on %s over %s",
-                settings.mode, topology.rank, topology.world_size, topology.cfg_index, topology.stage,
+    logger.info("parallel %s: %s of %d (cfg group %d, pipeline stage %d of %d) on %s over %s",
+                settings.mode, topology.name, topology.world_size, topology.cfg_index, topology.stage,
                 topology.pp_degree, device, backend)
-    return ParallelRuntime(settings, topology, device, backend, store, groups)
+    return ParallelRuntime(settings, topology, device, backend, store, groups, group)

@@ -4,8 +4,9 @@ Vocabulary (written once): *cfg degree* G is 1 or 2 (the positive and the negati
 device groups); *pp degree* N is the number of pipeline ranks a flow transformer's blocks are split
 over; *patches* M is the number of contiguous token ranges a step streams through the pipeline;
 *warmup* W is the number of leading steps that run synchronously over the whole sequence (exact).
-World size = K × G × N, where *data groups* K (``mode="data"``: one rank per group) each run their own
-images (``pipelines/data_parallel.py``). *pp split*: how many blocks each pipeline rank holds (``split.py``).
+World size = K × G × N, where *data groups* K each run their own images of a batch
+(``pipelines/data_parallel.py``): one rank per group under ``mode="data"``, G × N ranks per group (each a
+CFG / PipeFusion job of its own) with ``data_groups`` under cfg, pipefusion or both. *pp split*: how many blocks each pipeline rank holds (``split.py``).
 
 Every check raises ``ParallelConfigError`` naming the value, the rule and what to do; every rank runs
 the same checks on the same values, so every rank raises the same error (the CLI prints it once, on
@@ -38,7 +39,8 @@ def near_equal_ranges(length: int, parts: int) -> list[range]:
 @dataclass(frozen=True, kw_only=True)
 class ParallelSettings:
     """``mode``: none | cfg (exact, 2 ranks) | pipefusion (N ranks) | both (2 × N ranks) | data (K ranks, each
-    running its own images of a batch; ``data_groups`` K).
+    running its own images of a batch). ``data_groups`` K: under data, the ranks; under cfg, pipefusion or both,
+    how many such jobs of G × N ranks run side by side, each on its own images (K × G × N ranks).
 
     ``pp``: pipeline ranks N (pipefusion, both). ``patches``: M ≥ 1. ``warmup``: W ≥ 0 synchronous
     steps (W ≥ the steps of a stage makes that stage exact). ``timeout_s``: the longest any rank waits
@@ -86,9 +88,9 @@ class ParallelSettings:
                                               f"block count per rank")
         if not isinstance(self.data_groups, int) or self.data_groups < 1:
             raise ParallelConfigError(f"data_groups K = {self.data_groups!r} must be an integer >= 1")
-        if self.data_groups > 1 and self.mode != "data":
-            raise ParallelConfigError(f"data_groups K = {self.data_groups} with mode={self.mode} (groups of several "
-                                      f"ranks) is not built yet; use mode=data (one rank per group)")
+        if self.data_groups > 1 and self.mode == "none":
+            raise ParallelConfigError(f"data_groups K = {self.data_groups} needs a parallel mode: data (one rank per "
+                                      f"group), or cfg, pipefusion or both (groups of several ranks)")
         if not self.timeout_s > 0:
             raise ParallelConfigError(f"timeout_s {self.timeout_s!r} must be > 0")
 
@@ -103,11 +105,16 @@ class ParallelSettings:
         return self.pp if self.mode in ("pipefusion", "both") else 1
 
     @property
+    def group_size(self) -> int:
+        """The ranks of one data group: G × N (1 under mode=data)."""
+        return self.cfg_degree * self.pp_degree
+
+    @property
     def world_size(self) -> int:
-        return self.data_groups * self.cfg_degree * self.pp_degree
+        return self.data_groups * self.group_size
 
     def check_world_size(self, world_size: int) -> None:
-        """The launcher started exactly G × N processes."""
+        """The launcher started exactly K × G × N processes."""
         if world_size != self.world_size:
             raise ParallelConfigError(
                 f"mode={self.mode}" + (f" pp={self.pp}" if self.pp_degree > 1 else "")

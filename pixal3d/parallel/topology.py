@@ -2,7 +2,9 @@
 
 Ranks are laid out pipeline-innermost (xDiT's "pp-cfg" order): ``rank = cfg_index · N + stage``. So
 with ``--parallel both --pp 2`` ranks 0, 1 run the positive pass (stages 0, 1) and ranks 2, 3 the
-negative one. The *owner* is the last stage of group 0: it holds the sampler state (the latent), mixes
+negative one. With K *data groups* the job is K such grids side by side, group-outermost: torchrun's rank
+``R = data_group · (G · N) + rank``. ``rank`` and ``world_size`` are always *within the group* (a group is a
+job of its own to everything in ``pixal3d.parallel``); ``global_rank`` is torchrun's. The *owner* is the last stage of group 0: it holds the sampler state (the latent), mixes
 the CFG branches, takes the Euler step and sends the updated latent pieces back to the first stage of
 each group (the ring).
 """
@@ -27,11 +29,13 @@ class Topology:
     cfg_degree: int
     pp_degree: int
     local_world_size: int = 1  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE): they share its memory
+    data_group: int = 0        # which of the job's K data groups this rank belongs to
+    data_groups: int = 1       # K
 
     @classmethod
     def from_env(cls, settings: ParallelSettings, env: Mapping[str, str] | None = None) -> Topology:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (set by torchrun) and check them
-        against ``settings``."""
+        against ``settings``; torchrun's rank becomes a data group and a rank within it."""
         env = os.environ if env is None else env
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
         if missing:
@@ -39,11 +43,33 @@ class Topology:
                                       f"start it with torchrun --nproc-per-node {settings.world_size} ...")
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         settings.check_world_size(world)
-        return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", rank)),
+        size = settings.group_size
+        return cls(rank=rank % size, world_size=size, local_rank=int(env.get("LOCAL_RANK", rank)),
                    cfg_degree=settings.cfg_degree, pp_degree=settings.pp_degree,
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)), data_group=rank // size,
+                   data_groups=settings.data_groups)
 
     # -- this rank ------------------------------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        """torchrun's rank of this process (``rank`` itself when the job is one group)."""
+        return self.data_group * self.world_size + self.rank
+
+    def global_of(self, rank: int) -> int:
+        """torchrun's rank of rank ``rank`` of this data group."""
+        return self.data_group * self.world_size + rank
+
+    @property
+    def name(self) -> str:
+        """How messages name this rank: ``rank 1``, or ``rank 1 of data group 2`` (torchrun's rank 3)."""
+        return self.name_of(self.rank)
+
+    def name_of(self, rank: int) -> str:
+        """How messages name rank ``rank`` of this data group."""
+        if self.data_groups == 1:
+            return f"rank {rank}"
+        return f"rank {rank} of data group {self.data_group} (torchrun rank {self.global_of(rank)})"
+
     @property
     def cfg_index(self) -> int:
         return self.rank // self.pp_degree
