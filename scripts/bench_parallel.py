@@ -56,6 +56,7 @@ MODEL = "shape_slat_flow_model_1024"
 SHAPE_SAMPLER = SamplerConfig(steps=12, guidance_strength=7.5, guidance_rescale=0.5, guidance_interval=(0.6, 1.0),
                               rescale_t=3.0)
 LATENT_CHANNELS, HIDDEN, BLOCKS = 32, 1536, 30
+GLOBAL_TOKENS = 5  # the image condition's tokens every block cross-attends to
 
 
 # -- the latency model ----------------------------------------------------------------------------------
@@ -155,10 +156,28 @@ def bench_inputs(model, tokens: int, seed: int = 0):
     coords = torch.stack([torch.zeros_like(cells), cells // r ** 2, cells // r % r, cells % r], dim=1).int()
     noise = SparseTensor(torch.randn(tokens, LATENT_CHANNELS, generator=gen), coords)
     proj = SparseTensor(torch.randn(tokens, model.proj_channels, generator=gen), coords)
-    cond = {"global": torch.randn(1, 1029, model.cond_channels, generator=gen), "proj": proj}
+    # Pixal3D's cross-attention context is DINOv3's 5 global tokens (CLS + 4 registers; reference
+    # pixal3d-inference.md §conditioning), not TRELLIS.2's 1029: with 1029 the context's K/V projection, a fixed
+    # ~10 GFLOP per block call, made a half-sized patch cost ~2/3 of the whole sequence here (0.33 s vs 0.51 s).
+    cond = {"global": torch.randn(1, GLOBAL_TOKENS, model.cond_channels, generator=gen), "proj": proj}
     neg = {"global": torch.zeros_like(cond["global"]), "proj": proj.replace(torch.zeros_like(proj.feats))}
     concat = None
     return noise, cond, neg, concat
+
+
+def with_dtype(model, name: str):
+    """``model`` with its blocks (the ones it holds) in ``name``'s dtype (``--dtype``); bfloat16: as released. On a
+    CPU without native bf16 (AVX2) bf16 GEMMs are emulated and ~5x slower than fp32; the schedule, the messages
+    (hidden states in the block dtype) and the code are the same."""
+    dtype = getattr(torch, name)
+    if dtype == model.dtype:
+        return model
+    from pixal3d.parallel.shard import owned_blocks
+
+    for block in owned_blocks(model):
+        block.to(dtype)
+    model.dtype = dtype
+    return model
 
 
 def run_single(args) -> dict:
@@ -168,7 +187,7 @@ def run_single(args) -> dict:
 
     torch.set_num_threads(args.threads_single)
     start = time.perf_counter()
-    model = load_model(args.stem)
+    model = with_dtype(load_model(args.stem), args.dtype)
     load_s = time.perf_counter() - start
     noise, cond, neg, concat = bench_inputs(model, args.tokens)
     sampler = dataclasses.replace(SHAPE_SAMPLER, steps=args.steps)
@@ -215,7 +234,7 @@ def run_rank(args) -> dict:
     runtime = init_parallel(settings)
     topo = runtime.topology
     start = time.perf_counter()
-    model = load_flow_shard(args.stem, topo.stage, topo.pp_degree)
+    model = with_dtype(load_flow_shard(args.stem, topo.stage, topo.pp_degree), args.dtype)
     load_s = time.perf_counter() - start
     inputs = (None,) * 4
     if topo.rank == 0:
@@ -250,6 +269,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--patches", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the flow blocks' dtype (bfloat16: as released; float32: ~5x faster on a CPU without "
+                             "native bf16, hidden states sent at 4 bytes a channel)")
     parser.add_argument("--threads-single", type=int, default=1,
                         help="threads of the single process (default 1: one 'device', as each rank has)")
     parser.add_argument("--stem", default=None)
@@ -287,7 +309,7 @@ def main() -> None:
         sweep(args, stem, out_dir)
         return
     common = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--patches", str(args.patches),
-              "--warmup", str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir)]
+              "--warmup", str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir), "--dtype", args.dtype]
     script = str(Path(__file__).resolve())
     env = dict(os.environ, PYTHONPATH=str(REPO))
     print("single process ...", flush=True)
@@ -309,8 +331,8 @@ def sweep(args, stem: Path, out_dir: Path) -> None:
     for tokens in args.tokens_list:
         for patches in args.patches_list:
             common = ["--tokens", str(tokens), "--steps", str(args.steps), "--patches", str(patches), "--warmup",
-                      str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir)]
-            single_s, ranks_s, loads, forward = [], [], [], []
+                      str(args.warmup), "--stem", str(stem), "--out-dir", str(out_dir), "--dtype", args.dtype]
+            single_s, ranks_s, loads, forward, waits = [], [], [], [], []
             for _ in range(args.repeats):
                 before = os.getloadavg()[0]
                 subprocess.run([sys.executable, script, "--role", "single", "--threads-single", "1", *common],
@@ -321,7 +343,9 @@ def sweep(args, stem: Path, out_dir: Path) -> None:
                 subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                 "2", script, "--role", "rank", *common], check=True, env=env,
                                stdout=subprocess.DEVNULL)
-                ranks_s.append(max(json.loads((out_dir / f"rank{r}.json").read_text())["sample_s"] for r in range(2)))
+                ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+                ranks_s.append(max(r["sample_s"] for r in ranks))
+                waits.append([{"sample_s": r["sample_s"], **r.get("waited_s", {})} for r in ranks])
                 loads.append((before, os.getloadavg()[0]))
             sampler = dataclasses.replace(SHAPE_SAMPLER, steps=args.steps)
             fwd = statistics.median(forward)
@@ -329,18 +353,20 @@ def sweep(args, stem: Path, out_dir: Path) -> None:
                            link=None)
             two = simulate(plan_steps(sampler, tokens, patches, args.warmup), tokens=tokens, forward_s=fwd, cfg=1,
                            pp=2, link=None)
-            row = {"tokens": tokens, "patches": patches, "warmup": args.warmup, "steps": args.steps,
+            row = {"tokens": tokens, "patches": patches, "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype,
                    "single_s": statistics.median(single_s), "two_ranks_s": statistics.median(ranks_s),
                    "runs_single_s": single_s, "runs_two_ranks_s": ranks_s, "forward_s_1thread": fwd,
-                   "predicted_single_s": one, "predicted_two_ranks_s": two, "load_average_1min": loads}
+                   "predicted_single_s": one, "predicted_two_ranks_s": two, "load_average_1min": loads,
+                   "rank_waits_s": waits}
             row["measured_speedup"] = row["single_s"] / row["two_ranks_s"]
             row["predicted_speedup"] = one / two
             rows.append(row)
             print(f"tokens {tokens:5d} M={patches}: single {row['single_s']:.2f} s, 2 ranks {row['two_ranks_s']:.2f} s"
                   f" -> {row['measured_speedup']:.2f}x measured, {row['predicted_speedup']:.2f}x predicted; load "
                   + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in loads), flush=True)
-    Path(f"{args.report}_sweep.json").write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows}, indent=1)
-                                                 + "\n")
+            # after every point, so that a sweep stopped half-way keeps what it measured
+            Path(f"{args.report}_sweep.json").write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows},
+                                                                    indent=1) + "\n")
 
 
 def markdown(rows: list[dict]) -> str:
