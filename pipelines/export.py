@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from pixal3d.config import CascadeConfig
-from pixal3d.mesh.export import ExportSettings, export_mesh
+from pixal3d.mesh.settings import ExportSettings
 
 from .stage import CascadeStage
 from .state import RunState
@@ -36,4 +36,6 @@ class ExportStage(CascadeStage):
                             self.settings.texture_size)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
+        from pixal3d.mesh.export import export_mesh  # the mesh code (scipy's graphs, the baker): only when it runs
+
         state.mesh = export_mesh(state.fields, state.pbr, settings=self.settings, progress=state.progress)

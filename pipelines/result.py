@@ -24,7 +24,7 @@ from pixal3d.files import (
     write_bytes_to,
     write_json_atomic,
 )
-from pixal3d.mesh.export import ExportedMesh
+from pixal3d.mesh.records import ExportedMesh
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes, text_table

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pixal3d.mesh.export import ExportedMesh, ExportReport, StepReport
+from pixal3d.mesh.records import ExportedMesh, ExportReport, StepReport
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.models.camera import Camera
 from pixal3d.nn.sparse_tensor import SparseTensor

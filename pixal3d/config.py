@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pixal3d.mesh.export import ExportSettings
+from pixal3d.mesh.settings import ExportSettings
 from pixal3d.shipped import CHECKOUT, SHIPPED, shipped_config  # noqa: F401 -- re-exported
 
 
@@ -291,7 +291,7 @@ class CascadeConfig:
     texture: ShapeConfig
     seed: int = ranged(SEED, 42)
     camera: CameraConfig = field(default_factory=CameraConfig)
-    export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.export, checked there
+    export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.settings, checked there
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     source: str = ""  # the file it was read from (set by load_config, not a YAML key)
 

@@ -1,6 +1,7 @@
 """Issue 30, item 4: the command answers at once. ``--help`` and ``--plan`` (weights cached) import none of the
 libraries that cost seconds and that only a run needs: transformers' modeling code (DINOv3 is built at the run),
-trimesh and scipy's spatial/ndimage parts (the export), gradio (the web app). A fresh interpreter each, as a
+trimesh, scipy's spatial/ndimage/sparse parts and the mesh export code (pixal3d.mesh.export: the config and the
+stage records need only its settings and records, pixal3d.mesh.settings/records), gradio (the web app). A fresh interpreter each, as a
 user's command starts; the per-module costs are measured with ``python -X importtime`` (README: Troubleshooting)."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 
-HEAVY = ("transformers", "trimesh", "gradio", "scipy.spatial", "scipy.ndimage")
+HEAVY = ("transformers", "trimesh", "gradio", "scipy.spatial", "scipy.ndimage", "scipy.sparse", "pixal3d.mesh.export")
 
 COMMAND = """
     import json, sys

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .fields import PBR_LAYOUT
+from .settings import PROJECTIONS
 from .sparse_index import SparseIndex
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,6 @@ def closest_point_on_triangles(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: n
     return best
 
 
-PROJECTIONS = ("tangent", "exact")
 
 
 class SurfaceProjector:

@@ -14,17 +14,12 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from pixal3d.files import write_bytes_atomic
-
-from .bake import PROJECTIONS, BakedTextures, SurfaceProjector, bake_textures
+from .bake import BakedTextures, SurfaceProjector, bake_textures
 from .cleanup import (
     clean_mesh,
     fill_small_holes,
@@ -36,125 +31,20 @@ from .cleanup import (
 from .distance import SurfaceDistance
 from .dual_grid import dual_grid_to_mesh
 from .fields import DualGridFields, PbrVoxels
-from .glb import ALPHA_MODES, TEXTURE_FORMATS, build_mesh, encode_glb, vertex_normals
+from .glb import build_mesh, encode_glb, vertex_normals
 from .narrow_band import RemeshGrid
 from .quality import mesh_quality
+from .records import ExportedMesh, ExportReport, StepReport
 from .remesh import remesh
 from .rss import PeakRss
+from .settings import ExportSettings
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
 from .uv import UvMesh, uv_unwrap
 
-if TYPE_CHECKING:  # the mesh's type only; trimesh itself is imported where a mesh is built (glb.py)
-    import trimesh
-
 log = logging.getLogger(__name__)
 
 STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "bake", "quality", "glb")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportSettings:
-    """Export knobs; defaults are the release ``1024_cascade`` values where the CPU path has them.
-
-    max_hole_perimeter / min_component_area are in world units (the object spans [-0.5, 0.5]³);
-    chart_cell_edges sizes the UV clusters in mean edge lengths of the simplified mesh.
-    projection: how texels reach the reference surface ("tangent", "exact", or None = not at all).
-    remesh: narrow-band UDF dual contouring of the reference surface at ``remesh_resolution``³ cells
-    (None: the decode resolution, as the reference's release call), ``remesh_band`` cells out (band 1,
-    project 0 in that call); ``exterior_only`` keeps only the outer sheet of the thickened shell. Off
-    by default here (surface-faithful, half the time); the release setting is on, and
-    ``configs/1024_cascade.yaml`` turns it on (benchmarks/export_quality.md compares the branches).
-    quality_samples: points per surface for the Hausdorff/Chamfer metrics (0: no quality step work).
-    """
-
-    decimation_target: int = 1_000_000
-    texture_size: int = 4096
-    remesh: bool = False
-    remesh_resolution: int | None = None
-    remesh_band: float = 1.0
-    exterior_only: bool = False
-    quality_samples: int = 100_000
-    texture_format: str = "png"
-    alpha_mode: str = "auto"
-    max_hole_perimeter: float = 3e-2
-    min_component_area: float = 1e-5
-    chart_cell_edges: float = 16.0
-    uv_padding: int = 2
-    projection: str | None = "tangent"
-
-    def __post_init__(self) -> None:
-        if self.decimation_target < 4:
-            raise ValueError(f"decimation_target must be a face count >= 4, got {self.decimation_target}")
-        if not 16 <= self.texture_size <= 16384:
-            raise ValueError(f"texture_size must be in [16, 16384] texels, got {self.texture_size}")
-        if self.texture_format not in TEXTURE_FORMATS:
-            raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {self.texture_format!r}")
-        if self.alpha_mode not in ALPHA_MODES:
-            raise ValueError(f"alpha_mode must be one of {ALPHA_MODES}, got {self.alpha_mode!r}")
-        if not 0 < self.remesh_band <= 4:
-            raise ValueError(f"remesh_band must be in (0, 4] cells (the reference uses 1), got {self.remesh_band}")
-        if self.remesh_resolution is not None:
-            if not 16 <= self.remesh_resolution <= 2048:
-                raise ValueError(f"remesh_resolution must be in [16, 2048] cells per axis (512 or 1024; None: the "
-                                 f"decode resolution), got {self.remesh_resolution}")
-            RemeshGrid(self.remesh_resolution, self.remesh_band)  # even, halving evenly to <= 32 cells
-        if self.exterior_only and not self.remesh:
-            raise ValueError("exterior_only=True selects the remesh's outer sheet; it needs remesh=True")
-        if self.quality_samples < 0:
-            raise ValueError(f"quality_samples must be >= 0 (0 skips the metrics), got {self.quality_samples}")
-        if self.projection not in (*PROJECTIONS, None):
-            raise ValueError(f"projection must be one of {PROJECTIONS} or None, got {self.projection!r}")
-        if self.chart_cell_edges <= 0 or self.uv_padding < 0:
-            raise ValueError("chart_cell_edges must be > 0 and uv_padding >= 0")
-
-
-@dataclass
-class StepReport:
-    """Wall time and peak RSS (bytes) of one export step, plus what it produced."""
-
-    name: str
-    seconds: float
-    peak_rss: int
-    detail: dict = field(default_factory=dict)
-
-
-@dataclass
-class ExportReport:
-    """What the export did: per-step rows, the output mesh size, texture coverage, GLB size (``path``:
-    where ``export_glb`` wrote it; empty for an in-memory export)."""
-
-    steps: list[StepReport]
-    path: str = ""
-    vertices: int = 0
-    faces: int = 0
-    texture_size: int = 0
-    coverage: float = 0.0
-    file_bytes: int = 0
-    quality: dict = field(default_factory=dict)
-
-    @property
-    def peak_rss(self) -> int:
-        """Highest per-step peak RSS (bytes)."""
-        return max((s.peak_rss for s in self.steps), default=0)
-
-    @property
-    def seconds(self) -> float:
-        """Total wall time of the steps."""
-        return sum(s.seconds for s in self.steps)
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return asdict(self) | {"peak_rss": self.peak_rss, "seconds": self.seconds}
-
-    def table(self) -> str:
-        """A plain-text table: step, seconds, peak RSS (GiB), detail."""
-        rows = [f"{'step':<10} {'seconds':>8} {'peak GiB':>9}  detail"]
-        for s in self.steps:
-            detail = ", ".join(f"{k}={v}" for k, v in s.detail.items())
-            rows.append(f"{s.name:<10} {s.seconds:>8.2f} {s.peak_rss / 2**30:>9.2f}  {detail}")
-        rows.append(f"{'total':<10} {self.seconds:>8.2f} {self.peak_rss / 2**30:>9.2f}")
-        return "\n".join(rows)
 
 
 class _Steps:
@@ -274,26 +164,6 @@ def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, set
     return (mesh, data), {"bytes": len(data), "format": settings.texture_format}
 
 
-@dataclass
-class ExportedMesh:
-    """The textured mesh (trimesh, GLB frame), its GLB file's bytes, and the export report."""
-
-    mesh: trimesh.Trimesh
-    glb: bytes
-    report: ExportReport
-
-    def fingerprint_parts(self) -> dict[str, bytes]:
-        """The GLB bytes identify the export bit for bit (``pixal3d.staging.fingerprint``)."""
-        return {"glb": self.glb}
-
-    def save(self, path: str | Path) -> Path:
-        """Write the GLB to ``path`` atomically (folders created); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, self.glb)
-        return path
-
-
 def export_glb(fields: DualGridFields, pbr: PbrVoxels, path: str | Path, **kwargs) -> ExportReport:
     """``export_mesh`` (same keyword arguments), then write the GLB to ``path`` atomically."""
     exported = export_mesh(fields, pbr, **kwargs)
@@ -306,7 +176,7 @@ def export_mesh(
     fields: DualGridFields,
     pbr: PbrVoxels,
     *,
-    settings: ExportSettings = ExportSettings(),
+    settings: ExportSettings = ExportSettings(),  # noqa: B008 - frozen: one shared default is safe
     progress: bool = True,
     on_step: Callable[[str], None] | None = None,
     exact_peak_rss: bool = False,

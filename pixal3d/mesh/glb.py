@@ -16,12 +16,12 @@ from PIL import Image
 
 from pixal3d.files import write_bytes_atomic
 
+from .settings import ALPHA_MODES, TEXTURE_FORMATS
+
 if TYPE_CHECKING:  # trimesh costs a second to import: only when a mesh is built
     import trimesh
 
 INTERNAL_TO_GLB = np.array([[-1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, -1.0]])
-ALPHA_MODES = ("OPAQUE", "BLEND", "auto")
-TEXTURE_FORMATS = ("png", "webp")
 
 
 def vertex_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
