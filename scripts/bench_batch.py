@@ -37,8 +37,8 @@ from scripts import write_random_checkpoints as wrc
 from scripts.bench_memory import (
     CPU_WORK,
     bench_config,
-    prefault,
     reduced_stages,
+    touching,
     weight_files,
 )
 
@@ -77,13 +77,6 @@ def run_child(order: str, cache: Path, images: list[Path], trace: Path, result: 
     torch.set_grad_enabled(False)
     config = bench_config(cache, CPU_WORK)
     info: dict[str, Any] = {}
-
-    def touching(name, loader):
-        def load():
-            module = loader()
-            prefault(module)
-            return module
-        return load
 
     pipe = Pixal3D.from_config(config, policy="staged", device="cpu", replace=reduced_stages(config, CPU_WORK, info),
                                until="decode", wrap_loader=touching)

@@ -30,7 +30,13 @@ from pixal3d import kernels
 from scripts import bench_io
 from scripts import write_random_checkpoints as wrc
 from scripts.bench_batch import write_images
-from scripts.bench_memory import CPU_WORK, bench_config, prefault, reduced_stages, weight_files
+from scripts.bench_memory import (
+    CPU_WORK,
+    bench_config,
+    reduced_stages,
+    touching,
+    weight_files,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -53,13 +59,6 @@ def run_child(cache: Path, images: list[Path], out: Path, ranks: int) -> None:
     settings = ParallelSettings(mode="data", data_groups=ranks) if ranks > 1 else None
     job = DataJob.join(settings) if settings is not None else None
     rank = job.rank if job is not None else 0
-
-    def touching(name, loader):
-        def load():
-            module = loader()
-            prefault(module)
-            return module
-        return load
 
     log = EventLog()
     trace = out / f"rank{rank}.trace.jsonl"
@@ -146,17 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         "# The real-width reduced cascade over 4 images: 2 ranks (--parallel data) vs 1 process",
         "",
-        f"Command: `{command}`. Each process one thread, `staged`, stage order, the checkpoint files evicted from "
+        (f"Command: `{command}`. Each process one thread, `staged`, stage order, the checkpoint files evicted from "
         "the page cache before each side; the reduced work of `scripts/bench_memory.py` (1 Euler step per flow stage, "
-        "guidance 1, synthetic structure, decoders on a few tokens, no export) at the real model sizes.",
+        "guidance 1, synthetic structure, decoders on a few tokens, no export) at the real model sizes."),
         "",
-        f"Machine: {os.cpu_count()} vCPUs; 1-minute load average {before[0]:.2f} before, {after[0]:.2f} after. "
-        f"Kernel pins: {kernels.apply_recommended_pins(dict(os.environ)) or 'none'} (as the test suite's).",
+        (f"Machine: {os.cpu_count()} vCPUs; 1-minute load average {before[0]:.2f} before, {after[0]:.2f} after. "
+        f"Kernel pins: {kernels.apply_recommended_pins(dict(os.environ)) or 'none'} (as the test suite's)."),
         "",
         *rows,
         "",
-        f"Speed-up (single wall / 2-rank wall): {sides['single'][0] / sides['data'][0]:.2f}x. Fingerprints of every "
-        f"image {'equal' if same else 'DIFFERENT'} between the sides.",
+        (f"Speed-up (single wall / 2-rank wall): {sides['single'][0] / sides['data'][0]:.2f}x. Fingerprints of every "
+        f"image {'equal' if same else 'DIFFERENT'} between the sides."),
         "",
     ])
     args.report.with_suffix(".md").write_text(text)

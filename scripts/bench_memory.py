@@ -301,6 +301,16 @@ def run_child(policy: str, cache: Path, trace: Path, result: Path, work: Work, *
 
 # -- the whole benchmark ----------------------------------------------------------------------------
 
+def touching(name: str, loader: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """A ``wrap_loader`` whose loads touch every page of the model they load (``prefault``), so that a load's
+    seconds include reading it from disk."""
+    def load() -> torch.nn.Module:
+        module = loader()
+        prefault(module)
+        return module
+    return load
+
+
 def weight_files(cache: Path) -> list[Path]:
     """Every safetensors file the cascade reads, in the cache."""
     return sorted(cache.rglob("*.safetensors"))

@@ -11,9 +11,11 @@ write or verify one (``python scripts/write_golden.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,25 @@ def run_tiny(config: CascadeConfig, policy: str, *, export: bool = False, until:
     until = until or (None if export else "decode")
     with Pixal3D.from_config(config, policy=policy, device="cpu", until=until, **kwargs) as pipe:
         return pipe.run(image, seed=seed, events=events)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``n`` intra-op threads inside the block (the session's count again after it): single-process bits to
+    compare with spawned ranks, which run one thread each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def one_thread_fingerprints(config: CascadeConfig, images: Mapping[str, Path]) -> dict[str, dict[str, dict[str, str]]]:
+    """Each image's per-stage fingerprints from one process, one thread, the command's policy (auto): what a
+    batch spread over one-thread ranks must give."""
+    with torch_threads(1), Pixal3D.from_config(config, device="cpu") as pipe:
+        return {name: pipe.run(path).fingerprints() for name, path in images.items()}
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,14 @@ import json
 import pytest
 from PIL import Image, ImageOps
 
-from pipelines import Pixal3D
 from pipelines.data_parallel import CLAIM
-from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
+from tests.cascade_fixtures import (  # noqa: F401
+    EXAMPLE,
+    TINY_CONFIG,
+    one_thread_fingerprints,
+    tiny,
+    tiny_cache,
+)
 from tests.parallel_cascade_harness import data_worker
 from tests.parallel_harness import spawn
 
@@ -35,15 +40,7 @@ def images(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tiny, images):
     """Each image's per-stage fingerprints from one process, one thread (the command's policy: auto)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with Pixal3D.from_config(tiny, device="cpu") as pipe:
-            return {name: pipe.run(images / f"{name}.png").fingerprints() for name in VARIANTS}
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_fingerprints(tiny, {name: images / f"{name}.png" for name in VARIANTS})
 
 
 def _argv(inputs, out, work=None, timeout=60):

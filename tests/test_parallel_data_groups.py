@@ -12,10 +12,16 @@ import json
 import pytest
 from PIL import Image, ImageOps
 
-from pipelines import Pixal3D
 from pixal3d.parallel import ParallelConfigError, ParallelSettings
 from pixal3d.parallel.topology import Topology
-from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
+from tests.cascade_fixtures import (  # noqa: F401
+    EXAMPLE,
+    TINY_CONFIG,
+    one_thread_fingerprints,
+    tiny,
+    tiny_cache,
+    torch_threads,
+)
 from tests.parallel_cascade_harness import FLOWS, data_worker
 from tests.parallel_harness import spawn
 
@@ -74,15 +80,7 @@ def images(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tiny, images):
     """Each image's per-stage fingerprints from one process, one thread."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with Pixal3D.from_config(tiny, device="cpu") as pipe:
-            return {name: pipe.run(images / f"{name}.png").fingerprints() for name in "ab"}
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_fingerprints(tiny, {name: images / f"{name}.png" for name in "ab"})
 
 
 def _argv(inputs, out, work=None, parallel=("--parallel", "cfg", "--data-groups", "2")):
@@ -136,18 +134,12 @@ def test_a_group_resumes_from_the_work_dir_and_its_followers_skip_the_flow_stage
     it: a's group runs only texture, decode and export (its followers join texture alone, not the three flow
     stages before it), b is taken whole from its records; both GLBs carry the single-process fingerprints and
     say which stages were reused; each image was claimed by one group."""
-    import torch
-
     from pipelines import cli
 
     out, work = tmp_path / "out", tmp_path / "work"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the records' bits are the 1-thread ones, like the ranks'
-    try:
+    with torch_threads(1):  # the records' bits are the 1-thread ones, like the ranks'
         assert cli.main([str(images), "--config", str(TINY_CONFIG), "-o", str(tmp_path / "first"), "--quiet",
                          "--work-dir", str(work)]) == 0
-    finally:
-        torch.set_num_threads(threads)
     for stage in ("texture", "decode", "export"):
         for suffix in (".json", ".safetensors"):
             (work / "a" / f"{stage}{suffix}").unlink()
