@@ -34,9 +34,13 @@ class Wire:
     device: torch.device     # where the backend wants tensors (cpu for gloo, cuda:i for nccl)
     board: FailureBoard
     timeout_s: float
-    rank: int                # this rank within its data group
     base: int = 0            # torchrun's rank of the group's rank 0
     group: Any = None        # the group's process group (None: the whole job)
+
+    @property
+    def rank(self) -> int:
+        """This rank within its data group (the failure board's)."""
+        return self.board.rank
 
     @property
     def threaded(self) -> bool:

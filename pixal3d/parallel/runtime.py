@@ -48,7 +48,7 @@ class ParallelRuntime:
     topology: Topology
     device: torch.device          # where this rank computes
     backend: str                  # "nccl" or "gloo"
-    store: Any                    # the job's c10d store (under a "pixal3d/parallel/" prefix)
+    store: Any                    # the job's c10d store (prefix "pixal3d/parallel/", plus "group<k>/" per data group)
     groups: dict[tuple[str, int, int], Any]
     broadcasts: Any = None        # this data group's process group for broadcasts (None: the whole job)
     requests: int = 0
@@ -67,8 +67,8 @@ class ParallelRuntime:
         board = FailureBoard(self.store, self.topology.rank, self.topology.world_size, self.requests,
                              grace_s=min(10.0, self.settings.timeout_s), name=self.topology.name_of)
         self._board = board
-        return Wire(self.wire_device, board, self.settings.timeout_s, rank=self.topology.rank,
-                    base=self.topology.global_of(0), group=self.broadcasts)
+        return Wire(self.wire_device, board, self.settings.timeout_s, base=self.topology.global_of(0),
+                    group=self.broadcasts)
 
     def request(self, body: Callable[[Wire], T]) -> T:
         """Run ``body(wire)`` as the job's next request. If it raises, every other rank learns it: this
