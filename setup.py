@@ -31,13 +31,17 @@ setup(
     ],
     extras_require={
         # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it); the [serve] packages and httpx: the
-        # job server's tests start it and talk to it over HTTP
-        "test": ["pytest>=7", "wheel", "httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9"],
+        # job server's tests start it and talk to it over HTTP; psycopg: its queue on a real PostgreSQL server
+        "test": ["pytest>=7", "wheel", "httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9",
+                 "psycopg[binary]>=3.1,<4"],
         "dev": ["pytest>=7", "ruff"],
         # the web app (pixal3d-app); tested with 6.31
         "app": ["gradio>=6.31,<7"],
         # the job server (pixal3d-serve); tested with fastapi 0.165, uvicorn 0.54, python-multipart 0.0.34
         "serve": ["fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9"],
+        # the job server's queue in PostgreSQL, shared by several machines (--queue postgresql://...); tested with
+        # psycopg 3.3 and PostgreSQL 15
+        "fleet": ["fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9", "psycopg[binary]>=3.1,<4"],
     },
     entry_points={
         "console_scripts": [
