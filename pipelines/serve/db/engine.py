@@ -186,7 +186,7 @@ class Engine:
     def _ensure_schema(self, tx: Transaction) -> None:
         self._serialize(tx)
         if not self._has_schema(tx):
-            for statement in schema_statements(self.dialect):
+            for statement in schema_statements(self.dialect.serial_key):
                 tx.run(statement)
             tx.run("INSERT INTO pixal3d_meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             return

@@ -10,23 +10,19 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .engine import Dialect
-
 SCHEMA_VERSION = 1
 
 
-def schema_statements(dialect: Dialect) -> list[str]:
-    """The tables of schema version ``SCHEMA_VERSION``."""
+def schema_statements(serial_key: str) -> list[str]:
+    """The tables of schema version ``SCHEMA_VERSION``; ``serial_key``: the database's words for an integer key it
+    assigns in insertion order."""
     real = "DOUBLE PRECISION"
-    jobs = (f"CREATE TABLE pixal3d_jobs (seq {dialect.serial_key}, id TEXT NOT NULL UNIQUE, submitted {real} NOT NULL, "
+    jobs = (f"CREATE TABLE pixal3d_jobs (seq {serial_key}, id TEXT NOT NULL UNIQUE, submitted {real} NOT NULL, "
             f"settings TEXT NOT NULL, plan TEXT NOT NULL, input TEXT NOT NULL, status TEXT NOT NULL, "
             f"attempt INTEGER NOT NULL DEFAULT 0, lost INTEGER NOT NULL DEFAULT 0, owner TEXT, slot INTEGER, "
             f"device TEXT, started {real}, heartbeat {real}, lease_expires {real}, cancel INTEGER NOT NULL DEFAULT 0, "
             f"progress TEXT, outcome TEXT, finished {real})")
-    attempts = (f"CREATE TABLE pixal3d_attempts (n {dialect.serial_key}, job TEXT NOT NULL, time {real} NOT NULL, "
+    attempts = (f"CREATE TABLE pixal3d_attempts (n {serial_key}, job TEXT NOT NULL, time {real} NOT NULL, "
                 f"event TEXT NOT NULL, worker TEXT, detail TEXT)")
     workers = (f"CREATE TABLE pixal3d_workers (name TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, "
                f"role TEXT NOT NULL, started {real} NOT NULL, heartbeat {real} NOT NULL, expires {real} NOT NULL, "
