@@ -12,6 +12,15 @@ A *kernel family* names a set of pins (``avx2pin``, ``compat``); ``key()`` names
 run's fingerprints belong to (``x86_64-avx2pin``), so a golden is looked up by it. Runs with no pins, or
 with other values, depend on the hardware as well, and their key says so (``x86_64-avx512-unpinned``).
 
+The pins do not make every CPU give the same bits: an Intel AVX-512 CPU with AMX gives other bits than an
+AMD AVX2 CPU under the same ``avx2pin`` family (measured: from the camera on; the likely cause is MKL, which
+picks its code paths by vendor too). So a golden records the *kinds* of CPU it holds on (``cpu_kind()``: vendor, capability
+and AMX, e.g. ``AMD AVX2``), and is compared only on those.
+
+torch reads ``ATEN_CPU_CAPABILITY`` in lower case only (``AVX2`` is ignored, with a warning, and the CPU's own
+level runs), while MKL and oneDNN read theirs in any case: ``normalise_pins`` spells them the way each
+library honours them, and ``family`` counts an ATen pin only in the spelling torch honours.
+
 This module imports torch only inside ``describe``, so a test session or a script can choose the pins
 before torch is loaded.
 """
@@ -46,18 +55,58 @@ def pins(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {name: env[name] for name in PIN_VARS if env.get(name)}
 
 
+# ATEN_CPU_CAPABILITY values torch knows (aten/src/ATen/native/DispatchStub.cpp), in the only case it reads
+ATEN_LEVELS = ("default", "avx2", "avx512", "sve256", "zvector", "vsx")
+
+
+def _spelled(name: str, value: str) -> str:
+    """``value`` as the library behind ``name`` compares it: ATen's in lower case (it reads no other), MKL's and
+    oneDNN's folded to upper case (they read any)."""
+    return value if name == "ATEN_CPU_CAPABILITY" else value.upper()
+
+
 def family(env: Mapping[str, str] | None = None) -> str:
-    """``avx2pin`` or ``compat`` when ``env`` pins exactly that family (values compared case-blind),
-    ``unpinned`` when it pins nothing, else ``custom-<hash of the pins>``."""
+    """``avx2pin`` or ``compat`` when ``env`` pins exactly that family as the libraries read it (MKL's and
+    oneDNN's values in any case; ATen's only in lower case, since torch ignores ``AVX2``), ``unpinned`` when it
+    pins nothing, else ``custom-<hash of the pins>``."""
     found = pins(env)
     if not found:
         return "unpinned"
-    folded = {k: v.lower() for k, v in found.items()}
+    folded = {k: _spelled(k, v) for k, v in found.items()}
     for name, values in FAMILIES.items():
-        if folded == {k: v.lower() for k, v in values.items()}:
+        if folded == {k: _spelled(k, v) for k, v in values.items()}:
             return name
     digest = hashlib.sha256(repr(sorted(folded.items())).encode()).hexdigest()[:8]
     return f"custom-{digest}"
+
+
+def normalise_pins(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Spell the pins in ``env`` (default ``os.environ``) the way their libraries honour them: torch reads
+    ``ATEN_CPU_CAPABILITY`` only in lower case, so ``AVX2`` becomes ``avx2`` (MKL's and oneDNN's values are
+    left as given). A level torch does not know raises ``ValueError`` naming the ones it does: torch would
+    ignore it and run the CPU's own kernels under a key that says otherwise. Must run before torch is
+    imported (``RuntimeError`` if torch is loaded and a value would change)."""
+    env = os.environ if env is None else env
+    level = env.get("ATEN_CPU_CAPABILITY")
+    if level:
+        if level.lower() not in ATEN_LEVELS:
+            raise ValueError(f"ATEN_CPU_CAPABILITY={level} is not a level torch knows ({', '.join(ATEN_LEVELS)}); "
+                             f"torch would ignore it and run this CPU's own kernels")
+        if level != level.lower():
+            if env is os.environ and "torch" in sys.modules:
+                raise RuntimeError(f"ATEN_CPU_CAPABILITY={level} must be spelled {level.lower()} before torch is "
+                                   "imported; torch has ignored it")
+            env["ATEN_CPU_CAPABILITY"] = level.lower()
+    return pins(env)
+
+
+def honoured(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the running torch uses the ATen level ``env`` pins (True when it pins none): the level torch
+    runs, ``torch.backends.cpu.get_cpu_capability()``, is what made the bits, whatever the environment says."""
+    import torch
+
+    level = pins(env).get("ATEN_CPU_CAPABILITY")
+    return level is None or torch.backends.cpu.get_cpu_capability() == level.upper()
 
 
 def hardware() -> str:
@@ -73,6 +122,28 @@ def hardware() -> str:
     if {"avx2", "fma"} <= flags:
         return "AVX2"
     return "DEFAULT"
+
+
+def vendor() -> str:
+    """The CPU's maker as MKL tells them apart (``Intel``, ``AMD``), from the vendor string; on arm64 and on
+    unknown makers the empty string (the capability alone names the kind there)."""
+    if arch() != "x86_64":
+        return ""
+    name = _cpu_field("vendor_id")
+    if not name and sys.platform == "darwin":
+        import subprocess
+
+        name = subprocess.run(["sysctl", "-n", "machdep.cpu.vendor"], capture_output=True, text=True,
+                              check=False).stdout.strip()
+    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(name, name)
+
+
+def cpu_kind() -> str:
+    """The kind of CPU a golden is verified on: vendor, capability and AMX where present (``AMD AVX2``,
+    ``Intel AVX512 AMX``); on arm64 the capability alone (``apple``). Pinned runs agree within a kind; between
+    kinds they may not (module docstring), so a golden is compared only on the kinds it lists."""
+    amx = " AMX" if arch() == "x86_64" and "amx_tile" in _cpu_flags() else ""
+    return " ".join(part for part in (vendor(), hardware()) if part) + amx
 
 
 def key(env: Mapping[str, str] | None = None) -> str:
@@ -103,17 +174,19 @@ def apply_recommended_pins(env: dict[str, str] | None = None) -> dict[str, str]:
         if wanted and env is os.environ and "torch" in sys.modules:
             raise RuntimeError("kernel pins must be set before torch is imported; import pixal3d.kernels first")
         env.update(wanted)
-    return pins(env)
+    return normalise_pins(env)
 
 
 def describe() -> dict[str, Any]:
-    """What run.json records of the kernels: architecture, the CPU's capability and the one torch uses,
-    the pins in effect, their family and key, intra-op threads, the CPU's vendor and model."""
+    """What run.json records of the kernels: architecture, the CPU's capability and the one torch uses, the
+    pins in effect, their family and key (``unhonoured-…`` where torch ignored the ATen pin: the key says
+    what ran), the kind of CPU, intra-op threads, the CPU's model."""
     import torch
 
+    named = family() if honoured() else f"unhonoured-{family()}"
     return {"arch": arch(), "hardware": hardware(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "pins": pins(), "family": family(), "key": key(), "threads": torch.get_num_threads(),
-            "cpu": _cpu_name()}
+            "pins": pins(), "family": named, "key": key() if honoured() else f"{arch()}-{hardware().lower()}-{named}",
+            "kind": cpu_kind(), "threads": torch.get_num_threads(), "cpu": _cpu_name()}
 
 
 def _cpu_flags() -> set[str]:
@@ -139,12 +212,17 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cpu_name() -> str:
+def _cpu_field(name: str) -> str:
+    """One field of /proc/cpuinfo's first processor (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as file:
             for line in file:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or arch()
+    return ""
+
+
+def _cpu_name() -> str:
+    return _cpu_field("model name") or platform.processor() or arch()

@@ -155,7 +155,7 @@ def write_fixture() -> None:
     model = moge_reference_model(MOGE_CONFIG)
     model.load_state_dict(state, strict=True)  # the tiny file has exactly MoGe's keys
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"platform": platform_key(), "verified_on": [kernels.hardware()], "config": MOGE_CONFIG,
+    meta: dict[str, Any] = {"platform": platform_key(), "verified_on": [kernels.cpu_kind()], "config": MOGE_CONFIG,
                             "fov": {}, "fingerprints": {}}
     for name, image in fixture_images().items():
         tensors[f"{name}.image"] = image

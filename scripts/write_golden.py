@@ -7,13 +7,17 @@
 The golden of a platform is ``tests/golden/tiny_<key>.json`` (``pixal3d.kernels.key()``: the architecture
 and the pinned kernel family, e.g. ``x86_64-avx2pin``). It holds the per-stage fingerprints of an eager run
 of configs/tiny.yaml on assets/example.png (seed 42, CPU, 2 threads, up to the decode: what the tests
-compare) and ``verified_on``: the kinds of CPU whose runs gave exactly these bits. The tests compare
-against it only on those kinds and skip elsewhere, naming this command.
+compare) and ``verified_on``: the kinds of CPU (``pixal3d.kernels.cpu_kind()``: vendor, capability, AMX)
+whose runs gave exactly these bits. The tests compare against it only on those kinds and skip elsewhere,
+naming this command.
 
-With no golden for the key, it is written. With one, the run is compared: equal on a kind of CPU not yet
-listed, that kind is added to ``verified_on`` (the pins made two kinds agree); different, nothing is
-written and the first differing stage is printed (exit 1), unless ``--force`` rewrites it (for a change
-of the cascade's numbers: say why in the commit).
+With no golden for the key, it is written. With one verified on this kind of CPU, the run is compared:
+different, nothing is written and the first differing stage is printed (exit 1), unless ``--force``
+rewrites it (for a change of the cascade's numbers: say why in the commit). On a kind not yet listed, the run
+is compared with every golden of the key: equal to one, this kind is added to its ``verified_on`` (the pins
+made two kinds agree); equal to none, the pins do not make this kind give those bits, and its own variant
+``tiny_<key>.<kind>.json`` is written (tests/goldens.py). A pin torch does not honour (``ATEN_CPU_CAPABILITY``
+in upper case, or a level it does not know) is refused: the golden would be filed under kernels that did not run.
 """
 from __future__ import annotations
 
@@ -40,55 +44,73 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rewrite a golden that differs")
     parser.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, help=f"default {GOLDEN_DIR.relative_to(REPO)}")
     args = parser.parse_args(argv)
-    if args.pins == "env":
-        kernels.apply_recommended_pins()
-    else:
-        for name in kernels.PIN_VARS:
-            os.environ.pop(name, None)
-        os.environ.update(kernels.FAMILIES[args.pins])
+    try:
+        if args.pins == "env":
+            kernels.apply_recommended_pins()
+        else:
+            for name in kernels.PIN_VARS:
+                os.environ.pop(name, None)
+            os.environ.update(kernels.FAMILIES[args.pins])
+    except ValueError as err:
+        print(f"write_golden: {err}")
+        return 2
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
-
-    import json
 
     import torch
 
     from pixal3d.staging.fingerprint import first_difference
+    from tests import goldens
 
+    if not kernels.honoured():
+        print(f"write_golden: torch ignored ATEN_CPU_CAPABILITY={kernels.pins()['ATEN_CPU_CAPABILITY']} and runs "
+              f"{torch.backends.cpu.get_cpu_capability()}: nothing written")
+        return 2
     torch.set_num_threads(THREADS)
     prints, extra = _run_tiny()
     described = kernels.describe()
-    path = args.golden_dir / f"tiny_{described['key']}.json"
-    here = {"hardware": described["hardware"], "cpu": described["cpu"]}
-    print(f"kernels: {described['key']} (pins {described['pins'] or 'none'}; CPU {described['cpu']}, "
-          f"{described['hardware']}; torch uses {described['cpu_capability']})")
-    if path.exists():
-        golden = json.loads(path.read_text())
+    key, kind = described["key"], described["kind"]
+    here = {"kind": kind, "hardware": described["hardware"], "cpu": described["cpu"]}
+    print(f"kernels: {key} (pins {described['pins'] or 'none'}; CPU {described['cpu']}, {kind}; torch uses "
+          f"{described['cpu_capability']})")
+    mine = goldens.verified_for(key, kind, args.golden_dir)
+    if mine is not None:  # the golden of this kind: a regression check
+        path, golden = mine
         differing = first_difference(prints, golden["stages"])
         if not differing:
-            known = {v["hardware"] for v in golden["verified_on"]}
-            if here["hardware"] in known:
-                print(f"{_shown(path)}: this run agrees (verified on {', '.join(sorted(known))})")
-            elif args.check:
-                print(f"{_shown(path)}: this run agrees; run without --check to record {here['hardware']}")
-            else:
-                golden["verified_on"].append(here)
-                _write(path, golden)
-                print(f"{_shown(path)}: this run agrees; recorded {here['hardware']} as verified")
+            print(f"{_shown(path)}: this run agrees (verified on {', '.join(goldens.kinds(golden))})")
             return 0
         print(f"{_shown(path)}: this run differs: {differing}")
         if args.check or not args.force:
             print("nothing written (--force rewrites it: only for a change of the cascade's numbers)")
             return 1
-    elif args.check:
-        print(f"no golden for {described['key']} ({_shown(path)}); run without --check to write it")
+        _write(path, {**golden, **extra, "verified_on": [here], "stages": prints})
+        print(f"rewrote {_shown(path)} (verified on {kind} only now)")
+        return 0
+    others = [(path, goldens.load(path)) for path in goldens.paths(key, args.golden_dir)]
+    for path, golden in others:  # a kind not listed yet: do the pins make it agree with one?
+        if not first_difference(prints, golden["stages"]):
+            if args.check:
+                print(f"{_shown(path)}: this run agrees; run without --check to record {kind}")
+            else:
+                golden["verified_on"].append(here)
+                _write(path, golden)
+                print(f"{_shown(path)}: this run agrees; recorded {kind} as verified")
+            return 0
+    for path, golden in others:
+        print(f"{_shown(path)} (verified on {', '.join(goldens.kinds(golden))}): this run differs: "
+              f"{first_difference(prints, golden['stages'])}")
+    path = goldens.path_for_new(key, kind, args.golden_dir)
+    if args.check:
+        print(f"no golden of {key} verified on {kind}; run without --check to write {_shown(path)}")
         return 1
     _write(path, {
         "about": "per-stage sha256 fingerprints of an eager run of configs/tiny.yaml on assets/example.png, seed 42, "
                  "CPU, 2 threads, up to the decode, with the kernels named by 'key' and 'pins'; written by "
-                 "python scripts/write_golden.py, compared by the tests only on the CPUs in 'verified_on'",
-        "key": described["key"], "pins": described["pins"], "threads": THREADS,
+                 "python scripts/write_golden.py, compared by the tests only on the kinds of CPU in 'verified_on'",
+        "key": key, "pins": described["pins"], "threads": THREADS,
         "verified_on": [here], **extra, "stages": prints})
-    print(f"wrote {_shown(path)}")
+    print(f"wrote {_shown(path)}" + (f": {kind} gives other bits than every golden of {key} under these pins"
+                                     if others else ""))
     return 0
 
 

@@ -4,16 +4,16 @@ reference run, and the golden fingerprints of this session's kernels.
 
 Two kinds of check use them. *Relative* checks (staged, resident, the library, the CLI, ``--parallel cfg``
 all give the fingerprints of the eager ``tiny_reference`` run) need no golden and hold on every machine.
-The *golden* check compares the reference with ``tests/golden/tiny_<key>.json``, ``key`` naming the
-architecture and the pinned kernel family (``pixal3d.kernels.key()``); it runs only where that golden was
-verified (its ``verified_on`` kinds of CPU, its torch version) and skips elsewhere saying why and how to
-write or verify one (``python scripts/write_golden.py``).
+The *golden* check compares the reference with the golden of this session's kernels (``tests/goldens.py``:
+``tests/golden/tiny_<key>.json``, ``key`` naming the architecture and the pinned kernel family, or a kind of
+CPU's variant of it); it runs only with the golden verified on this kind of CPU (``kernels.cpu_kind()``), its
+torch version and thread count, and skips elsewhere saying why and how to write or verify one
+(``python scripts/write_golden.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,30 +27,35 @@ from pixal3d.config import CascadeConfig, load_config
 from pixal3d.models.dinov3 import load_dinov3
 from pixal3d.staging.fingerprint import first_difference  # noqa: F401  (the tests' one import of it)
 from pixal3d.tiny_weights import ensure_tiny_weights
+from tests import goldens
+from tests.goldens import GOLDEN_DIR  # noqa: F401  (the tests' one import of it)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 EXAMPLE = REPO / "assets" / "example.png"
-GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 WRITE_GOLDEN = "python scripts/write_golden.py"
 
 
-def golden_path(key: str | None = None) -> Path:
-    """The golden file of the kernels ``key`` (default: this session's, ``pixal3d.kernels.key()``)."""
-    return GOLDEN_DIR / f"tiny_{key or kernels.key()}.json"
+def golden_path(key: str | None = None) -> Path | None:
+    """The golden of the kernels ``key`` (default: this session's, ``pixal3d.kernels.key()``) verified on this
+    kind of CPU, or None."""
+    found = goldens.verified_for(key or kernels.key(), kernels.cpu_kind())
+    return found[0] if found is not None else None
 
 
 def golden_or_skip() -> dict[str, dict[str, str]]:
     """This session's golden stages, or a skip that says why none applies here and what to run."""
-    path, key = golden_path(), kernels.key()
-    if not path.exists():
-        pytest.skip(f"no golden for kernels {key} (pins {kernels.pins() or 'none'}, CPU {kernels.hardware()}): "
-                    f"the relative checks run all the same; `{WRITE_GOLDEN}` writes {path.name}")
-    golden = json.loads(path.read_text())
-    verified = sorted({v["hardware"] for v in golden["verified_on"]})
-    if kernels.hardware() not in verified:
-        pytest.skip(f"{path.name} was verified on {', '.join(verified)} CPUs only and this one is "
-                    f"{kernels.hardware()}: `{WRITE_GOLDEN}` compares and, when equal, records it")
+    key, kind = kernels.key(), kernels.cpu_kind()
+    found = goldens.verified_for(key, kind)
+    if found is None:
+        others = {path.name: goldens.kinds(goldens.load(path)) for path in goldens.paths(key)}
+        if not others:
+            pytest.skip(f"no golden for kernels {key} (pins {kernels.pins() or 'none'}, CPU {kind}): the relative "
+                        f"checks run all the same; `{WRITE_GOLDEN}` writes one")
+        listed = "; ".join(f"{name} on {', '.join(k)}" for name, k in others.items())
+        pytest.skip(f"no golden of kernels {key} is verified on {kind} CPUs ({listed}): `{WRITE_GOLDEN}` "
+                    f"compares and records this kind, or writes its own")
+    path, golden = found
     if golden["threads"] != torch.get_num_threads():
         pytest.skip(f"{path.name} holds for {golden['threads']} threads, this session runs {torch.get_num_threads()}")
     if golden["versions"]["torch"] != torch.__version__:

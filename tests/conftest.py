@@ -65,6 +65,6 @@ def pytest_report_header(config):
     from tests.cascade_fixtures import golden_path
 
     path = golden_path()
-    return (f"kernels: {kernels.key()} (pins {kernels.pins() or 'none'}; CPU {kernels.hardware()}, torch uses "
+    return (f"kernels: {kernels.key()} (pins {kernels.pins() or 'none'}; CPU {kernels.cpu_kind()}, torch uses "
             f"{torch.backends.cpu.get_cpu_capability()}); golden: "
-            f"{path.name if path.exists() else 'none for these kernels (golden tests skip)'}")
+            f"{path.name if path is not None else 'none verified for these kernels on this CPU (golden tests skip)'}")

@@ -5,13 +5,23 @@ records and refuses as documented."""
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from pixal3d import kernels
-from tests.cascade_fixtures import REPO, GOLDEN_DIR, golden_or_skip, golden_path, tiny_cache  # noqa: F401
+from tests import goldens
+from tests.cascade_fixtures import (  # noqa: F401
+    GOLDEN_DIR,
+    REPO,
+    golden_or_skip,
+    golden_path,
+    tiny_cache,
+)
 
 AVX2PIN, COMPAT = kernels.FAMILIES["avx2pin"], kernels.FAMILIES["compat"]
 
@@ -19,7 +29,9 @@ AVX2PIN, COMPAT = kernels.FAMILIES["avx2pin"], kernels.FAMILIES["compat"]
 def test_the_key_names_the_architecture_and_the_pinned_family(monkeypatch):
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     assert kernels.key(AVX2PIN) == "x86_64-avx2pin"
-    assert kernels.key({k: v.upper() for k, v in COMPAT.items()}) == "x86_64-compat"  # values case-blind
+    shouted = {k: v.upper() for k, v in COMPAT.items()}
+    assert kernels.key({**shouted, "ATEN_CPU_CAPABILITY": "default"}) == "x86_64-compat"  # MKL's, oneDNN's: any case
+    assert kernels.family(shouted) not in kernels.FAMILIES  # torch ignores ATEN_CPU_CAPABILITY=DEFAULT
     monkeypatch.setattr(kernels, "hardware", lambda: "AVX512")
     assert kernels.key({}) == "x86_64-avx512-unpinned"  # unpinned kernels follow the hardware: it joins the key
     partial = kernels.key({"MKL_CBWR": "AVX2"})
@@ -56,12 +68,15 @@ def test_the_sessions_pins_reached_torch():
 
 
 def test_each_golden_holds_its_own_key_and_pins_and_two_families_differ():
-    goldens = {path.name: json.loads(path.read_text()) for path in sorted(GOLDEN_DIR.glob("tiny_*.json"))}
-    assert goldens, "no golden at all"
-    for name, golden in goldens.items():
-        assert name == f"tiny_{golden['key']}.json" and golden["key"].endswith(kernels.family(golden["pins"]))
-        assert golden["verified_on"] and golden["threads"] == 2 and golden["stages"]
-    pinned = goldens.get("tiny_x86_64-avx2pin.json"), goldens.get("tiny_x86_64-compat.json")
+    found = {path.name: json.loads(path.read_text()) for path in sorted(GOLDEN_DIR.glob("tiny_*.json"))}
+    assert found, "no golden at all"
+    for name, golden in found.items():
+        kinds = goldens.kinds(golden)
+        assert name in (f"tiny_{golden['key']}.json", f"tiny_{golden['key']}.{goldens.slug(kinds[0])}.json")
+        assert golden["key"].endswith(kernels.family(golden["pins"]))
+        assert kinds and golden["threads"] == 2 and golden["stages"]
+        assert goldens.verified_for(golden["key"], kinds[0], GOLDEN_DIR)[0].name == name  # one golden per kind
+    pinned = found.get("tiny_x86_64-avx2pin.json"), found.get("tiny_x86_64-compat.json")
     if None in pinned:
         pytest.skip("the two x86-64 goldens are not both here")
     avx2, compat = (g["stages"] for g in pinned)
@@ -76,34 +91,86 @@ def test_no_golden_for_the_kernels_is_a_skip_that_names_the_writer(monkeypatch):
         golden_or_skip()
 
 
+def test_pins_are_spelled_as_their_libraries_read_them_and_an_unknown_aten_level_is_refused():
+    env = {"ATEN_CPU_CAPABILITY": "AVX2", "MKL_CBWR": "avx2", "ONEDNN_MAX_CPU_ISA": "avx2"}
+    assert kernels.normalise_pins(env) == {**env, "ATEN_CPU_CAPABILITY": "avx2"} and kernels.family(env) == "avx2pin"
+    env = {"ATEN_CPU_CAPABILITY": "AVX2"}  # set by hand, then the suite's or the writer's call: spelled for torch
+    assert kernels.apply_recommended_pins(env) == {"ATEN_CPU_CAPABILITY": "avx2"}
+    with pytest.raises(ValueError, match=r"ATEN_CPU_CAPABILITY=avx3 is not a level torch knows \(default, avx2"):
+        kernels.normalise_pins({"ATEN_CPU_CAPABILITY": "avx3"})
+
+
+def _native_level() -> str:
+    """The ATen level this CPU runs unpinned, asked of a fresh interpreter (this session's torch is pinned)."""
+    env = {k: v for k, v in os.environ.items() if k not in kernels.PIN_VARS}
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_run_json_records_the_level_torch_runs_when_it_ignored_the_pin():
+    """An upper-case ATen pin that reached torch unspelled (set after pixal3d.kernels could fix it): torch ran
+    its own level, and describe() files the bits under neither pinned family."""
+    native = _native_level()
+    shouted = "AVX2" if native != "AVX2" else "DEFAULT"  # a level other than the one torch will run
+    env = {**{k: v for k, v in os.environ.items() if k not in kernels.PIN_VARS}, "ATEN_CPU_CAPABILITY": shouted}
+    code = "import json, torch; from pixal3d import kernels; print(json.dumps(kernels.describe()))"
+    described = json.loads(subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                                          text=True, check=True).stdout)
+    assert described["cpu_capability"] == native and described["family"].startswith("unhonoured-")
+    assert described["family"].removeprefix("unhonoured-") not in kernels.FAMILIES
+    assert described["key"] != kernels.key({"ATEN_CPU_CAPABILITY": shouted.lower()})
+
+
+def test_write_golden_spells_an_upper_case_pin_for_torch(tmp_path, tiny_cache):
+    """ATEN_CPU_CAPABILITY=AVX2 set by hand (torch alone would ignore it): the writer runs the AVX2 kernels and
+    says so, and files them under avx2pin."""
+    if kernels.arch() != "x86_64" or kernels.hardware() == "DEFAULT":
+        pytest.skip(f"no AVX2 kernels on this CPU ({kernels.cpu_kind()})")
+    env = {**os.environ, **{k: v.upper() for k, v in AVX2PIN.items()}}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "write_golden.py"), "--check", "--golden-dir",
+                           str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    assert "kernels: x86_64-avx2pin" in proc.stdout and "torch uses AVX2" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "run without --check to write" in proc.stdout  # an empty folder: no golden
+
+
 def test_a_golden_not_verified_on_this_kind_of_cpu_is_a_skip(monkeypatch):
-    monkeypatch.setattr(kernels, "hardware", lambda: "arm64-but-x86")
-    if not golden_path().exists():
-        pytest.skip(f"no golden for kernels {kernels.key()}")
-    with pytest.raises(pytest.skip.Exception, match=r"verified on .* CPUs only and this one is arm64-but-x86"):
+    if golden_path() is None:
+        pytest.skip(f"no golden of kernels {kernels.key()} verified on {kernels.cpu_kind()}")
+    monkeypatch.setattr(kernels, "cpu_kind", lambda: "arm64-but-x86")
+    with pytest.raises(pytest.skip.Exception, match=r"verified on arm64-but-x86 CPUs \(tiny_"):
         golden_or_skip()
+
+
+def test_the_kind_of_cpu_names_the_vendor_and_capability(monkeypatch):
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels, "_cpu_field", lambda name: {"vendor_id": "AuthenticAMD"}.get(name, ""))
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert kernels.cpu_kind() == "AMD AVX2"
+    monkeypatch.setattr(kernels, "_cpu_field", lambda name: {"vendor_id": "GenuineIntel"}.get(name, ""))
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                        "avx512dq", "amx_tile"})
+    assert kernels.cpu_kind() == "Intel AVX512 AMX" and goldens.slug(kernels.cpu_kind()) == "intel-avx512-amx"
 
 
 def test_write_golden_writes_records_a_new_kind_of_cpu_and_refuses_a_different_run(tiny_cache, tmp_path,
                                                                                   monkeypatch, capsys):
     """The documented command: writes a missing golden; the same run on another kind of CPU is recorded as
-    verified; a golden that differs from the run is left alone (exit 1) unless --force."""
+    verified; a golden that differs from the run is left alone (exit 1) unless --force; a kind whose run
+    differs from every golden of the key gets its own variant, compared there from then on."""
     main = runpy.run_path(str(REPO / "scripts" / "write_golden.py"))["main"]
     folder = ["--golden-dir", str(tmp_path)]
     assert main(folder) == 0
     path = tmp_path / f"tiny_{kernels.key()}.json"
     written = json.loads(path.read_text())
-    assert written["stages"]["structure"]["ss_latent"] and written["verified_on"][0]["hardware"] == kernels.hardware()
+    assert written["stages"]["structure"]["ss_latent"] and written["verified_on"][0]["kind"] == kernels.cpu_kind()
     assert written["pins"] == kernels.pins() and written["versions"]["torch"] == torch.__version__
 
-    monkeypatch.setattr(kernels, "hardware", lambda: "AVX512")
-    if kernels.family() not in kernels.FAMILIES:  # unpinned kernels follow the CPU: another CPU, another golden
-        assert main(folder) == 0 and (tmp_path / f"tiny_{kernels.key()}.json").exists()
-        return
-    assert main(folder) == 0 and "recorded AVX512 as verified" in capsys.readouterr().out
+    here = kernels.cpu_kind()
+    other = f"Other {here}"  # another kind than this one, whatever this one is
+    monkeypatch.setattr(kernels, "cpu_kind", lambda: other)
+    assert main(folder) == 0 and f"recorded {other} as verified" in capsys.readouterr().out
     recorded = json.loads(path.read_text())
-    assert [v["hardware"] for v in recorded["verified_on"]] == [written["verified_on"][0]["hardware"], "AVX512"]
-    assert recorded["stages"] == written["stages"]
+    assert goldens.kinds(recorded) == [here, other] and recorded["stages"] == written["stages"]
 
     recorded["stages"]["shape_512"]["lr_latent.feats"] = "0" * 64  # a golden that no longer holds
     path.write_text(json.dumps(recorded))
@@ -112,3 +179,13 @@ def test_write_golden_writes_records_a_new_kind_of_cpu_and_refuses_a_different_r
     assert "first differing stage 'shape_512': ['lr_latent.feats']" in capsys.readouterr().out
     assert path.read_text() == before
     assert main([*folder, "--check"]) == 1 and path.read_text() == before
+
+    third = f"Third {here}"  # a kind no golden lists, whose bits differ from every golden of the key
+    monkeypatch.setattr(kernels, "cpu_kind", lambda: third)
+    assert main([*folder, "--check"]) == 1 and not (tmp_path / f"tiny_{kernels.key()}.{goldens.slug(third)}.json"
+                                                     ).exists()
+    assert main(folder) == 0 and "gives other bits than every golden" in capsys.readouterr().out
+    variant = tmp_path / f"tiny_{kernels.key()}.{goldens.slug(third)}.json"
+    assert goldens.kinds(json.loads(variant.read_text())) == [third] and path.read_text() == before
+    assert goldens.verified_for(kernels.key(), third, tmp_path)[0] == variant
+    assert main(folder) == 0 and "this run agrees" in capsys.readouterr().out  # compared with its own from now on

@@ -148,7 +148,18 @@ def _same_platform(meta: dict) -> bool:
     """The fixture's kernels, threads and versions, on a kind of CPU it was verified on."""
     from pixal3d import kernels
 
-    return platform_key() == meta["platform"] and kernels.hardware() in meta["verified_on"]
+    return platform_key() == meta["platform"] and kernels.cpu_kind() in meta["verified_on"]
+
+
+def _platform_difference(meta: dict) -> str:
+    """What differs between the fixture's platform and this one, as ``name: the fixture's → here``."""
+    from pixal3d import kernels
+
+    here, made = platform_key(), meta["platform"]
+    differ = [f"{name}: {made[name]} → {here.get(name)}" for name in made if here.get(name) != made[name]]
+    if kernels.cpu_kind() not in meta["verified_on"]:
+        differ.append(f"CPU: {', '.join(meta['verified_on'])} → {kernels.cpu_kind()}")
+    return "; ".join(differ)
 
 
 def _outputs(model: MoGe2, image: torch.Tensor, fp16: bool) -> dict[str, torch.Tensor]:
@@ -198,8 +209,8 @@ def test_float32_matches_moge_bit_for_bit_on_the_fixture_platform_else_within_1e
 def test_float16_autocast_matches_moge_bit_for_bit(tiny_moge, case):
     meta, tensors = _fixture()
     if not _same_platform(meta):
-        pytest.skip(f"float16 fixture made with {meta['platform']} on {meta['verified_on']}, this is {platform_key()}: "
-                    f"CPU half-precision kernels differ; the live test (MoGe importable) compares here")
+        pytest.skip(f"the float16 fixture holds on its own platform only ({_platform_difference(meta)}): CPU "
+                    f"half-precision kernels differ; the live test (MoGe importable) compares here")
     key = f"{case}.fp16"
     ours = _outputs(tiny_moge, tensors[f"{case}.image"], fp16=True)
     assert {k: fingerprint_tensor(v) for k, v in ours.items()} == meta["fingerprints"][key]
