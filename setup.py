@@ -17,7 +17,9 @@ setup(
         "numpy",
         "pillow",
         "safetensors",
-        "huggingface_hub",
+        # 1.31: transformers 5's own floor; < 3: the majors tested (1.31 with httpx, 2.4 with httpx2: pixal3d.hub
+        # finds the client's error base from HfHubHTTPError, tests/test_fetch_network.py runs on both)
+        "huggingface_hub>=1.31,<3",
         "transformers>=4.56",  # DINOv3ViTModel first shipped in 4.56
         "rembg[cpu]",
         "trimesh",

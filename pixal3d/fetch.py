@@ -79,19 +79,38 @@ def fetch_rembg(model_name: str) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: 0 when everything is on disk, 1 with one error message otherwise."""
+    """Entry point: 0 when everything is on disk; one error line and 2 when the Hub cannot be reached, 1 for
+    any other failure (a file the Hub refused, a wrong size, a bad config)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    _log_progress()
     from pixal3d.config import ConfigError
-    from pixal3d.weights_errors import WeightsError
+    from pixal3d.hub import hub_offline, network_errors
+    from pixal3d.weights_errors import HubUnreachableError, WeightsError
 
+    if hub_offline():
+        print(f"{PROG}: error: HF_HUB_OFFLINE is set, and this command downloads from the Hub: unset it here "
+              f"(the runs afterwards may set it)", file=sys.stderr)
+        return 2
     try:
         written = fetch_all(args.config, moge=not args.no_moge, rembg=not args.no_rembg)
-    except (WeightsError, ConfigError, OSError) as err:
+    except HubUnreachableError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except (WeightsError, ConfigError, *network_errors()) as err:  # rembg's own download, a full disk
+        print(f"{PROG}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
         return 1
     print(f"{PROG}: every weight file {args.config} needs is on disk ({len(written)} downloaded now)")
     return 0
+
+
+def _log_progress() -> None:
+    """This command's progress lines (pixal3d's INFO records) on stderr, prefixed with its name; the HTTP
+    client's per-request INFO lines are filtered out. Like ``logging.basicConfig``, nothing changes where the
+    root logger has handlers already (a test session, an embedding program)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    handler.addFilter(logging.Filter("pixal3d"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from typing import Any
 from pixal3d.config import WeightSource
 from pixal3d.staging.safetensors_header import SafetensorsHeaderError
 from pixal3d.staging.safetensors_header import read_safetensors_header as _read_header
-from pixal3d.weights_errors import CorruptWeightsError, MissingWeightsError, WeightsError
+from pixal3d.weights_errors import (CorruptWeightsError, HubAnswerError, HubUnreachableError, MissingWeightsError,
+                                    WeightsError)
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +195,12 @@ class Fetcher:
         size against the one the Hub lists; a file of another size is refused (``CorruptWeightsError``)."""
         from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 
-        expected = get_hf_file_metadata(hf_hub_url(source.repo, filename, revision=source.revision), timeout=30).size
-        path = Path(hf_hub_download(repo_id=source.repo, filename=filename, revision=source.revision))
+        try:
+            expected = get_hf_file_metadata(hf_hub_url(source.repo, filename, revision=source.revision),
+                                            timeout=30).size
+            path = Path(hf_hub_download(repo_id=source.repo, filename=filename, revision=source.revision))
+        except network_errors() as err:
+            raise hub_error(err, f"{filename} of {source.describe()}") from None
         got = path.stat().st_size
         if expected is not None and got != int(expected):
             blob = path.resolve()  # the cache's blob behind the snapshot's link: removed both, never kept
@@ -275,6 +280,30 @@ class Fetcher:
             from pixal3d.tiny_weights import ensure_tiny_weights
             return ensure_tiny_weights(cache_root() / "tiny")
         return self.generate(cache_root() / "tiny")
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What a request to the Hub raises when it could not be made or was refused: ``OSError`` (sockets, urllib,
+    requests' ``ConnectionError``, the Hub's ``OfflineModeIsEnabled`` and ``HfHubHTTPError``) and the base error
+    of the HTTP client huggingface_hub uses, found as ``HfHubHTTPError``'s own base class (httpx's ``HTTPError``
+    in huggingface_hub 1 and 2, requests' before), not by its name: a client that changes needs no change here."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    client = [base for base in HfHubHTTPError.__mro__[1:] if base.__module__ != "builtins"]
+    return (OSError, *client[:1])
+
+
+def hub_error(err: BaseException, what: str) -> WeightsError:
+    """One line for a failed request for ``what``: the Hub's answer (``HubAnswerError``: the status and its
+    reason) or why it could not be reached (``HubUnreachableError``)."""
+    if _answered(err):
+        response = getattr(err, "response", None)
+        status = getattr(response, "status_code", None)
+        reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None) or ""
+        answer = f"{status} {reason}".strip() if status is not None else _first_line(err)
+        return HubAnswerError(f"the Hub answered {answer} for {what}")
+    return HubUnreachableError(f"the Hugging Face Hub could not be reached for {what} ({type(err).__name__}: "
+                               f"{_first_line(err)}); check the network (or HF_ENDPOINT) and run it again")
 
 
 def _answered(err: BaseException) -> bool:

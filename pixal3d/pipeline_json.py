@@ -157,12 +157,25 @@ def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge
     return pipe_dir, pipeline, checkpoints, dinov3, naf, moge
 
 
-def missing_files(weights: WeightsConfig, *, include_moge: bool) -> Fetcher:
-    """An offline ``Fetcher`` holding every file a run of ``weights`` needs that is not on disk (its ``missing``;
-    the checkpoints of a ``pipeline.json`` not downloaded yet from ``PINNED_CHECKPOINTS``), for ``pixal3d-fetch``."""
-    fetch = Fetcher(offline=True, generate=None)
+def missing_files(weights: WeightsConfig, *, include_moge: bool, config_file: str | None = None) -> Fetcher:
+    """A ``Fetcher`` holding every file a run of ``weights`` needs that is not on disk (its ``missing``; the
+    checkpoints of a ``pipeline.json`` not downloaded yet from ``PINNED_CHECKPOINTS``), found without the network:
+    the one list ``pixal3d-fetch`` downloads and a missing-weights error names."""
+    fetch = Fetcher(offline=True, generate=None, config_file=config_file)
     _locate(fetch, weights, [*PIPELINE_MODELS, "dinov3", "naf"], include_moge and weights.moge is not None)
     return fetch
+
+
+def _raise_everything_missing(fetch: Fetcher, weights: WeightsConfig, config_file: str | None) -> None:
+    """When ``fetch`` found files missing, one ``MissingWeightsError`` naming every file a run needs that is not on
+    disk (``missing_files``: the list ``pixal3d-fetch`` downloads), with what ``fetch`` learnt of each (the Hub's
+    answer, why it was unreachable, whether it was offline)."""
+    if not fetch.missing:
+        return
+    everything = missing_files(weights, include_moge=True, config_file=config_file)
+    everything.offline, everything.unreachable = fetch.offline, fetch.unreachable
+    everything.missing = [*fetch.missing, *everything.missing]  # the Hub's answers first: they are kept
+    everything.raise_missing()
 
 
 def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
@@ -207,7 +220,7 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
         else:
             naf = fetch.file(weights.naf, label="weights.naf")
             sizes["naf"] = naf.stat().st_size if naf is not None else 0
-    fetch.raise_missing()
+    _raise_everything_missing(fetch, weights, config_file)
     if "moge" in wanted and weights.moge is not None:  # tensor bytes from model.pt's index, else the Hub's file size
         path = fetch.cached_file(weights.moge, MOGE_FILE, label="weights.moge")
         sizes["moge"] = (checkpoint_bytes(path) if path is not None

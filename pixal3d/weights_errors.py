@@ -13,3 +13,11 @@ class MissingWeightsError(WeightsError):
 
 class CorruptWeightsError(WeightsError):
     """A weights file exists but is truncated, corrupt or a git-lfs pointer."""
+
+
+class HubUnreachableError(WeightsError):
+    """The Hub (or a weights server) could not be reached at all: no network, a refused or unroutable endpoint."""
+
+
+class HubAnswerError(WeightsError):
+    """The Hub answered a request for a file with an error (404, 401, 500, ...)."""

@@ -227,3 +227,28 @@ def test_planned_sizes_of_weights_not_downloaded_come_from_hub_headers_without_d
     assert set(sizes.values()) == {1500} and len(asked) == 7
     assert ("TencentARC/Pixal3D", "ckpts/ss_flow_tiny.safetensors", REV) in asked
     assert sorted(p.name for p in snapshot.iterdir()) == ["pipeline.json"]
+
+
+def test_the_plans_missing_weights_list_is_pixal3d_fetchs_list(tmp_path, monkeypatch):
+    """Offline with an empty cache, planning the real 1024 cascade names every file pixal3d-fetch downloads
+    (pipeline_json.missing_files: one list, one source): DINOv3's config.json, NAF's release file and MoGe-2's
+    model.pt included, which the plan's own lookups (headers only) never asked for."""
+    from huggingface_hub import constants
+
+    from pipelines import Pixal3D
+    from pixal3d.config import load_config, shipped_config
+    from pixal3d.hub import merged_missing
+    from pixal3d.pipeline_json import missing_files
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path / "cache"))
+    config = load_config(shipped_config("1024_cascade.yaml"))
+    with pytest.raises(MissingWeightsError) as info:
+        Pixal3D.plan(config, device="cpu")
+    listed = {line.strip().split(" (")[0] for line in str(info.value).splitlines() if line.startswith("    ")}
+    fetched = {name for entry in merged_missing(missing_files(config.weights, include_moge=True).missing)
+               for name in entry.files}
+    assert listed == fetched and len(listed) == 19
+    assert {"config.json", "naf_release.pth", "model.pt"} <= listed
+    assert str(info.value).splitlines()[0] == "missing weights: 19 files a run needs are not on this machine"
