@@ -56,22 +56,26 @@ def packed_std(feats: torch.Tensor, layout: list[slice]) -> torch.Tensor:
     lengths = [s.stop - s.start for s in layout]
     counts = torch.tensor(lengths, device=feats.device)
     sample = torch.arange(len(lengths), device=feats.device).repeat_interleave(counts, output_size=feats.shape[0])
-    count = counts.to(feats.dtype)
-    mean = segment_mean(feats.mean(dim=1), sample, count)  # [B]
-    mean_sq = segment_mean((feats ** 2).mean(dim=1), sample, count)
+    mean = segment_mean(feats.mean(dim=1), sample, counts)  # [B]
+    mean_sq = segment_mean((feats ** 2).mean(dim=1), sample, counts)
     return (mean_sq - mean ** 2).sqrt()[:, None]
 
 
 def segment_mean(values: torch.Tensor, sample: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values [N]`` per sample (``sample [N]``: row → sample index, rows of a sample in order).
+    """Mean of ``values [N]`` per sample (``sample [N]``: row → sample index, rows of a sample in order;
+    ``count [B]``: each sample's rows, as integers), in the values' dtype.
 
-    Bitwise ``torch.segment_reduce(values, "mean", lengths=...)`` on the CPU: both add a sample's rows
-    one by one in row order from zero in the values' dtype (``index_add_`` on a 1-D accumulator is
-    that sequential loop), then divide by the row count. ``segment_reduce`` has no MPS kernel;
+    The sums accumulate in fp32 (fp64 for fp64 values) on every device, whatever the values' dtype: one slot
+    takes a sample's ~20k rows, which half precision cannot hold (bf16 stops adding 1 at 256), and Metal's
+    ``index_add`` upcasts fp16/bf16 accumulators to fp32 only in some cases (pytorch/pytorch#187109), so the
+    upcast is done here. For fp32 values this is bitwise ``torch.segment_reduce(values, "mean", lengths=...)``
+    on the CPU: both add a sample's rows one by one in row order from zero (``index_add_`` on a 1-D
+    accumulator is that sequential loop), then divide by the row count. ``segment_reduce`` has no MPS kernel;
     ``index_add_`` has (on a GPU the adds are atomic, so the order, and the last bits, vary).
     """
-    sums = values.new_zeros(count.shape[0]).index_add_(0, sample, values)  # [B]
-    return sums / count
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    sums = values.new_zeros(count.shape[0], dtype=wide).index_add_(0, sample, values.to(wide))  # [B]
+    return (sums / count.to(wide)).to(values.dtype)
 
 
 class LatentOps:

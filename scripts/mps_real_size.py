@@ -20,6 +20,9 @@ Cases, each the device work of a stage, models built on ``meta`` from the publis
   largest tile the plan allows, the reassembly whole) — the untiled 1536 decode is audited apart, as the
   finding the tiles fix.
 
+- sampler: the CFG rescale's per-sample std (``packed_std``) of one HR latent at 20k and at the 1536 token
+  budget's tokens, whose ``index_add`` adds every row into one slot.
+
 One forward stands for a stage's sampling: every step repeats the same ops on the same shapes (the CFG
 branches run one after the other), and the sampler's own ops are on ``[N, 32]`` latents.
 """
@@ -47,6 +50,7 @@ from pixal3d.models.decoder_tiling import _concat_in_order
 from pixal3d.models.loading import build_model
 from pixal3d.nn.attention import device_array_bytes, resolve_route, set_attention_route
 from pixal3d.nn.sparse_tensor import SparseTensor
+from pixal3d.samplers import packed_std
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "assets" / "checkpoints.json"
@@ -197,6 +201,14 @@ def tiled_decode_case(models: Models, tokens: int) -> None:
     _concat_in_order([torch.empty(voxels, 6, device="meta")], order) * 0.5 + 0.5
 
 
+def sampler_case(tokens: int) -> Callable[[], None]:
+    """The CFG rescale's std of one sparse latent of ``tokens`` rows (32 channels): an index_add of every row
+    into one slot."""
+    def run() -> None:
+        packed_std(torch.empty(tokens, 32, device="meta"), [slice(0, tokens)])
+    return run
+
+
 def cases(models: Models) -> list[Case]:
     """The product's device work at real sizes (see the module doc)."""
     fp32 = resolve_route("auto", MPS)
@@ -218,6 +230,8 @@ def cases(models: Models) -> list[Case]:
     fraction = COUNTS.hr_tokens / (COUNTS.lr_tokens * REFERENCE_GROWTH ** COUNTS.decoder_levels)
     out.insert(3, Case("upsample", lambda: upsample_case(models),
                        SizeOracle(nonzero_fraction=SUBDIVISION, unique_fraction=fraction)))
+    out += [Case(f"sampler {label}", sampler_case(tokens), SizeOracle())
+            for label, tokens in (("1024", COUNTS.hr_tokens), ("1536", TOKEN_BUDGET))]
     out.append(Case("decode 1024", lambda: decode_case(models, COUNTS.hr_tokens), SizeOracle(SUBDIVISION)))
     out.append(Case("decode 1536 (tiled on mps)", lambda: tiled_decode_case(models, HR_1536),
                     SizeOracle(SUBDIVISION)))
@@ -302,7 +316,13 @@ def report(audit: SizeAudit, before: SizeAudit, seconds: float) -> str:
         f"{plan.tile_voxels:,} voxels a tile, the same voxels and fields as the untiled decode (decoder_tiling's "
         "exactness). The 1024 decode (largest tensor 2.14 GiB) stays whole. Re-audited: the `decode 1536 (tiled on "
         "mps)` rows below.\n\n"
-        "### The largest tensor of each case\n\n" + audit.cases_markdown() +
+        "### How close each limit comes\n\n"
+        "The call that comes closest to each limit with a measure, over every case: bytes for MPSGraph's array limit, "
+        "score elements for attention's silent one (what one call of the `fp32_chunked` route holds is bounded by "
+        "`score_budget()`, 2**26 by default), rows per slot for `index_add` (no bound: the sampler's accumulator is "
+        "fp32 on every device, `samplers.segment_mean`, so its row count costs no precision).\n\n"
+        + audit.closest_markdown() +
+        "\n### The largest tensor of each case\n\n" + audit.cases_markdown() +
         f"\n### Every device op at real size (rows over a limit: {status})\n\n"
         "Per op and dtypes: its largest tensor over every call and the case it came from, its most elements and "
         "largest dimension, calls (and the number of cases using it), the verdict.\n\n"

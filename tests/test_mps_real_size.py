@@ -43,6 +43,38 @@ def test_control_an_op_over_2_to_the_32_bytes_is_flagged_and_one_at_the_limit_is
         audit.check()
 
 
+def test_the_silent_limits_flag_half_accumulators_and_attention_near_2_to_the_31_scores():
+    """Limits that fail silently rather than with a check: an index_add into fp16/bf16 (Metal upcasts only in
+    some cases) and one attention call at 2**31 score elements; fp32 accumulators and smaller score chunks pass."""
+    def broken(op, tensors, args=()):
+        return set(violations(Call(op, tuple(tensors), tuple(args))))
+
+    rows, slots, index = TensorInfo((20_000,), torch.bfloat16), TensorInfo((1,), torch.bfloat16), TensorInfo(
+        (20_000,), torch.int64)
+    assert broken("aten::index_add_", [slots, index, rows], [slots, None, index, rows]) == {"index_add accumulator"}
+    fp32 = TensorInfo((1,), torch.float32), TensorInfo((20_000,), torch.float32)
+    assert broken("aten::index_add_", [fp32[0], index, fp32[1]], [fp32[0], None, index, fp32[1]]) == set()
+    scores = TensorInfo((1, 16, 2**13, 2**14), torch.float16)  # 2**31 elements, 4 GiB: the silent limit first
+    assert broken("aten::_softmax", [scores], [scores]) == {"attention scores"}
+    under = TensorInfo((1, 16, 2**13, 2**14 - 1), torch.float16)
+    assert broken("aten::_softmax", [under], [under]) == set()
+
+
+def test_the_audit_reports_the_call_closest_to_each_limit():
+    with real_size_audit() as audit:
+        audit.case = "toy"
+        torch.softmax(meta(2, 4, 64, 128), dim=-1)
+        torch.softmax(meta(1, 4, 16, 128), dim=-1)  # smaller: not the closest
+        meta(3).index_add_(0, torch.zeros(900, dtype=torch.long, device="meta"), meta(900))
+    amount, what, op, case = audit.closest["attention scores"]
+    assert amount == 2 * 4 * 64 * 128 and op == "aten::_softmax" and case == "toy"
+    assert audit.closest["index_add accumulator"][0] == 300 and "300 rows per slot" in audit.closest[
+        "index_add accumulator"][1]
+    table = audit.closest_markdown()
+    assert f"| attention scores | {2 * 4 * 64 * 128:,} elements: softmax over f32[2, 4, 64, 128] | " in table
+    assert "| index_add accumulator | 300 rows per slot" in table and "no bound: the most seen" in table
+
+
 def test_the_op_specific_limits_flag_what_torch_2_13_refuses():
     def broken(op, tensors, args=(), flags=()):
         return set(violations(Call(op, tuple(tensors), tuple(args), tuple(flags))))

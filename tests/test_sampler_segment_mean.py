@@ -1,4 +1,6 @@
-"""The sampler's per-sample mean without torch.segment_reduce (no MPS kernel) is bitwise the same on the CPU."""
+"""The sampler's per-sample mean without torch.segment_reduce (no MPS kernel): bitwise segment_reduce on the CPU
+for fp32 values (what the sampler gives it), and accumulated in fp32 for half-precision values, where
+segment_reduce (and an index_add into a half accumulator) stop adding long before a sample's ~20k rows."""
 import itertools
 
 import pytest
@@ -31,7 +33,7 @@ def reference_mean(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 def ours(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return segment_mean(values, sample, torch.tensor(lengths).to(values.dtype))
+    return segment_mean(values, sample, torch.tensor(lengths))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,11 +41,30 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_segment_mean_is_bitwise_segment_reduce_on_every_layout(dtype):
+def test_segment_mean_is_bitwise_segment_reduce_on_every_layout():
+    for i, lengths in enumerate(layouts()):
+        values = values_for(lengths, torch.float32, seed=i)
+        assert same_bits(ours(values, lengths), reference_mean(values, lengths)), lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_values_are_summed_in_fp32(dtype):
+    """The fp32 sums of the half values, cast back: segment_reduce of the upcast values, bitwise."""
     for i, lengths in enumerate(layouts()):
         values = values_for(lengths, dtype, seed=i)
-        assert same_bits(ours(values, lengths), reference_mean(values, lengths)), (dtype, lengths)
+        expected = reference_mean(values.float(), lengths).to(dtype)
+        assert same_bits(ours(values, lengths), expected), (dtype, lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_control_a_half_precision_accumulator_loses_a_long_sample(dtype):
+    """Why: 20,000 ones summed in half precision stop growing (bf16 at 256, fp16 at 2048), so segment_reduce's
+    mean, and that of an index_add into a half accumulator (as segment_mean did before), is far from 1."""
+    ones = torch.ones(20_000, dtype=dtype)
+    assert ours(ones, [20_000]).item() == 1.0
+    assert reference_mean(ones, [20_000]).item() < 0.2
+    half_sum = torch.zeros(1, dtype=dtype).index_add_(0, torch.zeros(20_000, dtype=torch.long), ones)
+    assert (half_sum / 20_000).item() < 0.2
 
 
 def test_control_a_pairwise_sum_is_not_bitwise_segment_reduce():

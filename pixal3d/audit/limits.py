@@ -5,7 +5,13 @@ Every limit names its source. Lines are those of the torch 2.13.0 macOS arm64 wh
 ``c10::detail::torchCheckFail`` (or to a ``SourceLocation``) in ``libtorch_cpu.dylib``, read by
 disassembling the call sites; the kernels' own integer types from the headers the wheel ships
 (``torch/include/ATen/native/mps/kernels``). The one limit that is Apple's, not PyTorch's — MPSGraph's
-refusal of arrays over 2**32 bytes — is cited from the PyTorch issue that shows its message.
+refusal of arrays over 2**32 bytes — is cited from the PyTorch issue that shows its message, and two limits
+that fail silently rather than with a check are cited from the reports that measured them: attention that
+corrupts near 2**31 score elements (Comfy-Org/ComfyUI#14837, torch 2.13) and Metal's ``index_add``, which
+upcasts half-precision accumulators to fp32 only in some cases (pytorch/pytorch#187109).
+
+A limit with a numeric bound also says how close a call comes to it (``Limit.measure``): the audit reports the
+closest call of each, so a bound kept with room to spare is shown, not only one that is broken.
 
 A limit is judged on the device tensors of one call (``Call``): shapes and dtypes only, so it works on
 ``meta`` tensors at real sizes (``pixal3d.audit.sizes``). The byte limit is applied to every device op,
@@ -21,6 +27,7 @@ import torch
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 MPSGRAPH_ARRAY_BYTES = 2**32
+ATTENTION_SCORE_ELEMENTS = 2**31  # Comfy-Org/ComfyUI#14837: silent corruption from about here
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16})
 INTEGRAL = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -86,6 +93,10 @@ class Limit:
     source: str
     ops: frozenset[str] | None  # the ops it applies to; None: every device op
     check: Callable[[Call], str | None]
+    # what a call measures against the limit: (the amount, its description), None where it does not apply;
+    # ``bound`` is the amount the limit allows (None: no numeric bound, the largest amount is shown all the same)
+    measure: Callable[[Call], tuple[float, str] | None] | None = None
+    bound: float | None = None
 
     def applies(self, op: str) -> bool:
         return self.ops is None or op in self.ops
@@ -100,6 +111,55 @@ def _array_bytes(call: Call) -> str | None:
     if big is not None and big.nbytes > MPSGRAPH_ARRAY_BYTES:
         return f"{big.nbytes / 2**30:.2f} GiB {short(big)} > 2**32 bytes"
     return None
+
+
+def _array_share(call: Call) -> tuple[float, str] | None:
+    big = _largest(call)
+    return None if big is None else (big.nbytes, f"{big.nbytes / 2**30:.2f} GiB {short(big)}")
+
+
+def _score_elements(call: Call) -> tuple[int, str] | None:
+    """Score elements one attention call holds at once: ``B·H·Lq·Lk`` of the MPS SDPA kernel (its scores), or
+    the softmax's input (the composite and chunked routes: ``bmm`` → softmax → ``bmm``)."""
+    if call.op == MPS_SDPA_OP:
+        q, k = call.arg(0), call.arg(1)
+        if q is None or k is None:
+            return None
+        n = k.shape[-2]
+        for s in q.shape[:-1]:
+            n *= s
+        return n, f"scores of q {short(q)} · k {short(k)}"
+    first = call.arg(0) if call.op in SOFTMAX_OPS else None
+    return None if first is None else (first.numel, f"softmax over {short(first)}")
+
+
+def _attention_scores(call: Call) -> str | None:
+    found = _score_elements(call)
+    if found is not None and found[0] >= ATTENTION_SCORE_ELEMENTS:
+        return f"{found[0]:,} score elements >= 2**31 ({found[1]})"
+    return None
+
+
+def _attention_share(call: Call) -> tuple[float, str] | None:
+    found = _score_elements(call)
+    return None if found is None else (found[0], f"{found[0]:,} elements: {found[1]}")
+
+
+def _index_add(call: Call) -> str | None:
+    """index_add accumulates in its destination's dtype; Metal's kernel upcasts fp16/bf16 only in some cases."""
+    dest = call.arg(0)
+    if dest is not None and dest.dtype in (torch.float16, torch.bfloat16):
+        return f"index_add into {short(dest)} accumulates in half precision"
+    return None
+
+
+def _index_add_rows(call: Call) -> tuple[float, str] | None:
+    """Rows added per destination slot: how many adds one accumulator takes (no bound: shown, not judged)."""
+    dest, source = call.arg(0), call.arg(3)
+    if dest is None or source is None or not dest.shape or not source.shape:
+        return None
+    per_slot = source.shape[0] / max(1, dest.shape[0])
+    return per_slot, f"{per_slot:,.0f} rows per slot ({short(source)} into {short(dest)})"
 
 
 def _dims(call: Call) -> str | None:
@@ -215,10 +275,17 @@ CONV_OPS = frozenset({"aten::convolution", "aten::_convolution", "aten::_mps_con
 SOFTMAX_OPS = frozenset({"aten::_softmax", "aten::_safe_softmax", "aten::_log_softmax"})
 SORT_OPS = frozenset({"aten::sort", "aten::sort.stable", "aten::argsort", "aten::argsort.stable"})
 LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm"})
+INDEX_ADD_OPS = frozenset({"aten::index_add_", "aten::index_add", "aten::index_add.out"})
+MPS_SDPA_OP = "aten::_scaled_dot_product_attention_math_for_mps"
 
 MPS_LIMITS: tuple[Limit, ...] = (
     Limit("array bytes", "no tensor over 2**32 bytes (MPSGraph: \"total bytes of NDArray > 2**32\")",
-          "MPSGraph (Apple), pytorch/pytorch#149261", None, _array_bytes),
+          "MPSGraph (Apple), pytorch/pytorch#149261", None, _array_bytes, _array_share, MPSGRAPH_ARRAY_BYTES),
+    Limit("attention scores", "fewer than 2**31 score elements in one attention call (heads × queries × keys): "
+          "MPS attention corrupts silently from about there", "Comfy-Org/ComfyUI#14837 (torch 2.13)",
+          SOFTMAX_OPS | {MPS_SDPA_OP}, _attention_scores, _attention_share, ATTENTION_SCORE_ELEMENTS),
+    Limit("index_add accumulator", "index_add into fp32 only: Metal's index_add upcasts fp16/bf16 to fp32 in some "
+          "cases only", "pytorch/pytorch#187109", INDEX_ADD_OPS, _index_add, _index_add_rows),
     Limit("int32 dims", "every dimension <= INT32_MAX (\"MPSGraph does not support tensor dims larger than INT_MAX\")",
           "mps/OperationUtils.mm:411 (check_mps_shape)", None, _dims),
     Limit("float64", "no float64/complex128 device tensor (\"Cannot convert a float64 Tensor to MPS\")",

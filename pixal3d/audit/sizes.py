@@ -32,12 +32,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .limits import MPS_LIMITS, Call, Limit, TensorInfo, short, violations
+from .limits import MPS_LIMITS, MPS_SDPA_OP, Call, Limit, TensorInfo, short, violations
 from .mps import short_dtype
 
 logger = logging.getLogger(__name__)
-
-MPS_SDPA_OP = "aten::_scaled_dot_product_attention_math_for_mps"
 
 
 class MpsLimitError(RuntimeError):
@@ -84,6 +82,7 @@ class SizeAudit:
         self.case = "-"
         self.rows: dict[tuple[str, tuple[str, ...]], SizeRow] = {}
         self.case_largest: dict[str, tuple[str, TensorInfo]] = {}  # case -> (op, its largest tensor)
+        self.closest: dict[str, tuple[float, str, str, str]] = {}  # limit -> (amount, what, op, case) of its closest call
         self.calls = 0
 
     def record(self, call: Call) -> None:
@@ -107,6 +106,10 @@ class SizeAudit:
             row.cases.append(self.case)
         for name, what in violations(call, self.limits).items():
             row.violations.setdefault(name, f"{what} ({self.case})")
+        for limit in self.limits:
+            measured = limit.measure(call) if limit.measure is not None and limit.applies(call.op) else None
+            if measured is not None and measured[0] > self.closest.get(limit.name, (-1.0,))[0]:
+                self.closest[limit.name] = (*measured, call.op, self.case)
 
     def sorted_rows(self) -> list[SizeRow]:
         return sorted(self.rows.values(), key=lambda r: (-r.largest.nbytes, r.op, r.dtypes))
@@ -133,6 +136,17 @@ class SizeAudit:
             lines.append(f"| `{r.op}` | {' '.join(r.dtypes)} | {short(r.largest)} | {_size(r.largest.nbytes)} | "
                          f"{r.largest_case} | {r.most_elements:,} | {r.largest_dim:,} | {r.calls:,} ({len(r.cases)}) | "
                          f"{verdict} |")
+        return "\n".join(lines) + "\n"
+
+    def closest_markdown(self) -> str:
+        """Per limit with a measure, the call that came closest to it (the most it measured, and its share of the
+        limit's bound where it has one), the op and the case."""
+        lines = ["| limit | closest call | share of the bound | op | case |", "|---|---|---|---|---|"]
+        for limit in self.limits:
+            if limit.name in self.closest:
+                amount, what, op, case = self.closest[limit.name]
+                shown = f"{100 * amount / limit.bound:.2f} %" if limit.bound else "no bound: the most seen"
+                lines.append(f"| {limit.name} | {what} | {shown} | `{op}` | {case} |")
         return "\n".join(lines) + "\n"
 
     def cases_markdown(self) -> str:
