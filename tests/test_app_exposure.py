@@ -53,10 +53,12 @@ def test_with_an_auth_file_the_app_answers_401_until_a_visitor_signs_in(tiny_cac
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while "Running on" not in log.read_text(errors="replace"):
+        while "pixal3d-app: serving" not in log.read_text(errors="replace"):
             assert app.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        assert "pixal3d-app: sign-in required (1 users in" in log.read_text()
+        lines = log.read_text().strip().splitlines()  # one line of ours, none of Gradio's (no share=True hint)
+        assert lines == [f"pixal3d-app: serving {url} (bound to 127.0.0.1: this machine only; sign-in required "
+                         f"(1 users in {tmp_path / 'users'})); Ctrl-C stops it"], lines
         with httpx.Client(base_url=url) as client:
             assert client.get("/config").status_code == 401
             assert client.post("/login", data={"username": "ann", "password": "wrong"}).status_code >= 400

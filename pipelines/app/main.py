@@ -59,6 +59,14 @@ def exposure(args: argparse.Namespace) -> tuple[list[tuple[str, str]] | None, st
                      f"lines) so that visitors sign in, or --insecure to serve it open, or bind 127.0.0.1")
 
 
+def start_line(host: str, port: int, exposed: str | None) -> str:
+    """The one line said once the app listens: its address, what it is bound to, who may use it."""
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url_host = f"[{url_host}]" if ":" in url_host else url_host
+    bound = "this machine only" if is_loopback(host) else "other machines too"
+    return f"serving http://{url_host}:{port} (bound to {host}: {bound}; {exposed or 'no sign-in'}); Ctrl-C stops it"
+
+
 def read_auth_file(path: Path) -> list[tuple[str, str]]:
     """``user:password`` pairs, one a line (blank lines and ``#`` comments skipped)."""
     try:
@@ -99,8 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .ui import CSS, build_ui
     from .worker import Worker
 
-    if exposed is not None:
-        print(f"pixal3d-app: {exposed}", flush=True)
     gc.freeze()  # as the CLI does: the imports' objects are never rescanned by the collections each release runs
     worker = Worker(config, device=device)
     with tempfile.TemporaryDirectory(prefix="pixal3d-app-") as scratch:
@@ -108,9 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs.mkdir(parents=True, exist_ok=True)
         page = build_ui(worker, outputs=outputs)
         page.queue(max_size=args.queue_size, default_concurrency_limit=1)
-        try:
-            page.launch(server_name=args.host, server_port=args.port, show_error=True, quiet=False,
-                        allowed_paths=[str(outputs.resolve())], footer_links=[], css=CSS, auth=auth)
+        try:  # Gradio's own start lines (and its share=True hint, which a user of this command cannot act on) stay out
+            page.launch(server_name=args.host, server_port=args.port, show_error=True, quiet=True,
+                        allowed_paths=[str(outputs.resolve())], footer_links=[], css=CSS, auth=auth,
+                        prevent_thread_lock=True)
+            print(f"pixal3d-app: {start_line(args.host, args.port, exposed)}", flush=True)
+            page.block_thread()
         except KeyboardInterrupt:
             pass
         finally:
