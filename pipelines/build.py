@@ -15,6 +15,7 @@ from pixal3d.config import CascadeConfig
 from .camera import CameraStage
 from .decode import DecodeStage
 from .export import ExportStage
+from .features import FeaturesStage
 from .preprocess import PreprocessStage
 from .shape_512 import Shape512Stage
 from .shape_1024 import Shape1024Stage
@@ -24,7 +25,7 @@ from .texture import TextureStage
 from .upsample import UpsampleStage
 
 CASCADE_STAGES: tuple[type[CascadeStage], ...] = (
-    PreprocessStage, CameraStage, StructureStage, Shape512Stage, UpsampleStage, Shape1024Stage, TextureStage,
+    PreprocessStage, CameraStage, FeaturesStage, StructureStage, Shape512Stage, UpsampleStage, Shape1024Stage, TextureStage,
     DecodeStage, ExportStage,
 )
 

@@ -1,5 +1,8 @@
 """What the four flow stages share: drawing noise from the run's generator, conditioning, sampling.
 
+Conditioning starts from ``state.features``, DINOv3's tokens the features stage computed and kept
+(``features.py``): a flow stage runs NAF and the projection from them, so it needs only NAF and its flow model.
+
 Noise is drawn with ``torch.randn`` from the run's CPU generator (``RunState.generator``, seeded once), then
 moved to the run's device, at exactly the reference's four points (structure, shape 512, shape 1024,
 texture; reference §7.1): the reference seeds the global CPU generator and draws from it, and a CPU
@@ -32,7 +35,6 @@ from pixal3d.memory_budget import (
 )
 from pixal3d.models.conditioning import (
     ExtractorConfig,
-    FeatureCache,
     condition,
     naf_peak_bytes,
     negative_condition,
@@ -52,7 +54,7 @@ DEFAULT_CHUNKS = FlowChunks(attention_scores=attention_score_elements(math.inf),
                             naf_elements=naf_chunk_elements(math.inf))
 """The chunk sizes the flow stages use when memory is not short."""
 
-CONDITION_INPUTS = ("image", "camera", "device", "generator", "progress", "callback", "parallel")
+CONDITION_INPUTS = ("features", "camera", "device", "generator", "progress", "callback", "parallel")
 """The ``RunState`` fields every flow stage reads besides its own."""
 
 
@@ -69,14 +71,13 @@ def extractor(name: str, cfg: ConditionConfig, grid_resolution: int) -> Extracto
 
 def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
                     coords: torch.Tensor | None, *, naf_mode: str = "full") -> dict[str, Any]:
-    """``{'global', 'proj'}`` for one extractor, kept in ``state.cond`` (transient: fingerprinted, cleared).
-    ``naf_mode``: ``full`` (the reference's values) or ``frugal`` (less memory); ``auto`` means ``full``
-    here — the plan resolves it from the memory it gives the stage (``SparseFlowStage.fitted``)."""
+    """``{'global', 'proj'}`` for one extractor from the run's DINOv3 features (``state.features``), kept in
+    ``state.cond`` (transient: fingerprinted, cleared). ``naf_mode``: ``full`` (the reference's values) or
+    ``frugal`` (less memory); ``auto`` means ``full`` here — the plan resolves it from the memory it gives the
+    stage (``SparseFlowStage.fitted``)."""
     naf = models["naf"] if ext.naf_size is not None else None
-    if state.features is None:
-        state.features = FeatureCache()  # lives for this run: one backbone forward per (image, size)
-    cond = condition(ext, state.image, state.camera, coords, backbone=models["dinov3"], naf=naf,
-                     cache=state.features, naf_mode="full" if naf_mode == "auto" else naf_mode)
+    cond = condition(ext, state.features.at(ext.image_size), state.camera, coords, naf=naf,
+                     naf_mode="full" if naf_mode == "auto" else naf_mode)
     state.cond = dict(cond)
     return cond
 
@@ -126,7 +127,6 @@ class SparseFlowStage(CascadeStage):
     ``frugal`` (about a third of the memory, ~1e-7 from the reference)."""
 
     config: ShapeConfig
-    caches = ("features",)
     draws = "generator"
     naf_mode: str = "auto"
     attention_route: str = "sdpa"  # the resolved attention route (the plan sets it for the run's device)

@@ -28,7 +28,7 @@ class Shape1024Stage(HrFlowStage):
 
     name = "shape_1024"
     section = "shape_1024"
-    needs = ("dinov3", "naf", "shape_slat_flow_model_1024")
+    needs = ("naf", "shape_slat_flow_model_1024")
     flow_model = "shape_slat_flow_model_1024"
     inputs = (*CONDITION_INPUTS, "coords_hr", "hr_resolution", "shape_normalization")
     outputs = ("hr_noise", "shape_latent")

@@ -31,7 +31,7 @@ class Shape512Stage(SparseFlowStage):
 
     name = "shape_512"
     section = "shape_512"
-    needs = ("dinov3", "naf", "shape_slat_flow_model_512")
+    needs = ("naf", "shape_slat_flow_model_512")
     flow_model = "shape_slat_flow_model_512"
     inputs = (*CONDITION_INPUTS, "coords_lr", "shape_normalization")
     outputs = ("lr_noise", "lr_latent")

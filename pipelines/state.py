@@ -5,8 +5,8 @@ wrote and writes its own, as its ``inputs`` and ``outputs`` declare. Tensors liv
 except the noise, which is drawn from the run's CPU generator (reference §7.1) and kept on the CPU as
 drawn. ``cond`` holds the current stage's image conditioning only: stages declare it transient, so the
 runner fingerprints it and clears it when the stage ends and the large projected features do not
-outlive their stage. ``features`` is a cache of the flow stages (kept only while consecutive stages
-use it); ``input_image`` one of preprocess.
+outlive their stage. ``features`` (DINOv3's tokens at each size the flow stages read) is written once, by the
+features stage, and read by every flow stage; ``input_image`` is preprocess's input.
 
 Every field a stage writes declares how it is stored between stages (``stored(kind)``, a kind of
 ``state_codec``): a stage writing a field without one is refused when the cascade is built.
@@ -67,7 +67,8 @@ class RunState:
     image: Any = stored("image")                          # PIL.Image, RGB, object cropped and composited on black
     # camera
     camera: Any = stored("camera")                        # pixal3d.models.camera.Camera
-    features: Any = None                      # FeatureCache: DINOv3 tokens once per (image, size); first use
+    # features
+    features: Any = stored("features")                    # pixal3d.models.conditioning.ImageFeatures
     # structure
     ss_noise: torch.Tensor | None = stored("tensor")      # [1, C, R, R, R] f32, CPU
     ss_latent: torch.Tensor | None = stored("tensor")     # [1, C, R, R, R] f32

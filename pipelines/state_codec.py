@@ -11,6 +11,7 @@ entry in the description saying how to rebuild it:
 | ``SparseTensor`` | ``.feats``, ``.coords`` | ``on`` |
 | ``DualGridFields``, ``PbrVoxels`` (dataclasses) | one per tensor field | the class, the other fields, ``on`` |
 | ``Camera`` (floats) | none | its fields |
+| ``ImageFeatures`` | ``.<S>.tokens``, ``.<S>.image`` per size S | the sizes, the global tokens' count, ``on`` |
 | PIL image | ``<field>`` uint8 ``[H, W, C]`` | ``mode`` |
 | ``ExportedMesh`` | ``.glb`` uint8 (the GLB bytes) | the export report; the trimesh is read back from the GLB |
 | ``int``, ``float``, ``str``, ``bool``, ``None`` | none | the value (JSON keeps Python floats exactly) |
@@ -31,16 +32,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pixal3d.mesh.records import ExportedMesh, ExportReport, StepReport
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
+from pixal3d.mesh.records import ExportedMesh, ExportReport, StepReport
 from pixal3d.models.camera import Camera
+from pixal3d.models.conditioning import BackboneFeatures, ImageFeatures
 from pixal3d.nn.sparse_tensor import SparseTensor
 
 _DATACLASSES: dict[str, type] = {"DualGridFields": DualGridFields, "PbrVoxels": PbrVoxels}
 """Dataclasses of tensors (and plain fields) that ``decode`` may rebuild, by name."""
 
 
-KINDS = ("value", "tensor", "sparse", "camera", "image", "mesh", "dataclass")
+KINDS = ("value", "tensor", "sparse", "camera", "image", "mesh", "dataclass", "features")
 """The kinds of value this codec stores (the table above)."""
 
 
@@ -128,6 +130,13 @@ def _encode(name: str, value: Any, tensors: dict[str, torch.Tensor]) -> dict[str
         return {"kind": "sparse", "on": _on(value.feats)}
     if isinstance(value, Camera):
         return {"kind": "camera", "fields": dataclasses.asdict(value)}
+    if isinstance(value, ImageFeatures):
+        for size, features in value.by_size.items():
+            _put(tensors, f"{name}.{size}.tokens", features.tokens)
+            _put(tensors, f"{name}.{size}.image", features.image)
+        first = next(iter(value.by_size.values()), None)  # every size: the same backbone, the same device
+        return {"kind": "features", "sizes": list(value.sizes), "num_global": first.num_global if first else 0,
+                "on": _on(first.tokens) if first else "cpu"}
     if isinstance(value, Image.Image):
         _put(tensors, name, torch.from_numpy(np.array(value)))
         return {"kind": "image", "mode": value.mode}
@@ -166,6 +175,11 @@ def _decode(name: str, entry: Mapping[str, Any], tensors: Mapping[str, torch.Ten
                             _get(tensors, f"{name}.coords", entry["on"], device))
     if kind == "camera":
         return Camera(**entry["fields"])
+    if kind == "features":
+        return ImageFeatures({int(size): BackboneFeatures(_get(tensors, f"{name}.{size}.tokens", entry["on"], device),
+                                                           _get(tensors, f"{name}.{size}.image", entry["on"], device),
+                                                           int(entry["num_global"]))
+                              for size in entry["sizes"]})
     if kind == "image":
         return Image.fromarray(_get(tensors, name, "cpu", device).numpy(), mode=entry["mode"])
     if kind == "mesh":

@@ -36,12 +36,11 @@ class StructureStage(CascadeStage):
 
     name = "structure"
     section = "structure"
-    needs = ("dinov3", "sparse_structure_flow_model", "sparse_structure_decoder")
+    needs = ("sparse_structure_flow_model", "sparse_structure_decoder")
     flow_model = "sparse_structure_flow_model"
     inputs = CONDITION_INPUTS
     outputs = ("ss_noise", "ss_latent", "coords_lr")
     transient = ("cond",)
-    caches = ("features",)
     draws = "generator"
     attention_route = "sdpa"  # the resolved attention route (the plan sets it for the run's device)
 

@@ -29,7 +29,7 @@ class TextureStage(HrFlowStage):
 
     name = "texture"
     section = "texture"
-    needs = ("dinov3", "naf", "tex_slat_flow_model_1024")
+    needs = ("naf", "tex_slat_flow_model_1024")
     flow_model = "tex_slat_flow_model_1024"
     inputs = (*CONDITION_INPUTS, "shape_latent", "hr_resolution", "shape_normalization", "tex_normalization")
     outputs = ("tex_noise", "tex_latent")

@@ -15,8 +15,8 @@ for the Hub that is the pinned revision's snapshot) and the torch and pixal3d ve
 only when its key is the one this run would make, and the safetensors file beside it carries the same key in its
 metadata, is as long as its header says, and hashes to the sha256 its record stored when it was written
 (``data_sha256``): a record damaged on disk (a flipped bit, a truncated copy) is named in one line, dropped, and
-its stage recomputed from the last sound record. So a changed seed keeps ``preprocess`` and ``camera`` (they do not
-read the generator) and recomputes from ``structure``; a changed export setting recomputes only ``export``.
+its stage recomputed from the last sound record. So a changed seed keeps ``preprocess``, ``camera`` and ``features``
+(they do not read the generator) and recomputes from ``structure``; a changed export setting recomputes only ``export``.
 
 Both files are written atomically (``pixal3d.files``), the safetensors first: a kill at any instant leaves
 either the complete record or none (a leftover temporary file is removed on the next open).

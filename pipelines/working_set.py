@@ -28,6 +28,7 @@ from pixal3d.nn.attention import fp32_chunked_scratch_bytes
 LR_OCCUPANCY = 0.12                   # occupied fraction of the coords grid
 HR_TOKENS_AT_1024 = 20_000
 FLOW_HEADS, FLOW_HEAD_DIM = 12, 128   # every released flow model (1536 channels; checkpoints.json)
+DINOV3_WIDTH = 1024                   # ViT-L/16's token width
 
 
 def lr_tokens(coords_resolution: int) -> int:
@@ -46,12 +47,20 @@ def structure_bytes(noise_resolution: int) -> int:
 
 
 def flow_stage_bytes(tokens: int, image_size: int, *, naf_size: int | None, naf_mode: str) -> int:
-    """A sparse flow stage: the measured whole-stage line (backbone, frugal NAF, sampling with the condition
-    and its CFG negative held), the backbone's forward if larger, or NAF's ``full`` mode if that is larger."""
+    """A sparse flow stage: the measured whole-stage line (frugal NAF, sampling with the condition and its CFG
+    negative held; measured with the backbone's forward in the stage, which now runs in the features stage),
+    or NAF's ``full`` mode if that is larger."""
     stage = tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES
-    backbone = (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH
     naf = naf_peak_bytes("full", image_size, naf_size, points=tokens) if naf_size and naf_mode == "full" else 0
-    return int(max(stage, backbone, naf))
+    return int(max(stage, naf))
+
+
+def features_bytes(sizes: tuple[int, ...], *, width: int = DINOV3_WIDTH, patch: int = 16) -> int:
+    """The features stage: DINOv3's forward at the largest size (``DINOV3_BYTES_PER_PATCH``), beside the tokens
+    and guide images of every size it keeps (fp32)."""
+    kept = sum((5 + (s // patch) ** 2) * width * 4 + 3 * s * s * 4 for s in sizes)
+    forward = max(((s / patch) ** 2 * DINOV3_BYTES_PER_PATCH for s in sizes), default=0)
+    return int(forward + kept)
 
 
 def upsample_bytes(coords_resolution: int, times: int) -> int:

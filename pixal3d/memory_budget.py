@@ -282,9 +282,9 @@ class StageCounts:
         return decoded_voxels(self.hr_tokens, self.decoder_levels)
 
 
-def _flow_stage(tokens: float, image_size: int) -> float:
-    """A sparse flow stage: the measured whole-stage line, or the backbone forward if larger."""
-    return max(tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES, (image_size / 16) ** 2 * DINOV3_BYTES_PER_PATCH)
+def _flow_stage(tokens: float) -> float:
+    """A sparse flow stage: the measured whole-stage line (DINOv3 runs in the features stage)."""
+    return tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES
 
 
 def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = None,
@@ -303,10 +303,11 @@ def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = No
               + counts.texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
     return {
         "structure": int(STRUCTURE_BYTES * max(1.0, counts.ss_tokens / 16**3)),
-        "shape_512": int(_flow_stage(counts.lr_tokens, counts.shape_512_image)),
+        "features": int((max(counts.shape_1024_image, counts.shape_512_image) / 16) ** 2 * DINOV3_BYTES_PER_PATCH),
+        "shape_512": int(_flow_stage(counts.lr_tokens)),
         "upsample": int(UPSAMPLE_BYTES_PER_VOXEL * upsample_voxels / REFERENCE_GROWTH),
-        "shape_1024": int(_flow_stage(counts.hr_tokens, counts.shape_1024_image)),
-        "texture": int(_flow_stage(counts.hr_tokens, counts.texture_image)),
+        "shape_1024": int(_flow_stage(counts.hr_tokens)),
+        "texture": int(_flow_stage(counts.hr_tokens)),
         "decode": int(decode),
         "export": int(export),
     }

@@ -174,7 +174,11 @@ def _sample(flow, noise, cond, stage: str, **kwargs):
 
 
 def setup_structure(cache: Path, flow_blocks: int, **_) -> tuple[Callable[[], dict], dict]:
-    from pixal3d.models.conditioning import ExtractorConfig, FeatureCache, condition
+    from pixal3d.models.conditioning import (
+        ExtractorConfig,
+        backbone_features,
+        condition,
+    )
     from pixal3d.models.dinov3 import load_dinov3
 
     backbone = load_dinov3(cache / "dinov3-vitl16")
@@ -184,7 +188,7 @@ def setup_structure(cache: Path, flow_blocks: int, **_) -> tuple[Callable[[], di
     image, camera = _image(), _camera()
 
     def run() -> dict:
-        cond = condition(ExtractorConfig("ss", 512, 16), image, camera, backbone=backbone, cache=FeatureCache())
+        cond = condition(ExtractorConfig("ss", 512, 16), backbone_features(backbone, image, 512), camera)
         noise = torch.randn(1, 8, 16, 16, 16)
         latent = _sample(flow, noise, cond, "structure")
         logits = decoder(latent)
@@ -195,7 +199,7 @@ def setup_structure(cache: Path, flow_blocks: int, **_) -> tuple[Callable[[], di
 
 def _flow_stage(cache: Path, flow_blocks: int, flow_name: str, extractor, tokens: int, grid: int, stage: str,
                 concat: bool = False, naf_mode: str = "frugal") -> tuple[Callable[[], dict], dict]:
-    from pixal3d.models.conditioning import FeatureCache, condition
+    from pixal3d.models.conditioning import backbone_features, condition
     from pixal3d.models.dinov3 import load_dinov3
     from pixal3d.models.naf import load_naf
     from pixal3d.nn.sparse_tensor import SparseTensor
@@ -210,8 +214,8 @@ def _flow_stage(cache: Path, flow_blocks: int, flow_name: str, extractor, tokens
     flow.rope_phases(SparseTensor(torch.zeros(len(coords), 1), coords))  # as the coords' cache would hold
 
     def run() -> dict:
-        cond = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=FeatureCache(),
-                         naf_mode=naf_mode)
+        cond = condition(extractor, backbone_features(backbone, image, extractor.image_size), camera, coords,
+                         naf=naf, naf_mode=naf_mode)
         noise = SparseTensor(torch.randn(len(coords), 32), coords)
         model = flow if shape_latent is None else (lambda x, t, c: flow(x, t, c, concat_cond=shape_latent))
         out = _sample(model, noise, cond, stage)

@@ -171,20 +171,20 @@ def setup_dinov3(size: int) -> Callable[[], dict]:
 
 def setup_naf(extractor: str, tokens: int) -> Callable[[], dict]:
     from pixal3d.models.camera import FALLBACK_FOV, camera_from_fov
-    from pixal3d.models.conditioning import EXTRACTORS, FeatureCache, condition
+    from pixal3d.models.conditioning import EXTRACTORS, backbone_features, condition
     from pixal3d.models.dinov3 import load_dinov3
     from pixal3d.models.naf import load_naf
 
     ex = EXTRACTORS[extractor]
     backbone = load_dinov3(CACHE / "dinov3-vitl16")
     naf = load_naf(CACHE / "naf" / "naf_release.safetensors").eval()
-    image, cache = _image(), FeatureCache()
-    cache.features(backbone, image, ex.image_size)  # the stage's backbone forward: measured by `dinov3`
+    image = _image()
+    features = backbone_features(backbone, image, ex.image_size)  # the features stage's forward: `dinov3`
     coords = shell_coords(ex.grid_resolution, tokens)
     camera = camera_from_fov(FALLBACK_FOV)
 
     def run() -> dict:
-        cond = condition(ex, image, camera, coords, backbone=backbone, naf=naf, cache=cache)
+        cond = condition(ex, features, camera, coords, naf=naf)
         return {"tokens": len(coords), "proj_channels": int(cond["proj"].feats.shape[1])}
     return run
 

@@ -45,7 +45,7 @@ from pipelines.working_set import hr_tokens
 from pixal3d.audit.sizes import SizeAudit, SizeOracle, real_size_audit
 from pixal3d.memory_budget import REFERENCE_GROWTH, StageCounts, plan_decode
 from pixal3d.models.camera import camera_from_fov
-from pixal3d.models.conditioning import ExtractorConfig, FeatureCache, condition
+from pixal3d.models.conditioning import ExtractorConfig, backbone_features, condition
 from pixal3d.models.decoder_tiling import _concat_in_order
 from pixal3d.models.loading import build_model
 from pixal3d.nn.attention import device_array_bytes, resolve_route, set_attention_route
@@ -123,9 +123,9 @@ def _condition(models: Models, name: str, image_size: int, grid: int, naf_size: 
                tokens: int | None, naf_mode: str = "frugal") -> dict:
     image = Image.new("RGB", (image_size, image_size))
     coords = None if tokens is None else torch.zeros(tokens, 4, dtype=torch.int32).to("meta")
-    return condition(ExtractorConfig(name, image_size=image_size, grid_resolution=grid, naf_size=naf_size), image,
-                     camera_from_fov(math.radians(40.0)), coords, backbone=models.dinov3,
-                     naf=models.naf if naf_size else None, cache=FeatureCache(), naf_mode=naf_mode)
+    return condition(ExtractorConfig(name, image_size=image_size, grid_resolution=grid, naf_size=naf_size),
+                     backbone_features(models.dinov3, image, image_size), camera_from_fov(math.radians(40.0)), coords,
+                     naf=models.naf if naf_size else None, naf_mode=naf_mode)
 
 
 def _flow_forward(model: nn.Module, tokens: int, image: int, concat: int = 0) -> None:

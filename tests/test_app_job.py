@@ -59,7 +59,7 @@ def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_j
     stages = [s.name for s in worker.pipeline.stages]
     assert [row[0] for row in out.table] == [*stages, "total"]
     assert all(row[2].endswith(("MiB", "GiB")) for row in out.table[:-1]), out.table  # peak memory from the meter
-    assert {row[0]: row[4] for row in out.table}["structure"].startswith("dinov3")
+    assert {row[0]: row[4] for row in out.table}["features"].startswith("dinov3")
     assert float(out.table[-1][1]) == pytest.approx(sum(float(row[1]) for row in out.table[:-1]), abs=0.05)
     # 5. while it ran: stage and sampler step in the status, the memory trace growing
     statuses = [u.status for u in updates[:-1]]

@@ -32,11 +32,12 @@ def test_a_stage_ordered_batch_of_three_equals_three_single_runs_and_loads_each_
         items = list(pipe.run_batch(batch_images, events=log, callback=reports.append))
     assert [item.name for item in items] == ["a", "b", "c"] and all(item.ok for item in items)
     assert {item.name: item.result.fingerprints() for item in items} == singles["prints"]
-    # Each model is loaded as often for the batch as for one image (dinov3, naf and the shape decoder serve two
-    # stages with others between them, so a staged run loads them twice), not three times as often.
+    # Each model is loaded as often for the batch as for one image (naf and the shape decoder serve two stages
+    # with others between them, so a staged run loads them twice; DINOv3 runs once, in the features stage), not
+    # three times as often.
     assert _loads(log) == singles["loads"]
     counts = Counter(model for _, model, _ in _loads(log))
-    assert counts == {"moge": 1, "dinov3": 2, "naf": 2, "shape_slat_decoder": 2, "sparse_structure_flow_model": 1,
+    assert counts == {"moge": 1, "dinov3": 1, "naf": 2, "shape_slat_decoder": 2, "sparse_structure_flow_model": 1,
                       "sparse_structure_decoder": 1, "shape_slat_flow_model_512": 1, "shape_slat_flow_model_1024": 1,
                       "tex_slat_flow_model_1024": 1, "tex_slat_decoder": 1}
     started = [(r["stage"], r["image"]) for r in reports if r["kind"] == "stage"]
@@ -79,7 +80,7 @@ def test_states_kept_on_disk_between_stages_give_the_same_fingerprints(fast_conf
     monkeypatch.setattr(work_dir_module.WorkDir, "load", counted)
     leftover = tmp_path / "batch-spill" / f"{_dead_pid()}-abc"  # a killed batch's folder: removed
     leftover.mkdir(parents=True)
-    stages = ("preprocess", "camera", "structure", "shape_512", "upsample")
+    stages = ("preprocess", "camera", "features", "structure", "shape_512", "upsample")
     with Pixal3D.from_config(fast_config, policy="staged", device="cpu", until=stages[-1]) as pipe:
         monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path))  # the spill folder is under the cache
         items = list(pipe.run_batch(batch_images[:2], state_budget=0))
@@ -87,7 +88,7 @@ def test_states_kept_on_disk_between_stages_give_the_same_fingerprints(fast_conf
     assert {i.name: i.result.fingerprints() for i in items} == expected
     # before every stage after the first, each image's state came back from disk: every earlier stage read
     # (the decoders' outputs come back from disk in tests/test_interrupt.py, the codec is in test_state_codec.py)
-    assert reads["preprocess"] == 2 * 4 and reads["shape_512"] == 2 * 1
+    assert reads["preprocess"] == 2 * 5 and reads["shape_512"] == 2 * 1
     assert spilled and all(tmp_path / "batch-spill" in Path(p).parents for p in spilled)  # on disk, not in /tmp
     assert list((tmp_path / "batch-spill").iterdir()) == []  # this batch's folder is gone, and the leftover
 
@@ -114,7 +115,7 @@ def test_a_work_dir_resumes_finished_images_without_recomputing_and_a_new_seed_r
         with caplog.at_level(logging.WARNING, logger="pipelines.batch"):
             reseeded = list(pipe.run_batch(batch_images[:1], work_dir=work, seed=7))
         fresh = pipe.run(batch_images[0], seed=7).fingerprints()
-    assert reseeded[0].resumed == ("preprocess", "camera")
+    assert reseeded[0].resumed == ("preprocess", "camera", "features")  # DINOv3's features kept: no reload
     assert [r.message for r in caplog.records] == [
         (f"work dir {work}: a: the stored records from structure on were made with seed 42 (now 7); "
          f"recomputing from structure")]

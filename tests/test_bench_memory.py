@@ -123,7 +123,7 @@ def test_reduced_stages_replace_the_cascades_own_by_name_and_run(tiny_cache):
                    decode_tokens=3, steps=1, guidance=False, reference_condition=False)
     info, loads = {}, []
     replace = bm.reduced_stages(config, work, info)
-    assert list(replace) == ["preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture",
+    assert list(replace) == ["preprocess", "camera", "features", "structure", "shape_512", "upsample", "shape_1024", "texture",
                              "decode"]
 
     def counting(name, load):
@@ -134,4 +134,4 @@ def test_reduced_stages_replace_the_cascades_own_by_name_and_run(tiny_cache):
     assert info["lr_tokens"] == 20 and info["hr_tokens"] == 30 and len(result.state.coords_hr) == 30
     assert result.state.pbr.coords.shape[0] == info["decoded_voxels"] > 0
     assert set(loads) == {m for stage in pipe.stages for m in stage.needs}  # every load went through the wrapper
-    assert loads.count("dinov3") == 2  # staged: released at upsample, loaded again for shape_1024
+    assert loads.count("dinov3") == 1  # the features stage: every size at once, then released for good

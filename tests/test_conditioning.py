@@ -1,4 +1,4 @@
-"""DINOv3 tiny end to end: token layout, the four extractors' shapes, one backbone forward per size, cache."""
+"""DINOv3 tiny end to end: token layout, the four extractors' shapes, one backbone forward per size, kept features."""
 import numpy as np
 import pytest
 import torch
@@ -9,9 +9,10 @@ from pixal3d.models.camera import FALLBACK_FOV, camera_from_fov
 from pixal3d.models.conditioning import (
     EXTRACTORS,
     ExtractorConfig,
-    FeatureCache,
+    ImageFeatures,
     backbone_features,
     condition,
+    image_features,
     naf_peak_bytes,
     negative_condition,
     scaled_extractors,
@@ -42,7 +43,7 @@ def test_extractor_table_is_the_reference():
 
 def test_real_size_ss_extractor_with_a_patch16_backbone(image):
     model = load_dinov3(tiny_dinov3_config())
-    cond = condition(EXTRACTORS["ss"], image, camera_from_fov(FALLBACK_FOV), backbone=model)
+    cond = condition(EXTRACTORS["ss"], backbone_features(model, image, 512), camera_from_fov(FALLBACK_FOV))
     assert cond["global"].shape == (1, 5, 32) and cond["proj"].shape == (1, 4096, 32)
 
 
@@ -77,17 +78,17 @@ def random_coords(resolution: int, count: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def run(backbone, naf, image):
-    """All four extractors through one cache, counting backbone forwards with a hook."""
+    """All four extractors from one ``image_features`` call, counting backbone forwards with a hook."""
     calls = []
     hook = backbone.embeddings.register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape[-2:])))
-    cache = FeatureCache()
+    features = image_features(backbone, image, [ex.image_size for ex in TINY.values()])
+    hook.remove()
     camera = camera_from_fov(FALLBACK_FOV)
     conds = {}
     for name, extractor in TINY.items():
         coords = None if name == "ss" else random_coords(extractor.grid_resolution, 300, len(name))
-        conds[name] = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache)
-    hook.remove()
-    return conds, cache, calls
+        conds[name] = condition(extractor, features.at(extractor.image_size), camera, coords, naf=naf)
+    return conds, features, calls
 
 
 def test_token_layout_and_non_affine_final_norm(backbone, image):
@@ -118,35 +119,45 @@ def test_four_extractors_shapes(run):
 
 
 def test_backbone_runs_once_per_distinct_size(run):
-    conds, cache, calls = run
+    conds, features, calls = run
     assert calls == [(128, 128), (256, 256)]
-    assert cache.backbone_calls == 2
+    assert features.sizes == (128, 256)
     assert torch.equal(conds["ss"]["global"], conds["shape_512"]["global"])
     assert not torch.equal(conds["ss"]["global"], conds["shape_1024"]["global"])
 
 
-def test_cached_features_equal_recomputed(run, backbone, naf, image):
+def test_kept_features_equal_recomputed(run, backbone, naf, image):
     conds, _, _ = run
     extractor = TINY["shape_1024"]
     coords = random_coords(extractor.grid_resolution, 300, len("shape_1024"))
-    fresh = condition(extractor, image, camera_from_fov(FALLBACK_FOV), coords, backbone=backbone, naf=naf,
-                      cache=FeatureCache())
+    fresh = condition(extractor, backbone_features(backbone, image, extractor.image_size),
+                      camera_from_fov(FALLBACK_FOV), coords, naf=naf)
     assert torch.equal(fresh["global"], conds["shape_1024"]["global"])
     assert torch.equal(fresh["proj"].feats, conds["shape_1024"]["proj"].feats)
 
 
+def test_features_at_a_size_not_computed_or_of_another_size_are_clear_errors(run):
+    _, features, _ = run
+    with pytest.raises(ValueError, match=r"no DINOv3 features at 512 px.*\[128, 256\]"):
+        features.at(512)
+    with pytest.raises(ValueError, match="reads DINOv3 features at 128 px; these are at 256 px"):
+        condition(TINY["ss"], features.at(256), camera_from_fov(FALLBACK_FOV))
+    assert isinstance(features, ImageFeatures)
+
+
 def test_sparse_rows_equal_the_dense_gather_and_frugal_equals_full(backbone, naf, image, run):
-    conds, cache, _ = run
+    conds, features, _ = run
     extractor = TINY["shape_512"]
     camera = camera_from_fov(FALLBACK_FOV)
     coords = random_coords(32, 300, len("shape_512"))
-    dense = condition(extractor, image, camera, backbone=backbone, naf=naf, cache=cache, naf_mode="full")["proj"]
+    at = features.at(extractor.image_size)
+    dense = condition(extractor, at, camera, naf=naf, naf_mode="full")["proj"]
     assert dense.shape == (1, 32 ** 3, 64)
     c = coords.long()
     gathered = dense.reshape(1, 32, 32, 32, 64)[c[:, 0], c[:, 1], c[:, 2], c[:, 3]]
     frugal = conds["shape_512"]["proj"].feats
     torch.testing.assert_close(frugal, gathered, rtol=1e-5, atol=1e-5)
-    full = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="full")
+    full = condition(extractor, at, camera, coords, naf=naf, naf_mode="full")
     torch.testing.assert_close(frugal, full["proj"].feats, rtol=1e-5, atol=1e-5)
     assert frugal[:, 32:].abs().sum() > 0 and not torch.allclose(frugal[:, :32], frugal[:, 32:])  # lr, then NAF
 
@@ -163,12 +174,13 @@ def test_negative_condition_is_zeros_of_the_same_shapes(run):
             assert neg["proj"].shape == cond["proj"].shape and not neg["proj"].any()
 
 
-def test_naf_extractor_without_naf_and_bad_coords_are_clear_errors(backbone, image):
+def test_naf_extractor_without_naf_and_bad_coords_are_clear_errors(run):
+    _, features, _ = run
     camera = camera_from_fov(FALLBACK_FOV)
     with pytest.raises(ValueError, match="pass naf="):
-        condition(TINY["tex_1024"], image, camera, backbone=backbone)
+        condition(TINY["tex_1024"], features.at(256), camera)
     with pytest.raises(ValueError, match="int32"):
-        condition(TINY["ss"], image, camera, random_coords(16, 4, 0).long(), backbone=backbone)
+        condition(TINY["ss"], features.at(128), camera, random_coords(16, 4, 0).long())
 
 
 def test_tiny_folder_round_trip_is_deterministic_and_keeps_the_rng(tmp_path, image):
@@ -189,19 +201,19 @@ def test_full_mode_is_the_reference_algorithm_bitwise(backbone, naf, image, run)
     """``naf_mode='full'`` == the reference: low-res bilinear, then the whole T×T NAF map, bilinear."""
     from pixal3d.models.projection import coords_points, project, sample_map
 
-    _, cache, _ = run
+    _, kept, _ = run
     extractor = TINY["shape_512"]  # NAF at T = 128
     camera = camera_from_fov(FALLBACK_FOV)
     coords = random_coords(extractor.grid_resolution, 500, 7)
-    full = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="full")
-    features = cache.features(backbone, image, extractor.image_size)
+    features = kept.at(extractor.image_size)
+    full = condition(extractor, features, camera, coords, naf=naf, naf_mode="full")
     grid = project(coords_points(coords, extractor.grid_resolution), camera, extractor.image_size)
     size = (extractor.naf_size, extractor.naf_size)
     with torch.no_grad():
         whole_map = naf(features.image, features.patch_map(), size)  # [1, C, T, T]
         reference = torch.cat([sample_map(features.patch_map(), grid), sample_map(whole_map, grid)], dim=-1)
     assert torch.equal(full["proj"].feats, reference)
-    frugal = condition(extractor, image, camera, coords, backbone=backbone, naf=naf, cache=cache, naf_mode="frugal")
+    frugal = condition(extractor, features, camera, coords, naf=naf, naf_mode="frugal")
     assert not torch.equal(frugal["proj"].feats, reference)  # control: the banded encoder is not bit-exact
 
 
@@ -216,5 +228,4 @@ def test_auto_naf_mode_picks_frugal_only_when_full_does_not_fit():
     with pytest.raises(ValueError, match="auto"):
         select_naf_mode("fast", budget_bytes=0, full_bytes=0)
     with pytest.raises(ValueError, match="naf_mode"):
-        condition(TINY["ss"], Image.new("RGB", (8, 8)), camera_from_fov(FALLBACK_FOV), backbone=None,
-                  naf_mode="auto")
+        condition(TINY["ss"], None, camera_from_fov(FALLBACK_FOV), naf_mode="auto")

@@ -15,7 +15,7 @@ import pytest
 from tests.batch_fixtures import batch_images, fast_config, singles  # noqa: F401
 from tests.cascade_fixtures import REPO, tiny_cache  # noqa: F401
 
-STAGES = ("preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export")
+STAGES = ("preprocess", "camera", "features", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export")
 
 
 def _kill(event: str, stage: str, image: str = "a") -> dict:

@@ -25,7 +25,7 @@ from tests.parallel_harness import spawn
 
 VARIANTS = {"a": lambda im: im, "b": ImageOps.mirror, "c": ImageOps.flip,
             "d": lambda im: im.rotate(90), "e": lambda im: im.rotate(270)}
-STAGES = ["preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"]
+STAGES = ["preprocess", "camera", "features", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tests.cascade_fixtures import (  # noqa: F401
 from tests.parallel_cascade_harness import FLOWS, data_worker
 from tests.parallel_harness import spawn
 
-STAGES = ["preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"]
+STAGES = ["preprocess", "camera", "features", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export"]
 
 
 def _settings(argv, world):

@@ -58,7 +58,8 @@ def test_progress_reports_every_stage_and_every_sampler_step(tiny):
     with Pixal3D.from_config(tiny, policy="staged", device="cpu", until="texture") as pipe:
         pipe.run(np.array(Image.open(EXAMPLE)), callback=reports.append)
     stages = [r["stage"] for r in reports if r["kind"] == "stage"]
-    assert stages == ["preprocess", "camera", "structure", "shape_512", "upsample", "shape_1024", "texture"]
+    assert stages == ["preprocess", "camera", "features", "structure", "shape_512", "upsample", "shape_1024",
+                      "texture"]
     steps = [(r["stage"], r["step"], r["steps"]) for r in reports if r["kind"] == "step"]
     assert steps == [(s, k, 2) for s in ("structure", "shape_512", "shape_1024", "texture") for k in (1, 2)]
 
@@ -73,12 +74,12 @@ class _Vague(StructureStage):
 
 
 class _Unstorable(StructureStage):
-    outputs = (*StructureStage.outputs, "features")  # a cache: RunState declares no codec for it
+    outputs = (*StructureStage.outputs, "cond")  # transient elsewhere: RunState declares no codec for it
 
 
 @pytest.mark.parametrize(("stage", "message"), [(_Orphan, r"'structure' reads \['tex_latent'\]"),
                                                 (_Vague, "'structure' .*declares no working-set estimate"),
-                                                (_Unstorable, r"'structure' writes \['features'\], which have no "
+                                                (_Unstorable, r"'structure' writes \['cond'\], which have no "
                                                               r"codec")])
 def test_bad_stage_declarations_are_refused_before_any_file_is_read(tiny, monkeypatch, stage, message):
     def no_reading(*args, **kwargs):
@@ -110,7 +111,7 @@ def test_a_stage_replaced_by_name_runs_and_the_plan_asks_it(tiny):
     with Pixal3D.from_plan(plan) as pipe:
         result = pipe.run(EXAMPLE)
     assert result.state.coords_lr.shape == (8, 4) and result.state.lr_latent.feats.shape[0] == 8
-    assert result.stages[2].used == []
+    assert next(r for r in result.stages if r.stage == "structure").used == []
     with pytest.raises(ValueError, match="no mesh to save"):
         result.save("x.glb")
     with pytest.raises(KeyError, match=r"no stage named \['structur'\] to replace"):

@@ -195,6 +195,21 @@ def test_outputs_are_fingerprinted_and_transient_fields_cleared_after_their_stag
     assert torch.equal(state.y, expected)
 
 
+def test_unfingerprinted_outputs_are_kept_for_later_stages_but_not_fingerprinted():
+    class Quiet(Encode):
+        unfingerprinted = ("feats",)
+
+    state = State(x=torch.ones(2, 16))
+    records = Executor(runner([Quiet(), Decode()])).run(state)
+    assert set(records[0].fingerprints) == {"scratch"} and state.feats is not None  # kept, read by decode
+    assert set(records[1].fingerprints) == {"y"}
+
+    class Stray(Encode):
+        unfingerprinted = ("y",)  # a field it does not write
+    with pytest.raises(StageGraphError, match=r"'encode' declares \['y'\] unfingerprinted but does not write them"):
+        runner([Stray(), Decode()])
+
+
 def test_the_example_chain_gives_eager_fingerprints_staged_holding_only_the_largest_model():
     example = runpy.run_path(str(EXAMPLE), run_name="toy_chain")
     eager, eager_peak = example["run_chain"]("eager")

@@ -17,6 +17,7 @@ from pipelines.work_dir import WorkDir, WorkDirError, stage_keys
 from pixal3d.mesh.export import ExportedMesh, ExportReport, StepReport
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.models.camera import Camera
+from pixal3d.models.conditioning import BackboneFeatures, ImageFeatures
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.staging import Stage, StageRecord, fingerprints
 
@@ -36,6 +37,9 @@ def _values() -> dict:
                                  torch.rand(5, generator=g), 48),
         "pbr": PbrVoxels(coords[:, 1:].contiguous(), torch.rand(5, 6, generator=g), 48),
         "camera": Camera(fov=0.857, distance=1.0735107421875),
+        "features": ImageFeatures({size: BackboneFeatures(torch.randn(1, 5 + (size // 4) ** 2, 8, generator=g),
+                                                          torch.rand(1, 3, size, size, generator=g), 5)
+                                   for size in (16, 32)}),
         "image": Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3), mode="RGB"),
         "mesh": ExportedMesh(mesh=trimesh.load(trimesh.util.wrap_as_stream(glb), file_type="glb", force="mesh"),
                              glb=glb, report=report),
@@ -64,6 +68,7 @@ def test_every_kind_of_stage_output_round_trips_bit_for_bit(tmp_path):
     assert back["mesh"].report.to_dict() == values["mesh"].report.to_dict()
     assert len(back["mesh"].mesh.faces) == 1
     assert isinstance(back["fields"], DualGridFields) and back["fields"].intersected.dtype == torch.bool
+    assert back["features"].sizes == (16, 32) and back["features"].at(32).num_global == 5
     # control: one flipped bit in a stored tensor changes the fingerprints
     tensors["sparse.feats"] = tensors["sparse.feats"].clone()
     tensors["sparse.feats"].view(torch.int32)[0, 0] ^= 1

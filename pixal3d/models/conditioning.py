@@ -1,9 +1,11 @@
 """Image conditioning of the four flow stages: DINOv3 tokens, NAF upsampling, pixel-aligned projection.
 
 Pixal3D builds four ``DinoV3ProjFeatureExtractor``s that differ only in sizes (``EXTRACTORS``). Here an
-extractor is plain data; ``condition`` runs it with the shared backbone and NAF passed in (the registry owns
-the models), and a ``FeatureCache`` that lives for one run makes the backbone run once per distinct
-(image, S) — ``ss``/``shape_512`` share the 512-px tokens, ``shape_1024``/``tex_1024`` the 1024-px ones.
+extractor is plain data, and the work is split in two so that DINOv3 never shares memory with a flow model:
+``image_features`` runs the backbone once per distinct input size S the cascade reads (512 and 1024 px:
+``ss``/``shape_512`` share the 512-px tokens, ``shape_1024``/``tex_1024`` the 1024-px ones) while DINOv3 alone
+is loaded, and the result (``ImageFeatures``, megabytes) is kept; ``condition`` then runs one extractor from
+those features, with NAF passed in (the registry owns the models), inside the flow stage.
 
 Output per extractor: ``{'global': [1, 5, 1024] f32, 'proj': ...}`` where ``proj`` is dense ``[1, G³, C]`` when
 no coords are given (the sparse-structure stage) or a ``SparseTensor [N, C]`` on the given coords, rows in
@@ -18,9 +20,9 @@ taps read, in one of two modes (``NAF_MODES``):
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -86,6 +88,11 @@ class BackboneFeatures:
     num_global: int
 
     @property
+    def size(self) -> int:
+        """The input size S the backbone ran at (the guide image's side)."""
+        return int(self.image.shape[-1])
+
+    @property
     def global_tokens(self) -> torch.Tensor:
         return self.tokens[:, :self.num_global]
 
@@ -96,29 +103,31 @@ class BackboneFeatures:
         return patches.reshape(1, side, side, -1).permute(0, 3, 1, 2)
 
 
-@dataclass
-class FeatureCache:
-    """Backbone features for one run, keyed by (backbone, image content, S); ``backbone_calls`` counts forwards."""
+@dataclass(frozen=True)
+class ImageFeatures:
+    """DINOv3's features of one image at every input size S a cascade reads (S -> ``BackboneFeatures``).
 
-    entries: dict[tuple[int, str, int], BackboneFeatures] = field(default_factory=dict)
-    backbone_calls: int = 0
+    Made by ``image_features`` while DINOv3 alone is loaded and kept for the flow stages, which read them with
+    ``at(S)``: at the released width 4.2 MB of tokens and 3.1 MB of guide image at 512 px, 16.8 and 12.6 MB at
+    1024 px."""
 
-    def features(self, backbone: DINOv3ViTModel, image: Image.Image, size: int) -> BackboneFeatures:
-        key = (id(backbone), image_digest(image), size)
-        if key not in self.entries:
-            self.entries[key] = backbone_features(backbone, image, size)
-            self.backbone_calls += 1
-        return self.entries[key]
+    by_size: Mapping[int, BackboneFeatures]
 
-    def clear(self) -> None:
-        self.entries.clear()
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.by_size))
+
+    def at(self, size: int) -> BackboneFeatures:
+        """The features at input size ``size``; a ``ValueError`` naming the sizes held when there are none."""
+        if size not in self.by_size:
+            raise ValueError(f"no DINOv3 features at {size} px: these image features were computed at "
+                             f"{list(self.sizes)} px; compute every size the cascade reads (image_features)")
+        return self.by_size[size]
 
 
-def image_digest(image: Image.Image) -> str:
-    """Content hash of a PIL image (mode, size, pixels): equal images share cached features."""
-    digest = hashlib.sha256(f"{image.mode}:{image.size}".encode())
-    digest.update(image.tobytes())
-    return digest.hexdigest()
+def image_features(backbone: DINOv3ViTModel, image: Image.Image, sizes: Iterable[int]) -> ImageFeatures:
+    """Run the backbone once per distinct size in ``sizes`` on ``image``: every feature the extractors read."""
+    return ImageFeatures({size: backbone_features(backbone, image, size) for size in sorted(set(sizes))})
 
 
 def backbone_features(backbone: DINOv3ViTModel, image: Image.Image, size: int) -> BackboneFeatures:
@@ -133,16 +142,19 @@ def backbone_features(backbone: DINOv3ViTModel, image: Image.Image, size: int) -
     return BackboneFeatures(tokens=tokens, image=raw, num_global=num_global_tokens(backbone))
 
 
-def condition(extractor: ExtractorConfig, image: Image.Image, camera: Camera, coords: torch.Tensor | None = None, *,
-              backbone: DINOv3ViTModel, naf: NAF | None = None, cache: FeatureCache | None = None,
+def condition(extractor: ExtractorConfig, features: BackboneFeatures, camera: Camera,
+              coords: torch.Tensor | None = None, *, naf: NAF | None = None,
               naf_mode: NafMode = "frugal") -> dict[str, torch.Tensor | SparseTensor]:
-    """The flow-model condition of one extractor: ``{'global': [1, 5, C], 'proj': dense [1, G³, C'] or
-    SparseTensor [N, C'] on ``coords [N, 4]`` int32}`` (C' = 2C with NAF)."""
+    """The flow-model condition of one extractor from the backbone's ``features`` at its input size:
+    ``{'global': [1, 5, C], 'proj': dense [1, G³, C'] or SparseTensor [N, C'] on ``coords [N, 4]`` int32}``
+    (C' = 2C with NAF)."""
     if extractor.naf_size is not None and naf is None:
         raise ValueError(f"extractor {extractor.name!r} upsamples with NAF (T={extractor.naf_size}); pass naf=")
     if naf_mode not in NAF_MODES:
         raise ValueError(f"naf_mode must be one of {NAF_MODES}; got {naf_mode!r} (resolve 'auto' with select_naf_mode)")
-    features = (cache or FeatureCache()).features(backbone, image, extractor.image_size)
+    if features.size != extractor.image_size:
+        raise ValueError(f"extractor {extractor.name!r} reads DINOv3 features at {extractor.image_size} px; these "
+                         f"are at {features.size} px")
     device = features.tokens.device
     if coords is None:
         points = grid_points(extractor.grid_resolution, device=device)

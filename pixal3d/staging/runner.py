@@ -6,7 +6,9 @@ Vocabulary (used across ``pixal3d.staging``):
 - its *needs* are the registry model names it may ask for while it runs;
 - its *inputs* are the state fields it reads, its *outputs* the fields it writes; outputs are
   fingerprinted after the stage returns (``fingerprint.py``). *Transient* outputs are fingerprinted,
-  then cleared: large per-stage data (image conditioning, say) that must not outlive its stage;
+  then cleared: large per-stage data (image conditioning, say) that must not outlive its stage.
+  *Unfingerprinted* outputs are stored like the others but not fingerprinted: intermediate data whose
+  every use a later stage fingerprints (image features the conditioning of each later stage is made of);
 - its *caches* are fields it may fill and reuse that can always be made again with the same bits (a
   decoded input, backbone features): neither fingerprinted nor stored, and cleared after the stage
   unless the next stage reads or caches them too;
@@ -47,13 +49,15 @@ logger = logging.getLogger(__name__)
 
 class Stage:
     """One step of a pipeline. Subclass and set ``name``, ``needs``, ``inputs``, ``outputs`` (and
-    ``transient``, ``caches``, ``draws``: see the module docstring), implement ``run`` and ``working_set``."""
+    ``transient``, ``unfingerprinted``, ``caches``, ``draws``: see the module docstring), implement ``run`` and
+    ``working_set``."""
 
     name: str = ""
     needs: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     transient: tuple[str, ...] = ()
+    unfingerprinted: tuple[str, ...] = ()
     caches: tuple[str, ...] = ()
     draws: str | None = None
 
@@ -116,6 +120,9 @@ def check_stages(stages: Sequence[Stage], *, provides: Iterable[str] = (), state
         if missing:
             raise StageGraphError(f"stage {stage.name!r} reads {missing}, which no earlier stage writes and the "
                                   f"run does not provide; available then: {sorted(available)}")
+        if stray := [f for f in stage.unfingerprinted if f not in stage.outputs]:
+            raise StageGraphError(f"stage {stage.name!r} declares {stray} unfingerprinted but does not write them; "
+                                  f"list them in its outputs")
         if stage.draws is not None and stage.draws not in stage.inputs:
             raise StageGraphError(f"stage {stage.name!r} draws from {stage.draws!r} but does not read it; add it "
                                   f"to its inputs")
@@ -230,7 +237,8 @@ class StageRunner:
                                   f"{drawn[0]!r}): a batch resumed after it would repeat its noise")
         prints: dict[str, str] = {}
         for name in (*stage.outputs, *stage.transient):
-            prints.update(fingerprints(getattr(state, name), name))
+            if name not in stage.unfingerprinted:
+                prints.update(fingerprints(getattr(state, name), name))
         for name in stage.transient:
             setattr(state, name, None)
         following = self._following(stage.name)
