@@ -6,11 +6,9 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from pixal3d.shipped import shipped_config
+from .job import DEFAULT_CONFIG, POLICIES, SETTINGS
 
-DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
-POLICIES = ("resident", "staged", "offload", "eager", "auto")
-"""``pixal3d.staging.Policy``'s values, written out so the parser needs no torch (a test holds them equal)."""
+__all__ = ["DEFAULT_CONFIG", "POLICIES", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -23,15 +21,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="cascade config: a file, or a shipped one by name (default: 1024_cascade; "
                              "tiny is the offline demo)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: the config's, 42)")
-    parser.add_argument("--fov", type=float, default=None, metavar="DEG",
-                        help="horizontal field of view in degrees (default: the config's, else MoGe-2)")
-    parser.add_argument("--memory-policy", default="auto", choices=POLICIES,
-                        help="where idle models live (default: auto, chosen from the memory plan)")
-    parser.add_argument("--memory-budget", default=None, metavar="SIZE",
-                        help="bound every stage's work to this much process memory (e.g. 8G; auto: the memory "
-                             "available now less 15 %%): the decode runs in tiles, the flow stages in smaller "
-                             "chunks, and a config that cannot fit is refused before any weight is read")
+    for setting in SETTINGS:  # the job's settings (pipelines/job.py), as the app and the server take them too
+        parser.add_argument(setting.flag, dest=setting.name, default=None, metavar=setting.metavar,
+                            type={"int": int, "float": float}.get(setting.kind, str), help=setting.help,
+                            choices=setting.choices() if setting.choices is not None else None)
     parser.add_argument("--device", default=None, help="torch device (default: cuda, else mps, else cpu)")
     parser.add_argument("--trace", type=Path, default=None, help="write the memory trace (JSONL) here")
     parser.add_argument("--plan", action="store_true", help="print the memory plan and policy, then exit")

@@ -15,9 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
-from pixal3d.config import CascadeConfig, load_config
+from pixal3d.config import CascadeConfig
 from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
@@ -36,13 +34,13 @@ from .batch import BatchItem, default_order, trace_path
 from .camera import CameraStage
 from .cli_args import DEFAULT_CONFIG, parse_args  # noqa: F401 -- DEFAULT_CONFIG re-exported
 from .data_parallel import DataJob, GroupStoppedError
-from .errors import DeviceError, Failure, UsageError, classify, one_line
+from .errors import Failure, UsageError, classify, one_line
+from .job import Job
 from .leftovers import clean_leftovers, cleaned_line
 from .parallel import rank_device
 from .pipeline import Pixal3D
-from .plan import RunPlan, check_device, check_inputs, default_device
+from .plan import RunPlan, check_inputs, default_device, parse_device
 from .result import run_json_path
-from .state import check_fov, check_seed
 from .work_dir import LOCK as WORK_DIR_LOCK
 from .work_dir import WorkDir
 
@@ -196,8 +194,9 @@ def _follow(args: argparse.Namespace, runtime: ParallelRuntime) -> int:
     """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0 (``--plan``: plan
     only, taking part in gathering the ranks' memory for ``--pp-split auto``)."""
     try:
-        plan = Pixal3D.plan(load_config(args.config), policy=args.memory_policy, device=runtime.device,
-                            memory_budget=args.memory_budget, parallel=runtime)
+        asked = Job.from_args(args)
+        plan = Pixal3D.plan(asked.config, policy=asked.memory_policy, device=runtime.device,
+                            memory_budget=asked.budget, parallel=runtime)
         if args.plan:
             return 0
         with Pixal3D.from_plan(plan) as pipe:
@@ -293,6 +292,7 @@ class Prepared(NamedTuple):
     jobs: list[tuple[Path, Path]]
     rejected: list[tuple[Path, ImageError]]
     inputs: list[Path]
+    asked: Job
 
 
 def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None,
@@ -301,10 +301,8 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     after it."""
     lead = _leads(parallel if isinstance(parallel, ParallelRuntime) else None, job)
     # 1. config and the run's settings: ranges are the config's own (pixal3d.config) and the run's (state.py)
-    config = load_config(args.config)
-    if args.seed is not None:
-        check_seed(args.seed)
-    check_fov(args.fov)
+    asked = Job.from_args(args, command=args.command)
+    config = asked.config
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
     #    batch a bad one costs only itself: reported, skipped, counted in the summary
     inputs = everything = collect_inputs(args.inputs)
@@ -345,9 +343,9 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it); with --fov
     #    every image has its field of view, so no camera model is planned or fetched
     replace_stages = {"camera": CameraStage(None, use_moge=False)} if args.fov is not None else None
-    plan = Pixal3D.plan(config, policy=args.memory_policy, device=device, parallel=parallel,
-                        memory_budget=args.memory_budget, replace=replace_stages)
-    return Prepared(plan, jobs, rejected, everything)
+    plan = Pixal3D.plan(config, policy=asked.memory_policy, device=device, parallel=parallel,
+                        memory_budget=asked.budget, replace=replace_stages)
+    return Prepared(plan, jobs, rejected, everything, asked)
 
 
 def _unusable(config: CascadeConfig, path: Path) -> ImageError | None:
@@ -424,18 +422,6 @@ def parse_pp_split(text: str | None) -> str | tuple[int, ...] | None:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise UsageError(f"--pp-split {text!r} is neither auto nor block counts such as 1,3") from None
-
-
-def parse_device(text: str) -> torch.device:
-    """``--device`` as a torch device that exists on this machine."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UsageError(f"--device {text!r} is not a torch device; use cpu, cuda, cuda:1 or mps") from None
-    try:
-        return check_device(device)
-    except DeviceError as err:
-        raise UsageError(f"--device: {err}") from None
 
 
 def collect_inputs(paths: Sequence[Path]) -> list[Path]:
@@ -522,7 +508,8 @@ def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace, job: DataJ
     order = _order(prepared.plan, args)
     outputs = dict(prepared.jobs)
     items: list[BatchItem] = []
-    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], seed=args.seed, fov=args.fov,
+    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], seed=prepared.asked.seed,
+                                fov=prepared.asked.fov,
                                 order=order, work_dir=args.work_dir, progress=not args.quiet,
                                 trace=args.trace, share=job)) as batch:
         for item in batch:

@@ -25,15 +25,12 @@ from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
 from pixal3d.staging import PolicyError, StageGraphError
 from pixal3d.staging.mps_memory import MpsMemoryLimitError
 
+from .job import UsageError
 from .structure import EmptyStructureError
 from .work_dir import WorkDirError
 
 EXIT_DURING_RUN = 1
 EXIT_BEFORE_RUN = 2
-
-
-class UsageError(ValueError):
-    """Bad inputs, outputs or options on the command line (or in a batch or web request)."""
 
 
 class NotEnoughMemoryError(RuntimeError):

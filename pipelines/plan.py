@@ -20,6 +20,7 @@ from pixal3d.staging.policy import gib, usable
 
 from .build import build_stages
 from .errors import DeviceError, NotEnoughMemoryError
+from .job import UsageError
 from .parallel import RankPlan
 from .stage import CascadeStage, StageBudget
 
@@ -108,6 +109,18 @@ def check_device(device: torch.device) -> torch.device:
         raise DeviceError(f"device {device} does not exist: there is one {device.type} device, "
                           f"'{device.type}' (or {device.type}:0)")
     return device
+
+
+def parse_device(text: str, flag: str = "--device") -> torch.device:
+    """A front end's ``--device`` as a torch device that exists on this machine (``UsageError`` naming ``flag``)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"{flag} {text!r} is not a torch device; use cpu, cuda, cuda:1 or mps") from None
+    try:
+        return check_device(device)
+    except DeviceError as err:
+        raise UsageError(f"{flag}: {err}") from None
 
 
 def default_device() -> torch.device:

@@ -13,35 +13,21 @@ Every field a stage writes declares how it is stored between stages (``stored(ki
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pixal3d.config import SEED, SettingError
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.pipeline_json import Normalization
 
+from .job import check_fov, check_seed  # noqa: F401 -- the ranges' home is the job value; re-exported
+
 PROVIDED = ("input_image", "generator", "device", "fov_deg", "shape_normalization", "tex_normalization",
             "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""
-
-
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int a ``torch.Generator`` accepts, or a ``SettingError`` saying the range (``config.SEED``)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
-        raise SettingError("seed", f"seed {seed!r} is not {SEED.describe()}; use e.g. 42")
-    return seed
-
-
-def check_fov(fov: float | None) -> None:
-    """A ``SettingError`` unless ``fov`` is None or a field of view in (0, 180) degrees: the one check of a
-    run's field of view (the library, the command and the web app all ask it)."""
-    if fov is not None and not (isinstance(fov, (int, float)) and math.isfinite(fov) and 0.0 < fov < 180.0):
-        raise SettingError("fov", f"field of view {fov} is not in (0, 180) degrees; use e.g. 49")
 
 
 def stored(kind: str) -> Any:

@@ -113,10 +113,10 @@ def first_stage(client: httpx.Client, probes: int) -> dict[str, Any]:
 
 def durability(repeats: int, folder: Path) -> dict[str, Any]:
     from pipelines import Pixal3D, work_dir
-    from pipelines.app.settings import JobSettings, job_config
+    from pipelines.job import Job
     from pixal3d.config import load_config
 
-    config = job_config(load_config(CONFIG), JobSettings(texture_size=128, face_budget=2000))
+    config = Job.from_request({"texture_size": 128, "face_budget": 2000}, load_config(CONFIG)).config
     rows: dict[str, list[float]] = {"without records": [], "with records": []}
     saving: list[float] = []  # seconds inside StateStore.saved (encode, write, fsync, rename) per job
     original = work_dir.StateStore.saved

@@ -10,14 +10,21 @@ import numpy as np
 import pytest
 
 from pipelines.app.job import NO_IMAGE, REFUSAL, plan_or_refusal, run_job
-from pipelines.app.settings import JobSettings
 from pipelines.app.worker import Worker
-from pixal3d.config import ConfigError
+from pipelines.job import Job, SettingsError
 from pixal3d.models.preprocess import ImageError, as_image
 from pixal3d.staging import PolicyError
 from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
 
-RESIDENT = JobSettings(policy="resident", texture_size=128, face_budget=2000)
+
+def _job(config, **form):
+    """The job the app's form gives for ``form`` (setting name → value) on ``config``."""
+    return Job.from_form(form, config)
+
+
+@pytest.fixture(scope="module")
+def RESIDENT(tiny):  # noqa: N802 - the job every test here runs
+    return _job(tiny, memory_policy="resident", texture_size=128, face_budget=2000)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,7 @@ def _last(updates):
     return updates[-1]
 
 
-def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_job(worker, tmp_path):
+def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_job(worker, RESIDENT, tmp_path):
     # 1. not an image: the error is the library's ImageError text, on one line
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
@@ -54,8 +61,8 @@ def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_j
     assert out.glb.read_bytes()[:4] == b"glTF"
     record = json.loads(out.record.read_text())
     assert record["config"]["export"]["texture_size"] == 128 and record["config"]["export"]["decimation_target"] == 2000
-    assert record["app_settings"] == {"seed": 42, "fov": None, "policy": "resident", "texture_size": 128,
-                                      "face_budget": 2000, "memory_budget": None}
+    assert record["app"]["settings"] == {"seed": 42, "fov": None, "memory_policy": "resident", "texture_size": 128,
+                                         "face_budget": 2000, "memory_budget": None}
     stages = [s.name for s in worker.pipeline.stages]
     assert [row[0] for row in out.table] == [*stages, "total"]
     assert all(row[2].endswith(("MiB", "GiB")) for row in out.table[:-1]), out.table  # peak memory from the meter
@@ -71,7 +78,7 @@ def test_bad_inputs_end_with_the_one_line_error_and_the_worker_serves_the_next_j
     assert worker.pipeline.runner.registry.loaded()
 
 
-def test_two_jobs_sent_at_once_run_one_after_the_other(worker, tmp_path):
+def test_two_jobs_sent_at_once_run_one_after_the_other(worker, RESIDENT, tmp_path):
     results = {}
 
     def send(name):
@@ -98,7 +105,7 @@ def test_two_jobs_sent_at_once_run_one_after_the_other(worker, tmp_path):
     assert not [r for r in second if r["type"] == "event" and r["kind"] in ("load", "reload")]
 
 
-def test_a_job_whose_page_went_away_stops_at_its_next_stage_and_frees_the_models(worker, tmp_path):
+def test_a_job_whose_page_went_away_stops_at_its_next_stage_and_frees_the_models(worker, RESIDENT, tmp_path):
     """Gradio closes the job's generator when the visitor leaves: the run stops at its next stage or sampler
     step instead of finishing a mesh nobody will see while the next visitor waits. Control: the same job read
     to its end runs every stage."""
@@ -126,32 +133,33 @@ def test_a_job_whose_page_went_away_stops_at_its_next_stage_and_frees_the_models
 def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_changes(tiny):
     worker = Worker(tiny, device="cpu")
     try:
-        first = worker.prepare(JobSettings(policy="staged"))
-        assert worker.prepare(JobSettings(policy="staged", seed=7, fov=30.0)) is first  # run arguments only
-        bigger = worker.prepare(JobSettings(policy="staged", texture_size=512))
+        first = worker.prepare(_job(tiny, memory_policy="staged"))
+        assert worker.prepare(_job(tiny, memory_policy="staged", seed=7, fov=30.0)) is first  # run arguments only
+        bigger = worker.prepare(_job(tiny, memory_policy="staged", texture_size=512))
         assert bigger is not first and bigger.config.export.texture_size == 512
-        assert worker.plan(JobSettings(policy="staged", texture_size=512)).memory.stages[-1].working_bytes > \
-            worker.plan(JobSettings(policy="staged", texture_size=128)).memory.stages[-1].working_bytes
-        assert worker.prepare(JobSettings(policy="resident", texture_size=512)).policy.value == "resident"
+        assert worker.plan(_job(tiny, memory_policy="staged", texture_size=512)).memory.stages[-1].working_bytes > \
+            worker.plan(_job(tiny, memory_policy="staged", texture_size=128)).memory.stages[-1].working_bytes
+        assert worker.prepare(_job(tiny, memory_policy="resident", texture_size=512)).policy.value == "resident"
         # the memory budget is the plan's too: another budget, another pipeline, fitted and recorded with it
-        budgeted = worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="2G"))
+        budgeted = worker.prepare(_job(tiny, memory_policy="resident", texture_size=512, memory_budget="2G"))
         assert budgeted.run_plan.memory_budget == 2 * 2**30
-        assert worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="2G")) is budgeted
-        auto = worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="auto"))
+        assert worker.prepare(_job(tiny, memory_policy="resident", texture_size=512, memory_budget="2G")) is budgeted
+        auto = worker.prepare(_job(tiny, memory_policy="resident", texture_size=512, memory_budget="auto"))
         assert auto is not budgeted and auto.run_plan.memory_budget > 0
-        assert worker.prepare(JobSettings(policy="resident", texture_size=512, memory_budget="auto")) is auto
-        assert worker.prepare(JobSettings(policy="resident", texture_size=512)) is not auto  # control: no budget
+        assert worker.prepare(_job(tiny, memory_policy="resident", texture_size=512, memory_budget="auto")) is auto
+        assert worker.prepare(_job(tiny, memory_policy="resident", texture_size=512)) is not auto  # control: none
     finally:
         worker.close()
 
 
-def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(worker, tmp_path, monkeypatch):
+def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(worker, RESIDENT, tiny, tmp_path,
+                                                                             monkeypatch):
     from pipelines import pipeline
 
     machine = pipeline.detect_machine("cpu")  # read once: the two tables compare texts, not two moments of memory
     monkeypatch.setattr(pipeline, "detect_machine", lambda device=None: machine)
     assert plan_or_refusal(worker, RESIDENT) == worker.plan(RESIDENT).table()  # the text --plan prints
-    offload = JobSettings(policy="offload")  # parks models in host memory: refused where memory is unified (CPU)
+    offload = _job(tiny, memory_policy="offload")  # parks models in host memory: refused where memory is unified (CPU)
     refusal = plan_or_refusal(worker, offload)
     with pytest.raises(PolicyError) as expected:
         worker.plan(offload)
@@ -161,21 +169,19 @@ def test_before_a_run_the_page_shows_the_plan_or_the_refusal_with_its_reason(wor
 
 
 @pytest.mark.parametrize("settings, rule", [
-    ({"seed": -1}, "seed"), ({"fov": 200.0}, "field of view"), ({"policy": "fast"}, "memory policy"),
+    ({"seed": -1}, "seed"), ({"fov": 200.0}, "field of view.*or automatic"), ({"memory_policy": "fast"}, "memory policy"),
     ({"memory_budget": "lots"}, "memory budget 'lots' is not a size.*or auto"),
 ])
-def test_settings_out_of_range_are_config_errors_naming_the_setting(settings, rule):
-    with pytest.raises(ConfigError, match=rule):
-        JobSettings(**settings)
+def test_settings_out_of_range_are_refused_naming_the_setting(tiny, settings, rule):
+    with pytest.raises(SettingsError, match=rule):
+        _job(tiny, **settings)
 
 
-def test_export_settings_out_of_range_are_config_errors(tiny):
-    from pipelines.app.settings import job_config
-
-    with pytest.raises(ConfigError, match="texture_size"):
-        job_config(tiny, JobSettings(texture_size=8))
-    with pytest.raises(ConfigError, match="decimation_target"):
-        job_config(tiny, JobSettings(face_budget=2))
+def test_export_settings_out_of_range_are_refused(tiny):
+    with pytest.raises(SettingsError, match="texture_size"):
+        _job(tiny, texture_size=8)
+    with pytest.raises(SettingsError, match="decimation_target"):
+        _job(tiny, face_budget=2)
 
 
 def test_the_command_binds_to_loopback_and_refuses_a_bad_config_or_port_in_one_line(tmp_path, capsys):

@@ -65,6 +65,7 @@ def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_o
     status line is not written again until the outcome. Two texts used to show different stages."""
     from pipelines.app import ui
     from pipelines.app.job import JobUpdate
+    from pipelines.job import SETTINGS
     from pipelines.app.worker import Worker
 
     updates = [JobUpdate(status="planning"), JobUpdate(status="stage 3/9 · structure", fraction=0.3),
@@ -76,8 +77,10 @@ def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_o
         page = ui.build_ui(worker, outputs=tmp_path)
         [on_run] = [f.fn for f in page.fns.values() if getattr(f.fn, "__name__", "") == "on_run"]
         told = []
-        yields = list(on_run(str(EXAMPLE), 1, True, 40.0, "auto", 1024, 1000, "",
-                             progress=lambda fraction, desc: told.append((fraction, desc))))
+        form = {"seed": 1, "fov": 40.0, "memory_policy": "auto", "texture_size": 1024, "face_budget": 1000,
+                "memory_budget": ""}  # the page's fields, in the order of pipelines.job.SETTINGS
+        yields = list(on_run(str(EXAMPLE), True, lambda fraction, desc: told.append((fraction, desc)),
+                             *(form.get(s.name) for s in SETTINGS)))
     finally:
         worker.close()
     assert told == [(u.fraction, u.status) for u in updates[:3]]  # the bar: every running update

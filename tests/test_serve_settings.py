@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.serve.settings import SettingsError, parse_settings
+from pipelines.job import Job, SettingsError
 from pixal3d.config import load_config
 from tests.cascade_fixtures import TINY_CONFIG
 
@@ -11,6 +11,11 @@ from tests.cascade_fixtures import TINY_CONFIG
 @pytest.fixture(scope="module")
 def config():
     return load_config(TINY_CONFIG)
+
+
+def parse_settings(text, config):
+    """The settings of ``POST /jobs`` as the server reads them."""
+    return Job.from_request(text, config)
 
 
 def test_decimation_target_is_the_face_budget_under_the_hosted_endpoints_name(config):

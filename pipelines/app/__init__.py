@@ -6,7 +6,6 @@
 It lives beside the command line, at the edge: ``pixal3d`` never imports ``pipelines``, and only
 ``ui.py`` imports Gradio, so everything else here (settings, the worker, the job) is tested without it.
 
-- ``settings.py``: what a visitor chooses (seed, FOV, policy, texture size, face budget) → the config.
 - ``worker.py``: one ``Pixal3D`` kept alive for the current plan, one job at a time.
 - ``job.py``: one job as a stream of updates (stage, step, memory trace so far, then the outputs).
 - ``errors.py``: the one line a visitor sees for an error they caused.

@@ -18,10 +18,10 @@ from typing import Any
 from pixal3d.files import write_json_atomic
 from pixal3d.models.preprocess import ImageError
 
+from ..job import Job
 from ..plan import RunPlan
 from ..result import Result, run_json_path
 from .errors import error_line
-from .settings import JobSettings
 from .worker import Worker
 
 REFUSAL = "cannot run on this machine: "
@@ -128,16 +128,16 @@ class _Progress:
         return min(1.0, (self.index + within) / max(self.stages, 1)) if self.stage else 0.0
 
 
-def plan_or_refusal(worker: Worker, settings: JobSettings) -> str:
+def plan_or_refusal(worker: Worker, job: Job) -> str:
     """The memory plan and the chosen policy with its reasons (``RunPlan.table()``, the text ``--plan`` prints), or
     ``REFUSAL`` and the one-line reason when the plan cannot be made or the machine cannot run it."""
     try:
-        return worker.plan(settings).table()
+        return worker.plan(job).table()
     except Exception as err:  # noqa: BLE001 - every failure to plan is shown, as a refusal with its reason
         return REFUSAL + error_line(err)
 
 
-def run_job(worker: Worker, image: Any, settings: JobSettings, *, outputs: Path, name: str | None = None,
+def run_job(worker: Worker, image: Any, job: Job, *, outputs: Path, name: str | None = None,
             poll: float = 0.5) -> Iterator[JobUpdate]:
     """Run one job on ``worker``, yielding an update every ``poll`` seconds and a last one with the outputs (written
     under ``outputs``) or the error. ``image``: a path, a PIL image or an array (None: the "no image" error)."""
@@ -152,7 +152,7 @@ def run_job(worker: Worker, image: Any, settings: JobSettings, *, outputs: Path,
 
     def work() -> None:
         try:
-            finished["result"] = worker.run(image, settings, name=name or str(image), callback=progress,
+            finished["result"] = worker.run(image, job, name=name or str(image), callback=progress,
                                             trace=trace, on_wait=progress.waits,
                                             on_start=progress.started)
         except BaseException as err:  # noqa: BLE001 - handed to the generator, which reports it
@@ -173,7 +173,7 @@ def run_job(worker: Worker, image: Any, settings: JobSettings, *, outputs: Path,
                         plan=_plan_text(progress), error=message)
         return
     result: Result = finished["result"]
-    done = _save(result, folder / f"{stem}.glb", trace, settings)
+    done = _save(result, folder / f"{stem}.glb", trace, job)
     yield JobUpdate(status=f"done in {done.seconds:.1f} s (policy {done.policy}): {done.glb.name}", fraction=1.0,
                     records=tail.read(), plan=_plan_text(progress), outputs=done)
 
@@ -187,11 +187,11 @@ def _plan_text(progress: _Progress) -> str | None:
     return progress.plan.table() if progress.plan is not None else None
 
 
-def _save(result: Result, glb: Path, trace: Path, settings: JobSettings) -> JobOutputs:
+def _save(result: Result, glb: Path, trace: Path, job: Job) -> JobOutputs:
     """The GLB and run.json (with the visitor's settings beside the config) next to the trace."""
     result.save(glb)
     record = result.record(output=glb, command=["pixal3d-app", "--config", result.config.source])
-    record["app_settings"] = vars(settings)
+    record["app"] = {"settings": job.settings()}
     write_json_atomic(run_json_path(glb), record)
     return JobOutputs(glb=glb, record=run_json_path(glb), trace=trace, table=result.stage_rows(),
                       seconds=result.seconds, policy=result.policy.value)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from pixal3d.config import ConfigError, load_config
 
-from ..command import DEFAULT_CONFIG, UsageError, parse_device
 from ..exposure import is_loopback
+from ..job import DEFAULT_CONFIG, UsageError
+from ..plan import parse_device
 
 logger = logging.getLogger("pixal3d-app")
 

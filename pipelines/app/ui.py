@@ -14,14 +14,14 @@ from typing import Any
 
 import gradio as gr
 
-from pixal3d.staging import Policy
+from pixal3d.config import CascadeConfig
 from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
-from .errors import error_line
+from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
+from .errors import error_line
 from .job import REFUSAL, JobUpdate, plan_or_refusal, run_job
-from .settings import TEXTURE_SIZES, JobSettings
 from .worker import Worker
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
@@ -35,9 +35,8 @@ CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines ar
 
 
 def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
-    """The page for ``worker``; job files go under ``outputs``."""
-    export = worker.config.export
-    textures = sorted({*TEXTURE_SIZES, export.texture_size})
+    """The page for ``worker``; job files go under ``outputs``. The form has one field per job setting
+    (``pipelines.job.SETTINGS``), its value read back by ``Job.from_form``."""
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
         gr.Markdown(INTRO)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
@@ -47,20 +46,12 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                                           image_mode=None, format="png", sources=["upload", "clipboard"],
                                           elem_id="image", height=300))
                 gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
-                seed = gr.Number(value=worker.config.seed, precision=0, minimum=0, label="seed", elem_id="seed")
-                estimates = CameraStage.from_config(worker.config).use_moge  # else "automatic" would be 49.1° as is
-                with gr.Row():
-                    fov_auto = gr.Checkbox(value=estimates, interactive=estimates, elem_id="fov-auto",
-                                           label="automatic field of view" if estimates else NO_ESTIMATOR)
-                    fov = gr.Slider(10, 120, value=worker.config.camera.fov_deg or DEFAULT_FOV, step=0.1,
-                                    label="field of view (degrees)", interactive=not estimates, elem_id="fov")
-                policy = gr.Dropdown([p.value for p in Policy], value="auto", label="memory policy",
-                                     elem_id="policy")
-                texture = gr.Dropdown(textures, value=export.texture_size, label="texture size", elem_id="texture")
-                faces = gr.Number(value=export.decimation_target, precision=0, minimum=4, label="face budget",
-                                  elem_id="faces")
-                budget = gr.Textbox(value="", label="memory budget (e.g. 8G, or auto; empty: none)",
-                                    placeholder="auto", elem_id="budget")
+                fields: dict[str, Any] = {}
+                for setting in SETTINGS:
+                    if setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
+                        fov_auto, fields["fov"] = _fov_fields(worker.config)
+                    else:
+                        fields[setting.name] = _field(setting, worker.config)
                 run = gr.Button("Generate", variant="primary", elem_id="run")
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
@@ -72,28 +63,30 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                                     clear_color=(0.95, 0.95, 0.95, 1.0))
         table = gr.Dataframe(headers=list(STAGE_COLUMNS), label="per stage", interactive=False, elem_id="stages")
         model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
+        names = list(fields)
+        planned = [s.name for s in SETTINGS if s.plans]
 
-        def show_plan(policy_: str, texture_: int, faces_: Any, budget_: str) -> str:
+        def show_plan(*values: Any) -> str:
             try:
-                settings = JobSettings(policy=policy_, texture_size=int(texture_), face_budget=_int(faces_),
-                                       memory_budget=(budget_ or "").strip() or None)
+                job = Job.from_form(dict(zip(planned, values, strict=True)), worker.config)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 return f"**{REFUSAL}{error_line(err)}**"
-            text = plan_or_refusal(worker, settings)
+            text = plan_or_refusal(worker, job)
             return f"**{text}**" if text.startswith(REFUSAL) else _plan_markdown(text)
 
-        def on_run(image_: str | None, seed_: Any, fov_auto_: bool, fov_: float, policy_: str, texture_: int,
-                   faces_: Any, budget_: str, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:  # noqa: B008 - Gradio's way
+        def on_run(image_: str | None, fov_auto_: bool, progress: gr.Progress = gr.Progress(),  # noqa: B008
+                   *values: Any) -> Iterator[tuple]:  # Gradio's way: its progress, then the form's fields
             yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
+            form = dict(zip(names, values, strict=True))
+            if fov_auto_:
+                form["fov"] = None
             try:
-                settings = JobSettings(seed=_int(seed_), fov=None if fov_auto_ else float(fov_),
-                                       policy=policy_, texture_size=int(texture_), face_budget=_int(faces_),
-                                       memory_budget=(budget_ or "").strip() or None)
+                job = Job.from_form(form, worker.config)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             drawn, drawn_at = 0, 0.0
-            for update in run_job(worker, image_, settings, outputs=outputs, poll=poll):
+            for update in run_job(worker, image_, job, outputs=outputs, poll=poll):
                 figure = gr.skip()
                 if update.records and len(update.records) != drawn and (
                         update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
@@ -107,18 +100,44 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                 yield (gr.skip(), figure, gr.skip(), gr.skip(), gr.skip(),
                        _plan_markdown(update.plan) if update.plan else gr.skip())
 
-        settings_inputs = [policy, texture, faces, budget]
+        settings_inputs = [fields[name] for name in planned]
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
         for component in settings_inputs:
             component.change(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
-        fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fov, queue=False)
+        fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fields["fov"], queue=False)
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            on_run, [image, seed, fov_auto, fov, policy, texture, faces, budget], [status, plot, model, files, table, plan],
+            on_run, [image, fov_auto, *fields.values()], [status, plot, model, files, table, plan],
             concurrency_limit=1, concurrency_id="models", show_progress_on=[status]).then(
             lambda path: path, model, viewer, queue=False)
     return page
+
+
+def _field(setting: Setting, config: CascadeConfig) -> Any:
+    """The form's field for ``setting`` by its kind, showing the value an unset one has (the config's, or the
+    default); its element id is the setting's form name."""
+    value = setting.config(config) if setting.config is not None else setting.default
+    common = {"label": setting.label, "elem_id": setting.form}
+    if setting.kind == "choice":
+        return gr.Dropdown(list(setting.choices()), value=value, **common)
+    if setting.suggested:  # a number with usual values: offered, with the config's among them
+        return gr.Dropdown(sorted({*setting.suggested, value}), value=value, **common)
+    if setting.kind in ("int", "float"):
+        return gr.Number(value=value, precision=0 if setting.kind == "int" else None, **common)
+    return gr.Textbox(value="" if value is None else str(value), placeholder="auto", **common)
+
+
+def _fov_fields(config: CascadeConfig) -> tuple[Any, Any]:
+    """The "automatic field of view" checkbox (off and greyed out, saying why, where the config cannot estimate
+    one) and the slider."""
+    estimates = CameraStage.from_config(config).use_moge  # else "automatic" would be 49.1° as is
+    with gr.Row():
+        auto = gr.Checkbox(value=estimates, interactive=estimates, elem_id="fov-auto",
+                           label="automatic field of view" if estimates else NO_ESTIMATOR)
+        slider = gr.Slider(10, 120, value=config.camera.fov_deg or DEFAULT_FOV, step=0.1, label=BY_NAME["fov"].label,
+                           interactive=not estimates, elem_id=BY_NAME["fov"].form)
+    return auto, slider
 
 
 def _lenient(image: gr.Image) -> gr.Image:
@@ -156,6 +175,3 @@ def _plan_markdown(table: str) -> str:
 def _status(text: str) -> str:
     return f"**{text}**" if text.startswith("error:") else text
 
-
-def _int(value: Any) -> int | None:
-    return None if value is None or value == "" else int(value)

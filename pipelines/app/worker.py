@@ -19,10 +19,10 @@ import torch
 
 from pixal3d.config import CascadeConfig
 
+from ..job import BY_NAME, Job
 from ..pipeline import Pixal3D
 from ..plan import RunPlan, default_device
 from ..result import Result
-from .settings import JobSettings, job_config
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,12 @@ class Worker:
         """True while a job holds the models."""
         return self._lock.locked()
 
-    def plan(self, settings: JobSettings) -> RunPlan:
-        """The memory plan and the policy for ``settings`` (headers only; raises ``NotEnoughMemoryError``,
+    def plan(self, job: Job) -> RunPlan:
+        """The memory plan and the policy for ``job`` (headers only; raises ``NotEnoughMemoryError``,
         ``PolicyError``, ``WeightsError``, ``ConfigError`` as ``Pixal3D.plan`` does)."""
-        return Pixal3D.plan(job_config(self.config, settings), policy=settings.policy, device=self.device,
-                            memory_budget=settings.memory_budget)
+        return Pixal3D.plan(job.config, policy=job.memory_policy, device=self.device, memory_budget=job.budget)
 
-    def run(self, image: Any, settings: JobSettings, *, name: str | None = None,
+    def run(self, image: Any, job: Job, *, name: str | None = None,
             callback: Callable[[dict[str, Any]], None] | None = None, trace: Path | None = None,
             on_wait: Callable[[], None] | None = None, on_start: Callable[[RunPlan], None] | None = None) -> Result:
         """Wait for the models, plan, then run ``image`` through the cascade (see ``Pixal3D.run``).
@@ -63,20 +62,20 @@ class Worker:
                 on_wait()
             self._lock.acquire()
         try:
-            plan = self.plan(settings)
+            plan = self.plan(job)
             if on_start is not None:
                 on_start(plan)
-            pipe = self._pipeline_for(plan, settings.memory_budget)
-            return pipe.run(image, seed=settings.seed, fov=settings.fov, callback=callback, trace=trace, name=name,
-                            trace_meta={"app_settings": vars(settings)})
+            pipe = self._pipeline_for(plan, job.wire_value(BY_NAME["memory_budget"]))
+            return pipe.run(image, seed=job.seed, fov=job.fov, callback=callback, trace=trace, name=name,
+                            trace_meta={"app": {"settings": job.settings()}})
         finally:
             self._lock.release()
 
-    def prepare(self, settings: JobSettings) -> Pixal3D:
-        """The pipeline a job with ``settings`` would run on: the kept one if its plan is the same, else a new one
-        (the old one closed first). Fetches and verifies weights; loads no model."""
+    def prepare(self, job: Job) -> Pixal3D:
+        """The pipeline ``job`` would run on: the kept one if its plan is the same, else a new one (the old one
+        closed first). Fetches and verifies weights; loads no model."""
         with self._lock:
-            return self._pipeline_for(self.plan(settings), settings.memory_budget)
+            return self._pipeline_for(self.plan(job), job.wire_value(BY_NAME["memory_budget"]))
 
     def _pipeline_for(self, plan: RunPlan, budget: str | None) -> Pixal3D:
         current = self._pipe

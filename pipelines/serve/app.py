@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pixal3d.config import CascadeConfig
 from pixal3d.models.preprocess import MIN_SIDE
 
+from ..job import Job, SettingsError
 from .scheduler import QueueFull, Scheduler, UnknownJob
-from .settings import SettingsError, parse_settings, settings_dict
 from .store import ENDED, check_id
 
 ENVELOPE = 64 * 1024
@@ -158,7 +158,7 @@ def create_app(scheduler: Scheduler, config: CascadeConfig, *, token: str | None
         if isinstance(settings, UploadFile):
             settings = (await settings.read()).decode("utf-8", "replace")
         try:
-            values = settings_dict(parse_settings(settings, config))
+            values = Job.from_request(settings, config).settings()
         except SettingsError as err:
             raise Refused(422, str(err)) from None
         return data, suffix, values

@@ -27,9 +27,9 @@ from pixal3d.locks import LockedError, exclusive_lock
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
 
-from ..command import DEFAULT_CONFIG, UsageError, parse_device
 from ..exposure import is_loopback
-from ..plan import default_device
+from ..job import DEFAULT_CONFIG, UsageError
+from ..plan import default_device, parse_device
 from .store import LOCK, DataDirError, JobStore
 
 TOKEN_ENV = "PIXAL3D_SERVE_TOKEN"

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from .settings import group_key
+from ..job import plan_key
 from .store import ENDED, JobStore, StoredJob, new_id
 from .worker import worker_main
 
@@ -252,8 +252,8 @@ class Scheduler:
             while not self._stopping:
                 queued = sorted((j for j in self.jobs.values() if j.status == "queued"), key=lambda j: j.sequence)
                 if queued:
-                    key = group_key(queued[0].settings)
-                    group = [j for j in queued if group_key(j.settings) == key][:self.group_size]
+                    key = plan_key(queued[0].settings)
+                    group = [j for j in queued if plan_key(j.settings) == key][:self.group_size]
                     for job in group:
                         job.status, job.worker, job.started, job.progress = "running", slot.index, time.time(), {}
                     slot.jobs = [j.id for j in group]

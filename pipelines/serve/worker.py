@@ -31,7 +31,7 @@ from pixal3d.locks import exclusive_lock
 
 from ..app.errors import error_line
 from ..app.worker import Worker
-from .settings import from_dict
+from ..job import Job
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -89,9 +89,9 @@ def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, ti
               cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
     """Run ``jobs`` (one plan) as one batch; every job ends (status.json written) or is released."""
     ids = [job["id"] for job in jobs]
-    settings = from_dict(jobs[0]["settings"])
     try:
-        pipe = worker.prepare(settings)
+        asked = [Job.from_request(job["settings"], worker.config) for job in jobs]
+        pipe = worker.prepare(asked[0])
     except Exception as err:  # noqa: BLE001 - the plan or the weights fail every job of this plan alike
         for job_id in ids:
             _end(store, job_id, {"status": "failed", "error": error_line(err)}, send)
@@ -99,13 +99,12 @@ def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, ti
     with ExitStack() as held:  # never two runs of one job (a worker of a killed server may still be exiting)
         for job_id in ids:
             held.enter_context(exclusive_lock(store.folder(job_id) / ".run.lock", wait=True))
-        _run(pipe, store, jobs, timeout=timeout, cancelled=cancelled, send=send)
+        _run(pipe, store, jobs, asked, timeout=timeout, cancelled=cancelled, send=send)
 
 
-def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: float | None, cancelled: set[str],
-         send: Callable[[dict[str, Any]], None]) -> None:
+def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], asked: list[Job], *, timeout: float | None,
+         cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
     ids = [job["id"] for job in jobs]
-    settings = from_dict(jobs[0]["settings"])
     deadline = None if timeout is None else time.monotonic() + timeout * len(ids)
     current = {"job": ids[0]}
     ended: list[str] = []
@@ -134,7 +133,7 @@ def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], *, timeout: flo
 
     try:
         batch = pipe.run_batch([str(store.folder(j["id"]) / j["input"]) for j in jobs], names=ids,
-                               seed=[int(j["settings"].get("seed", 42)) for j in jobs], fov=settings.fov,
+                               seed=[job.seed for job in asked], fov=asked[0].fov,
                                work_dir=store.work.root, callback=callback, trace=trace, events=count)
         for item in batch:
             if item.ok:
