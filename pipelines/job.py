@@ -31,7 +31,7 @@ from pixal3d.memory_budget import parse_budget
 from pixal3d.shipped import shipped_config
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
-POLICIES = ("resident", "staged", "offload", "eager", "auto")
+POLICIES = ("resident", "staged", "offload", "eager", "stream", "auto")
 """``pixal3d.staging.Policy``'s values, written out so that no torch is needed to check one (a test holds them
 equal)."""
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")

@@ -2,22 +2,39 @@
 
 Each loader builds its network on ``meta`` and fills it straight from the file onto the run's
 device (``pixal3d.models.loading``), so a load never initialises random weights and never makes a
-CPU copy on the way to the device.
+CPU copy on the way to the device. Under the ``stream`` policy the flow transformers and the decoders load
+their small parts only and stream their blocks (``load_streamed``; ``STREAM_UNITS`` says which, for the plan).
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from pixal3d.models.flow_transformer import FlowTransformer
 from pixal3d.models.loading import (
+    in_process_memory,
     load_model,  # the package import registers every network class
+    load_streamed,
 )
+from pixal3d.models.sparse_unet_vae import SparseUnetVaeDecoder
 from pixal3d.nn.attention import check_route, set_attention_route
 from pixal3d.pipeline_json import ResolvedWeights
+from pixal3d.staging import WeightStream
+
+STREAM_UNITS: dict[str, str] = {
+    "sparse_structure_flow_model": FlowTransformer.stream_unit,
+    "shape_slat_flow_model_512": FlowTransformer.stream_unit,
+    "shape_slat_flow_model_1024": FlowTransformer.stream_unit,
+    "tex_slat_flow_model_1024": FlowTransformer.stream_unit,
+    "shape_slat_decoder": SparseUnetVaeDecoder.stream_unit,
+    "tex_slat_decoder": SparseUnetVaeDecoder.stream_unit,
+}
+"""The models the ``stream`` policy streams, and the header names of one block (a regular expression): the flows'
+30 blocks, the decoders' blocks stage by stage. The sparse-structure decoder (0.15 GB) loads whole."""
 
 
 def load_naf_weights(path: Path, device: torch.device) -> nn.Module:
@@ -30,11 +47,19 @@ def load_naf_weights(path: Path, device: torch.device) -> nn.Module:
 
 
 def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool = False,
-                  remover: Callable[[], nn.Module] | None = None) -> dict[str, Callable[[], nn.Module]]:
-    """Every loader a cascade can use: the seven checkpoints, DINOv3, NAF, optionally MoGe-2 and rembg."""
+                  remover: Callable[[], nn.Module] | None = None, stream: WeightStream | None = None,
+                  streamed: Collection[str] = (), pin: bool = False,
+                  copied: bool = False) -> dict[str, Callable[[], nn.Module]]:
+    """Every loader a cascade can use: the seven checkpoints, DINOv3, NAF, optionally MoGe-2 and rembg. The models
+    in ``streamed`` stream their blocks through ``stream`` (from pinned host copies with ``pin``); ``copied`` (the
+    CPU only: ``runtime.cpu_weights``) copies every other model into process memory once loaded."""
     from pixal3d.models.dinov3 import load_dinov3
 
     loaders = {name: functools.partial(load_model, stem, device=device) for name, stem in weights.checkpoints.items()}
+    for name in streamed:
+        if stream is None or name not in weights.checkpoints:
+            raise ValueError(f"{name} cannot stream: it needs a WeightStream and a checkpoint of its own")
+        loaders[name] = functools.partial(load_streamed, weights.checkpoints[name], stream, pin=pin)
     if weights.dinov3 is not None:
         loaders["dinov3"] = functools.partial(load_dinov3, weights.dinov3, device)
     if weights.naf is not None:
@@ -43,9 +68,16 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
         from pixal3d.models.moge import MOGE_FILE, load_moge
 
         loaders["moge"] = functools.partial(load_moge, weights.moge / MOGE_FILE, device)
+    if copied and device.type == "cpu":
+        loaders = {name: (load if name in streamed else functools.partial(_copied, load))
+                   for name, load in loaders.items()}
     if remover is not None:
         loaders["rembg"] = remover
     return loaders
+
+
+def _copied(load: Callable[[], nn.Module]) -> nn.Module:
+    return in_process_memory(load())
 
 
 def with_attention_route(loaders: dict[str, Callable[[], nn.Module]], route: str

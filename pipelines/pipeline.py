@@ -29,7 +29,7 @@ from torch import nn
 
 import pixal3d
 from pixal3d.config import CascadeConfig, load_config
-from pixal3d.memory_budget import models_and_work, parse_budget
+from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.nn.attention import describe_route, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings
@@ -41,10 +41,10 @@ from pixal3d.pipeline_json import (
     resolve_samplers,
     resolve_weights,
 )
-from pixal3d.staging import Event, MemoryPlan, Policy, StageRunner, check_stages, detect_machine, resolve_policy
+from pixal3d.staging import Event, Policy, StageRunner, WeightStream, check_stages, detect_machine, measure_copy_bandwidth
 from pixal3d.staging.executor import Executor
 from pixal3d.staging.mps_memory import apply_mps_memory_limit, check_mps_memory_limit
-from pixal3d.staging.policy import usable
+from pixal3d.staging.policy import gib, usable
 from pixal3d.telemetry import MemoryMeter
 
 from . import arguments, state_codec
@@ -55,8 +55,8 @@ from .errors import classify
 from .loaders import model_loaders, with_attention_route
 from .parallel import (FollowerState, Leader, Skipping, check_blocks, describe_parallel, flow_stages, follow,
                        machine_share, plan_splits, rank_plan, shard_loaders)
-from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, fit_stages,
-                   with_attention_route_of, with_sampler_of)
+from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, describe_stream, fit_policy,
+                   smallest_budget, stream_layouts, stream_pinned, with_attention_route_of, with_sampler_of)
 from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage
@@ -85,7 +85,11 @@ class Pixal3D:
         if plan.mps_limit is not None:
             apply_mps_memory_limit(plan.mps_limit)
         remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
-        loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover)
+        copied = self.config.runtime.cpu_weights == "copied"
+        self._stream = WeightStream(plan.device, copy=copied) if plan.policy is Policy.stream else None
+        loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover,
+                                stream=self._stream, streamed=tuple(plan.memory.streamed), pin=plan.stream_pinned,
+                                copied=copied)
         if runtime is not None:  # flow models load as this rank's shards
             loaders = shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(plan.stages)], runtime,
                                     split=plan.parallel.split)
@@ -154,19 +158,27 @@ class Pixal3D:
             sizes, notes = {**sizes, **flow_sizes}, [*notes, *flow_notes]
             rank, split_notes = plan_splits(rank, stages, lambda select: planned_sizes(
                 config.weights, models=list(select), select=select)[0])
-        # 5. the budget, and every stage fitted to it (or to the machine's usable memory) and to the attention route
+        # 5. the budget; the blocks of the models that can stream, from their headers, where the policy may stream
         budget = None if memory_budget is None else (
             usable(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
-        stages = fit_stages(with_attention_route_of(stages, resolve_route(config.runtime.attention, device)), sizes,
-                            budget, machine)
-        # 6. the memory plan; refused when one stage's weights alone do not fit
-        memory = MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in stages})
+        layouts = stream_layouts(config, models, policy) if rank is None else {}
+        # 6. every stage fitted to the budget (or to the machine's usable memory) and to the attention route, and the
+        #    policy chosen within it: whole models, or their blocks streamed when whole models do not fit
+        routed = with_attention_route_of(stages, resolve_route(config.runtime.attention, device))
+        fit = fit_policy(policy, routed, sizes, budget, machine, layouts)
+        stages, memory, chosen, reasons = fit.stages, fit.memory, fit.policy, fit.reasons
+        # 7. refused when one stage's weights alone do not fit; what the budget and the stream cost, in words
         check_memory(memory, machine.device_available, str(device))
-        # 7. the policy, within the budget
-        chosen, reasons = resolve_policy(policy, memory, machine, limit=None if budget is None else
-                                         models_and_work(budget))
         reasons += [shared] if shared else []
         reasons += describe_fit(stages, budget, machine)
+        if budget is not None:
+            smallest, setter = smallest_budget(routed, sizes, machine, memory.streamed or None)
+            reasons.append(f"the smallest memory budget this cascade plans within ({chosen.value}): "
+                           f"{gib(smallest)}, set by stage {setter!r}")
+        pinned = False
+        if chosen is Policy.stream:
+            reasons += describe_stream(memory, stages, measure_copy_bandwidth(device))
+            pinned = stream_pinned(memory, machine)
         reasons.append(describe_route(config.runtime.attention, device))
         # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
         mps_limit = None
@@ -178,7 +190,7 @@ class Pixal3D:
                                f"recommended working set, so that outgrowing memory fails instead of swapping")
         return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons),
                        (*notes, *([describe_parallel(rank.settings, rank.topology)] if rank else []), *split_notes),
-                       mps_limit, rank, budget)
+                       mps_limit, rank, budget, pinned)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -414,6 +426,8 @@ class Pixal3D:
                 self._leader.close()
         finally:
             self._runner.close()
+            if self._stream is not None:
+                self._stream.close()
             if self._owns_runtime:
                 self._runtime.close()
 

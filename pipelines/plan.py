@@ -12,15 +12,37 @@ from typing import Any
 import torch
 
 from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig
-from pixal3d.memory_budget import budget_error, format_bytes, models_and_work
+from pixal3d.memory_budget import (
+    GIB,
+    PROCESS_BYTES,
+    MemoryBudgetError,
+    budget_error,
+    format_bytes,
+    models_and_work,
+)
 from pixal3d.nn.attention import device_array_bytes
-from pixal3d.staging import Machine, MemoryPlan, Policy, format_plan
+from pixal3d.pipeline_json import planned_tensor_bytes
+from pixal3d.staging import (
+    Machine,
+    MemoryPlan,
+    Policy,
+    PolicyError,
+    StreamLayout,
+    format_plan,
+)
 from pixal3d.staging.mps_memory import MpsMemoryLimit
-from pixal3d.staging.policy import gib, usable
+from pixal3d.staging.policy import (
+    gib,
+    resolve_policy,
+    stage_weight_bytes,
+    stream_choice,
+    usable,
+)
 
 from .build import build_stages
 from .errors import DeviceError, NotEnoughMemoryError
 from .job import UsageError
+from .loaders import STREAM_UNITS
 from .parallel import RankPlan
 from .stage import CascadeStage, StageBudget
 
@@ -40,6 +62,7 @@ class RunPlan:
     mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
     parallel: RankPlan | None = None         # this rank's part of the job under torchrun, else None
     memory_budget: int | None = None         # bytes every stage's work was bounded to (memory_budget)
+    stream_pinned: bool = False              # stream policy on CUDA: blocks copied from pinned host copies
 
     def choices(self) -> dict[str, Any]:
         """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
@@ -60,7 +83,8 @@ class RunPlan:
         headroom; within the memory budget, less the interpreter, when there is one) minus what the policy
         needs for models and the largest working set."""
         memory = self.memory
-        need = memory.staged_peak if self.policy in (Policy.staged, Policy.offload) else memory.resident_peak
+        staged = self.policy in (Policy.staged, Policy.offload, Policy.stream)
+        need = memory.staged_peak if staged else memory.resident_peak
         room = usable(self.machine.device_available)
         if self.memory_budget is not None:
             room = min(room, models_and_work(self.memory_budget))
@@ -152,15 +176,16 @@ def with_sampler_of(stage: Any, config: CascadeConfig) -> Any:
 
 
 def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | None,
-               machine: Machine) -> tuple[Any, ...]:
+               machine: Machine, layouts: Mapping[str, StreamLayout] | None = None) -> tuple[Any, ...]:
     """Each stage as it should run within the memory it may use (``CascadeStage.fitted``): an explicit
     ``budget`` bounds every stage to it, and one that cannot fit even then raises ``MemoryBudgetError``
     naming the stage, its need and the budget; without one, each stage may use the machine's usable memory
-    (its NAF mode is chosen against that, nothing is refused)."""
+    (its NAF mode is chosen against that, nothing is refused). ``layouts``: the models whose blocks stream (the
+    ``stream`` policy): a stage counts their resident parts and the blocks in flight, not the whole models."""
     total = budget if budget is not None else usable(machine.device_available)
     fitted = []
     for stage in stages:
-        weights = sum(sizes.get(m, 0) for m in stage.needs)
+        weights = stage_weight_bytes(stage.needs, {m: sizes.get(m, 0) for m in stage.needs}, layouts)
         if hasattr(stage, "fitted"):
             stage = stage.fitted(StageBudget(total, weights, budget is not None,
                                              array_bytes=device_array_bytes(machine.device)))
@@ -170,6 +195,142 @@ def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | No
                                                           f"{format_bytes(stage.working_set())}")
         fitted.append(stage)
     return tuple(fitted)
+
+
+def smallest_budget(stages: Sequence[Any], sizes: Mapping[str, int], machine: Machine,
+                    layouts: Mapping[str, StreamLayout] | None = None, *,
+                    step: int = GIB // 100) -> tuple[int, str]:
+    """The smallest memory budget (to ``step`` bytes) every stage fits within, and the stage that sets it (the one
+    refused just below it): ``fit_stages`` bisected, nothing read."""
+    def fits(budget: int) -> str | None:
+        try:
+            fit_stages(stages, sizes, budget, machine, layouts)
+        except MemoryBudgetError as err:
+            return err.stage or "?"
+        return None
+
+    low, high = PROCESS_BYTES, 2 * GIB
+    while fits(high) is not None:
+        low, high = high, high * 2
+        if high > 2**50:
+            raise MemoryBudgetError("no memory budget fits this cascade (above 1 PiB)")
+    while high - low > step:
+        middle = (low + high) // 2
+        if fits(middle) is None:
+            high = middle
+        else:
+            low = middle
+    return -(-high // step) * step, fits(low) or ""
+
+
+@dataclass(frozen=True)
+class PolicyFit:
+    """What fitting the stages and choosing the policy gave: the stages as they will run, the memory plan of
+    the chosen policy (``streamed`` for ``stream``), the policy and its reasons."""
+
+    stages: tuple[Any, ...]
+    memory: MemoryPlan
+    policy: Policy
+    reasons: list[str]
+
+
+def fit_policy(requested: Policy | str, stages: Sequence[Any], sizes: Mapping[str, int], budget: int | None,
+               machine: Machine, layouts: Mapping[str, StreamLayout]) -> PolicyFit:
+    """Fit the stages (``fit_stages``) and choose the policy: with whole models, then — when some models can
+    stream (``layouts``) and the request is ``auto`` or ``stream`` — with their blocks streamed; ``auto`` takes
+    ``stream`` when a budget refuses whole models or their largest stage does not fit. A budget nothing meets
+    raises ``MemoryBudgetError`` naming the stage and the smallest budget that would do."""
+    requested = Policy(requested)
+    limit = None if budget is None else models_and_work(budget)
+    needs = {s.name: tuple(s.needs) for s in stages}
+    can_stream = bool(layouts) and requested in (Policy.auto, Policy.stream)
+
+    def plan(streamed: Mapping[str, StreamLayout] | None) -> tuple[tuple[Any, ...], MemoryPlan]:
+        try:
+            fitted = fit_stages(stages, sizes, budget, machine, streamed)
+        except MemoryBudgetError as err:
+            if budget is None:
+                raise
+            smallest, _ = smallest_budget(stages, sizes, machine, layouts if can_stream else None)
+            raise MemoryBudgetError(f"{err}; the smallest budget this cascade plans within is {gib(smallest)} "
+                                    f"(memory_budget={smallest / GIB:.2f}G)", stage=err.stage, need=err.need,
+                                    smallest=smallest) from None
+        return fitted, MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in fitted},
+                                        streamed=streamed)
+
+    whole = refused = None
+    if requested is not Policy.stream:
+        try:
+            whole = plan(None)
+        except MemoryBudgetError as err:
+            if not can_stream:
+                raise
+            refused = err
+    streamed = plan(layouts) if can_stream else None
+    if whole is None:
+        if streamed is None:
+            raise PolicyError("policy 'stream' needs models that can stream their blocks (the flows, the decoders), "
+                              "and this plan has none: use staged")
+        if requested is Policy.stream:
+            policy, reasons = resolve_policy(requested, streamed[1], machine, limit=limit, streamed=streamed[1])
+        else:
+            policy, reasons = stream_choice(streamed[1], machine, limit=limit,
+                                            because=f"with whole models, stage {refused.stage!r} does not fit the "
+                                                    f"memory budget")
+        return PolicyFit(streamed[0], streamed[1], policy, reasons)
+    policy, reasons = resolve_policy(requested, whole[1], machine, limit=limit,
+                                     streamed=streamed[1] if streamed is not None else None)
+    chosen = streamed if policy is Policy.stream else whole
+    return PolicyFit(chosen[0], chosen[1], policy, reasons)
+
+
+def stream_layouts(config: CascadeConfig, models: Sequence[str], policy: Policy | str) -> dict[str, StreamLayout]:
+    """The blocks of every model in ``models`` that can stream (``STREAM_UNITS``), from their headers (nothing
+    downloaded), when ``policy`` may stream (``auto``, ``stream``); else none."""
+    if Policy(policy) not in (Policy.auto, Policy.stream):
+        return {}
+    names = [m for m in models if m in STREAM_UNITS]
+    tensors = planned_tensor_bytes(config.weights, models=names, config_file=config.source or None)
+    return {m: StreamLayout.from_tensors(t, STREAM_UNITS[m]) for m, t in tensors.items()}
+
+
+def stream_pinned(memory: MemoryPlan, machine: Machine) -> bool:
+    """Whether a discrete GPU's host memory holds pinned copies of the streamed models one stage uses at a time
+    (then their blocks are copied from those, at the link's full speed, rather than from the mapped files)."""
+    if machine.unified or not memory.streamed:
+        return False
+    per_stage = max((sum(memory.model_bytes[m] for m in s.models if m in memory.streamed) for s in memory.stages),
+                    default=0)
+    return per_stage <= usable(machine.host_available)
+
+
+def describe_stream(memory: MemoryPlan, stages: Sequence[Any], bandwidth: float) -> list[str]:
+    """The ``stream`` policy's cost per stage, in words: the bytes of blocks one pass copies (a forward of a flow,
+    up to two per sampler step with guidance; one decode, its tiled levels again per tile) and their time at
+    ``bandwidth`` bytes per second (the host-to-device copy measured on this device)."""
+    lines = []
+    by_name = {s.name: s for s in stages}
+    for row in memory.stages:
+        if not row.streamed_bytes:
+            continue
+        stage = by_name.get(row.name)
+        seconds = row.streamed_bytes / bandwidth
+        copied = f"{format_bytes(row.streamed_bytes)} of blocks copied per"
+        at = f"{seconds:.2f} s at {bandwidth / 1e9:.1f} GB/s"
+        sampler = getattr(getattr(stage, "config", None), "sampler", None)
+        if sampler is not None:
+            guided = sampler.guidance_strength != 1.0
+            forwards = sampler.steps * (2 if guided else 1)
+            lines.append(f"{row.name}: {copied} forward, {at}; up to {forwards} forwards ({sampler.steps} steps"
+                         f"{', 2 per guided step' if guided else ''}): {format_bytes(forwards * row.streamed_bytes)}, "
+                         f"{forwards * seconds:.1f} s")
+        else:
+            tiles = " (the tiled levels' blocks again per tile)" if getattr(stage, "tile_plan", None) else ""
+            lines.append(f"{row.name}: {copied} pass{tiles}, {at}")
+    if lines:
+        lines.insert(0, f"streamed: {bandwidth / 1e9:.1f} GB/s is this device's host-to-device copy, measured now "
+                        f"(a block read from a disk the page cache does not hold goes at the disk's speed)")
+    return lines
 
 
 def with_attention_route_of(stages: Sequence[Any], route: str) -> tuple[Any, ...]:

@@ -265,6 +265,7 @@ class UpsampleConfig:
 
 
 ATTENTION_ROUTES = ("auto", "sdpa", "fp32_chunked")  # pixal3d.nn.attention.ROUTES (a test keeps them equal)
+CPU_WEIGHTS = ("mapped", "copied")
 
 
 @dataclass(frozen=True)
@@ -273,9 +274,13 @@ class RuntimeConfig:
 
     ``attention``: ``auto`` (fp32 softmax in bounded query chunks on Apple Silicon, fused SDPA elsewhere),
     ``sdpa`` or ``fp32_chunked`` (``pixal3d.nn.attention``).
+    ``cpu_weights``: on the CPU, ``mapped`` (loaded weights are pages of the memory-mapped checkpoints: no copy,
+    and the kernel may drop and read them again) or ``copied`` (every load, and every streamed block, copied into
+    process memory as onto a device: what a GPU or a Mac pays, for measurements). Other devices always copy.
     """
 
     attention: str = "auto"
+    cpu_weights: str = "mapped"
 
 
 @dataclass(frozen=True)
@@ -510,6 +515,9 @@ def _check_config(config: CascadeConfig, where: str) -> None:
     if config.runtime.attention not in ATTENTION_ROUTES:
         raise ConfigError(f"{where}: key 'runtime.attention' must be {', '.join(ATTENTION_ROUTES)}, "
                           f"got {config.runtime.attention!r}")
+    if config.runtime.cpu_weights not in CPU_WEIGHTS:
+        raise ConfigError(f"{where}: key 'runtime.cpu_weights' must be {', '.join(CPU_WEIGHTS)}, "
+                          f"got {config.runtime.cpu_weights!r}")
     up = config.upsample
     factor = 2 ** up.times
     if up.hr_resolution % factor or up.min_resolution % factor or up.resolution_step % factor:

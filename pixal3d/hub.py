@@ -148,22 +148,32 @@ class Fetcher:
         (a few KB) when it can, else is recorded as missing (0). ``select`` (the names of the whole file → the
         names to count) sizes a part of the file, such as one pipeline rank's shard."""
         path = folder / filename if folder is not None else None
+        if path is not None and path.is_file() and select is None:
+            return verify_safetensors(path, source=source)
+        tensors = self.planned_tensors(source, folder, filename, label=label)
+        if tensors is None:
+            return 0
+        names = tensors.keys() if select is None else select(list(tensors))
+        return sum(tensors[n] for n in names)
+
+    def planned_tensors(self, source: WeightSource, folder: Path | None, filename: str, *,
+                        label: str) -> dict[str, int] | None:
+        """Each tensor's bytes in ``folder/filename``, from its header (on disk, else the Hub's, a few KB); None
+        when neither can be read (recorded as missing)."""
+        path = folder / filename if folder is not None else None
         if path is not None and path.is_file():
-            if select is None:
-                return verify_safetensors(path, source=source)
-            return _selected_bytes(read_safetensors_header(path, source=source), select)
+            return _tensor_bytes(read_safetensors_header(path, source=source))
         if source.repo is None or self.offline or self.unreachable is not None:
             self.missing.append(_Missing(source, label, [filename], folder))
-            return 0
+            return None
         from huggingface_hub import parse_safetensors_file_metadata
 
         try:
             meta = parse_safetensors_file_metadata(source.repo, filename, revision=source.revision)
         except Exception as err:  # noqa: BLE001 -- network and Hub errors of many kinds: say what failed
             self.missing.append(_Missing(source, label, [filename], folder, self._reason(err)))
-            return 0
-        return _selected_bytes({name: {"data_offsets": t.data_offsets} for name, t in meta.tensors.items()},
-                               select)
+            return None
+        return _tensor_bytes({name: {"data_offsets": t.data_offsets} for name, t in meta.tensors.items()})
 
     def repo_file_size(self, source: WeightSource, filename: str, *, notes: list[str]) -> int:
         """Bytes of one (non-safetensors) file from the Hub's file listing, for the plan; 0 with a note
@@ -468,10 +478,9 @@ def read_safetensors_header(path: str | Path, *, source: WeightSource | None = N
         raise CorruptWeightsError(f"{err}; delete it and download it again") from None
 
 
-def _selected_bytes(tensors: dict[str, Any], select: TensorSelector | None) -> int:
-    """Bytes of the tensors ``select`` keeps (all of them without one), from their header offsets."""
-    names = tensors.keys() if select is None else select(list(tensors))
-    return sum(int(tensors[n]["data_offsets"][1]) - int(tensors[n]["data_offsets"][0]) for n in names)
+def _tensor_bytes(tensors: dict[str, Any]) -> dict[str, int]:
+    """Name -> bytes of every tensor, from header offsets."""
+    return {name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in tensors.items()}
 
 
 def verify_safetensors(path: str | Path, *, source: WeightSource | None = None) -> int:

@@ -86,7 +86,13 @@ EXPORT_BYTES_PER_TEXEL = 32
 
 
 class MemoryBudgetError(ValueError):
-    """A stage cannot run within the memory budget, whatever its tiles or chunks."""
+    """A stage cannot run within the memory budget, whatever its tiles or chunks: ``stage`` names it, ``need`` is
+    the process memory it needs at least (bytes), ``smallest`` the smallest budget the whole cascade plans within
+    when the plan found it (else None)."""
+
+    def __init__(self, message: str, *, stage: str = "", need: float = 0, smallest: int | None = None):
+        super().__init__(message)
+        self.stage, self.need, self.smallest = stage, need, smallest
 
 
 _SHOWN_UNITS = (("TiB", 2**40, 2), ("GiB", GIB, 2), ("MiB", MIB, 1), ("KiB", 2**10, 1))
@@ -106,7 +112,7 @@ def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBud
     work, and the interpreter), the budget, and what to change."""
     return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(PROCESS_BYTES + need)} ({detail}) but "
                              f"the memory budget is {format_bytes(budget)}; raise memory_budget or use a smaller "
-                             f"config")
+                             f"config", stage=stage, need=PROCESS_BYTES + need)
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": MIB, "MB": MIB, "MIB": MIB,

@@ -231,6 +231,28 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     return sizes, notes
 
 
+def planned_tensor_bytes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
+                         config_file: str | None = None) -> dict[str, dict[str, int]]:
+    """Each Pixal3D checkpoint in ``models``: its tensors' bytes (name -> bytes) from its header, on disk or the
+    Hub's, as ``planned_sizes`` reads them (nothing downloaded but ``pipeline.json``): what the ``stream``
+    policy's plan splits into the part that stays resident and the blocks."""
+    wanted = [m for m in models if m in PIPELINE_MODELS]
+    if not wanted:
+        return {}
+    offline = hub_offline() if offline is None else offline
+    fetch = Fetcher(offline=offline, generate=None, config_file=config_file)
+    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    out: dict[str, dict[str, int]] = {}
+    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
+        stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"), wanted, pipe_dir / "pipeline.json")
+        for name, stem in stems.items():
+            tensors = fetch.planned_tensors(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d")
+            if tensors is not None:
+                out[name] = tensors
+    fetch.raise_missing()
+    return out
+
+
 # -- pipeline.json -------------------------------------------------------------------------------
 
 def read_pipeline_json(path: Path) -> dict[str, Any]:

@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=1_000_000)
     parser.add_argument("--format", choices=("png", "webp"), default="png")
     parser.add_argument("--projection", choices=("tangent", "exact"), default="tangent")
+    parser.add_argument("--remesh", action="store_true", help="the release setting's remesh (configs/1024_cascade.yaml)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="/tmp/bench_export.glb")
     parser.add_argument("--cache", default=None, help="npz to reuse the generated fields across runs")
@@ -93,7 +94,7 @@ def main() -> None:
     print(f"synthetic fields: {len(fields.coords):,} voxels at R={fields.resolution} "
           f"in {time.perf_counter() - start:.1f} s (not timed below); RSS {psutil.Process().memory_info().rss / 2**30:.2f} GiB")
     settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size,
-                              texture_format=args.format, projection=args.projection)
+                              texture_format=args.format, projection=args.projection, remesh=args.remesh)
     report = export_glb(fields, pbr, args.out, settings=settings, progress=False, exact_peak_rss=True)
     print(report.table())
     print(f"output: {report.faces:,} faces, {report.vertices:,} vertices, coverage {report.coverage:.1%}, "

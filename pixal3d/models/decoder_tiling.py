@@ -74,9 +74,11 @@ def receptive_radii(decoder: SparseUnetVaeDecoder) -> list[int]:
     """``R[i]``: the Chebyshev distance, in level-``i`` voxels, around a region within which the input of
     stage ``i`` must be exact for the decoder's output on that region to be exact (see module doc)."""
     last = decoder.num_upsamplings
+    stages = [list(stage.children()) for stage in decoder.blocks.children()]  # structure only: a streamed decoder's
+    # blocks are not materialised to read their kernel sizes
 
     def blocks_radius(i: int) -> int:
-        stage = decoder.blocks[i]
+        stage = stages[i]
         total = 0
         for block in stage[:-1] if i < last else stage:
             if not isinstance(block, SparseConvNeXtBlock3d):
@@ -88,7 +90,7 @@ def receptive_radii(decoder: SparseUnetVaeDecoder) -> list[int]:
     radii = [0] * (last + 1)
     radii[last] = blocks_radius(last)
     for i in range(last - 1, -1, -1):
-        c2s = decoder.blocks[i][-1]
+        c2s = stages[i][-1]
         if not isinstance(c2s, SparseResBlockC2S3d):
             raise TypeError(f"stage {i} ends in {type(c2s).__name__}, not SparseResBlockC2S3d")
         child = radii[i + 1] + _radius(c2s.conv2)

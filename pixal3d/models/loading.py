@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.staging.stream import WeightStream, stream_model
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,51 @@ def read_spec(json_path: str | Path) -> dict[str, Any]:
     return spec
 
 
+def _open(path: Path, device: torch.device | str):
+    try:
+        return safe_open(str(path), framework="pt", device=str(torch.device(device)))
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file {path} does not exist") from None
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"weights file {path} is not a readable safetensors file ({err}); "
+                              f"delete it and download it again") from None
+
+
+def _check_keys(f: Any, path: Path, model: nn.Module, expected: Mapping[str, torch.Tensor]) -> None:
+    """Every key of ``expected`` in the file with its shape, and nothing else: one ``CheckpointError`` if not."""
+    keys = set(f.keys())
+    missing = sorted(set(expected) - keys)
+    unexpected = sorted(keys - set(expected))
+    mismatched = []
+    for key in sorted(keys & set(expected)):
+        shape = tuple(f.get_slice(key).get_shape())
+        if shape != tuple(expected[key].shape):
+            mismatched.append(f"{key}: file {list(shape)} vs model {list(expected[key].shape)}")
+    if missing or unexpected or mismatched:
+        lines = [f"{path} does not match {type(model).__name__}:"]
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if items:
+                shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+                lines.append(f"  {label}: {shown}")
+        raise CheckpointError("\n".join(lines))
+
+
+def _get(f: Any, path: Path, key: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(key)
+    except Exception as err:
+        raise CheckpointError(f"weights file {path} is truncated or corrupt at tensor {key!r} ({err}); "
+                              f"delete it and download it again") from None
+
+
+def _check_loaded(model: nn.Module, path: Path, streamed: set[str] = frozenset()) -> nn.Module:
+    leftover = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta and n not in streamed]
+    if leftover:
+        raise CheckpointError(f"{path}: tensors left on meta after loading {type(model).__name__}: {leftover[:8]} "
+                              f"(a model must not hold buffers that are neither stored nor derived on the fly)")
+    return model.eval().requires_grad_(False)
+
+
 def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch.device | str,
                     reference: nn.Module | None = None) -> nn.Module:
     """Strictly fill a meta-built ``model`` from a safetensors file, tensors created on ``device``.
@@ -111,42 +157,60 @@ def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch
     expected = dict((model if reference is None else reference).state_dict(keep_vars=True).items())
     wanted = dict(model.state_dict(keep_vars=True).items())
     state: dict[str, torch.Tensor] = {}
-    try:
-        handle = safe_open(str(path), framework="pt", device=str(torch.device(device)))
-    except FileNotFoundError:
-        raise CheckpointError(f"weights file {path} does not exist") from None
-    except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"weights file {path} is not a readable safetensors file ({err}); "
-                              f"delete it and download it again") from None
-    with handle as f:
-        keys = set(f.keys())
-        missing = sorted(set(expected) - keys)
-        unexpected = sorted(keys - set(expected))
-        mismatched = []
-        for key in sorted(keys & set(expected)):
-            shape = tuple(f.get_slice(key).get_shape())
-            if shape != tuple(expected[key].shape):
-                mismatched.append(f"{key}: file {list(shape)} vs model {list(expected[key].shape)}")
-        if missing or unexpected or mismatched:
-            lines = [f"{path} does not match {type(model).__name__}:"]
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-                if items:
-                    shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-                    lines.append(f"  {label}: {shown}")
-            raise CheckpointError("\n".join(lines))
+    with _open(path, device) as f:
+        _check_keys(f, path, model, expected)
         for key in sorted(wanted):
-            try:
-                tensor = f.get_tensor(key)
-            except Exception as err:
-                raise CheckpointError(f"weights file {path} is truncated or corrupt at tensor {key!r} ({err}); "
-                                      f"delete it and download it again") from None
-            state[key] = tensor.to(wanted[key].dtype)
+            state[key] = _get(f, path, key).to(wanted[key].dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    leftover = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if leftover:
-        raise CheckpointError(f"{path}: tensors left on meta after loading {type(model).__name__}: {leftover[:8]} "
-                              f"(a model must not hold buffers that are neither stored nor derived on the fly)")
-    return model.eval().requires_grad_(False)
+    return _check_loaded(model, path)
+
+
+def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) -> nn.Module:
+    """``load_model`` for the ``stream`` policy: the model's streamed lists (its ``stream_lists``, the flow
+    transformers' blocks, the decoders' stages) stay on ``meta`` and are streamed to ``stream``'s device one block
+    at a time from the memory-mapped file (``pin``: from a pinned host copy, for CUDA when host memory has room);
+    everything else loads onto the device as ``load_model`` loads it. The same keys and shapes are checked."""
+    stem = Path(stem)
+    spec = read_spec(stem.with_suffix(".json"))
+    model = build_model(spec, device="meta", source=str(stem.with_suffix(".json")))
+    lists = tuple(getattr(model, "stream_lists", ()))
+    if not lists:
+        raise CheckpointError(f"{type(model).__name__} names no stream_lists: it cannot be streamed")
+    path = stem.with_suffix(".safetensors")
+    expected = dict(model.state_dict(keep_vars=True).items())
+    prefixes = tuple(f"{name}." for name in lists)
+    state: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
+    with _open(path, "cpu") as f:  # memory-mapped: a block's bytes are read when it is first copied
+        _check_keys(f, path, model, expected)
+        for key in sorted(expected):
+            tensor = _get(f, path, key)
+            if key.startswith(prefixes):
+                sources[key] = tensor.pin_memory() if pin else tensor
+            else:
+                value = tensor.to(stream.device, expected[key].dtype)
+                state[key] = value.clone() if stream.copy and value.data_ptr() == tensor.data_ptr() else value
+    model.load_state_dict(state, strict=False, assign=True)
+    stream_model(model, lists, sources, stream)
+    return _check_loaded(model, path, set(sources))
+
+
+def in_process_memory(model: nn.Module) -> nn.Module:
+    """``model`` with every tensor copied into fresh process memory (off the memory-mapped file a CPU load leaves
+    it on), as a load onto a device copies it: ``runtime.cpu_weights: copied``. Tensors sharing a storage stay
+    shared."""
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in copies:
+                    copy = tensor.detach().clone()
+                    copies[id(tensor)] = nn.Parameter(copy, requires_grad=tensor.requires_grad) \
+                        if isinstance(tensor, nn.Parameter) else copy
+                table[key] = copies[id(tensor)]
+    return model
 
 
 def load_model(stem: str | Path, *, device: torch.device | str = "cpu") -> nn.Module:

@@ -113,6 +113,8 @@ def _block_kwargs(block_args: Sequence[dict[str, Any]] | None, stages: int) -> l
 class SparseUnetVaeDecoder(nn.Module):
     """Structured latent ``[N, latent_channels]`` -> ``[M, out_channels]`` on a ``2^(stages-1)``× finer grid."""
 
+    stream_unit = r"blocks\.\d+\.\d+\."  # one block of one stage in the checkpoint (see ``stream_lists``)
+
     def __init__(self, out_channels: int, model_channels: Sequence[int], latent_channels: int,
                  num_blocks: Sequence[int], block_type: Sequence[str], up_block_type: Sequence[str],
                  block_args: Sequence[dict[str, Any]] | None = None, use_fp16: bool = False,
@@ -147,6 +149,13 @@ class SparseUnetVaeDecoder(nn.Module):
     @property
     def num_upsamplings(self) -> int:
         return len(self.blocks) - 1
+
+    @property
+    def stream_lists(self) -> tuple[str, ...]:
+        """The ModuleLists whose children the stream policy copies to the device one at a time
+        (pixal3d.staging.stream): each stage's blocks (a C2S block of the first stage is the largest, 241 MB);
+        ``from_latent`` and ``output_layer`` stay."""
+        return tuple(f"blocks.{i}" for i in range(len(self.blocks)))
 
     def _stage(self, i: int, h: SparseTensor, subdiv: SparseTensor | None = None
                ) -> tuple[SparseTensor, SparseTensor | None]:

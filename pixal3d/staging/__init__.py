@@ -9,6 +9,8 @@ Pipeline-agnostic: nothing here imports the rest of pixal3d. A pipeline author n
   choose where idle models live from the plan and the machine;
 - ``StagedModels`` (``registry.py``) when driving stages by hand; ``preserved_rng`` around code that
   may draw from the global generators;
+- ``WeightStream`` / ``stream_model`` (``stream.py``): a model's blocks copied to the device one at a time (the
+  ``stream`` policy), ``StreamLayout`` to plan it from a header;
 - ``Event`` / ``EventLog`` to watch loads and releases; ``fingerprints`` to compare runs bit for bit.
 """
 from .events import Event, EventLog, EventSink
@@ -34,11 +36,12 @@ from .safetensors_header import (
     SafetensorsHeaderError,
     read_safetensors_header,
 )
+from .stream import StreamLayout, WeightStream, measure_copy_bandwidth, stream_model
 
 __all__ = [
     "Event", "EventLog", "EventSink", "Executor", "Hook", "Item", "Machine", "MemoryPlan", "OutsideStageError",
     "Placement", "Policy", "PolicyError", "ReleasedModuleError", "SafetensorsHeader", "SafetensorsHeaderError",
-    "Stage", "StageGraphError", "StageRecord", "StageRunner", "Store", "StagedModels", "check_stages",
-    "detect_machine", "fingerprints", "format_plan", "placement", "preserved_rng", "read_safetensors_header",
-    "release", "resolve_policy",
+    "Stage", "StageGraphError", "StageRecord", "StageRunner", "Store", "StagedModels", "StreamLayout",
+    "WeightStream", "check_stages", "detect_machine", "fingerprints", "format_plan", "measure_copy_bandwidth",
+    "placement", "preserved_rng", "read_safetensors_header", "release", "resolve_policy", "stream_model",
 ]

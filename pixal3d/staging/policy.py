@@ -6,12 +6,17 @@ Policies (``policy=``; the command's ``--memory-policy``):
 - ``staged``: release idle models to ``meta``; reload from disk when a later stage needs them.
 - ``offload``: park idle models in pinned host memory (discrete GPUs only).
 - ``eager``: load everything up front and keep it — the reference behaviour, for comparisons.
-- ``auto``: choose from the memory plan and the machine, with the reasons as text.
+- ``stream``: as ``staged``, and the models that can stream (``stream.py``) copy their blocks to the device
+  one at a time, the next copy overlapping the current block's compute: a stage holds its other models, the
+  streamed models' small parts and two blocks in flight.
+- ``auto``: choose from the memory plan and the machine, with the reasons as text (``stream`` when a stage's
+  whole models do not fit and their blocks do).
 
 A plan is built from model sizes the pipeline read from safetensors headers (no tensor is read to plan).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +26,7 @@ import psutil
 import torch
 
 from .registry import IdlePlacement
+from .stream import StreamLayout, in_flight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ class Policy(str, enum.Enum):
     staged = "staged"
     offload = "offload"
     eager = "eager"
+    stream = "stream"
     auto = "auto"
 
 
@@ -87,14 +94,27 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
     raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
 
 
+def stage_weight_bytes(models: Iterable[str], model_bytes: Mapping[str, int],
+                       streamed: Mapping[str, StreamLayout] | None = None) -> int:
+    """Weight bytes a stage holds: whole models, and for the models in ``streamed`` their resident part plus the
+    units in flight (``in_flight_bytes`` over all of them: they share one device's stream)."""
+    streamed = streamed or {}
+    models = list(models)
+    layouts = [streamed[m] for m in models if m in streamed]
+    whole = sum(model_bytes[m] for m in models if m not in streamed)
+    return whole + sum(layout.resident_bytes for layout in layouts) + in_flight_bytes(layouts)
+
+
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage: the models it needs, their weight bytes and the estimated working set."""
+    """One stage: the models it needs, their weight bytes and the estimated working set; ``streamed_bytes``: the
+    bytes of blocks a pass over its streamed models copies to the device (0 when none streams)."""
 
     name: str
     models: tuple[str, ...]
     weight_bytes: int
     working_bytes: int
+    streamed_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -107,6 +127,7 @@ class MemoryPlan:
 
     model_bytes: Mapping[str, int]
     stages: tuple[StagePlan, ...]
+    streamed: Mapping[str, StreamLayout] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(
@@ -114,8 +135,12 @@ class MemoryPlan:
         model_bytes: Mapping[str, int],
         stages: Mapping[str, Sequence[str]],
         working_bytes: Mapping[str, int] | None = None,
+        streamed: Mapping[str, StreamLayout] | None = None,
     ) -> MemoryPlan:
-        """Combine model sizes with each stage's needs and working-set estimate (bytes, default 0)."""
+        """Combine model sizes with each stage's needs and working-set estimate (bytes, default 0). ``streamed``:
+        the layout of each model whose blocks stream (the ``stream`` policy's plan): a stage counts its resident
+        part and the blocks in flight instead of the whole model."""
+        streamed = dict(streamed or {})
         working_bytes = working_bytes or {}
         missing = sorted({m for needs in stages.values() for m in needs} - model_bytes.keys())
         if missing:
@@ -128,10 +153,11 @@ class MemoryPlan:
                 f"working-set estimates for unknown stages {unknown}; stages are {list(stages)}"
             )
         plans = tuple(
-            StagePlan(s, tuple(needs), sum(model_bytes[m] for m in needs), working_bytes.get(s, 0))
+            StagePlan(s, tuple(needs), stage_weight_bytes(needs, model_bytes, streamed), working_bytes.get(s, 0),
+                      sum(streamed[m].streamed_bytes for m in needs if m in streamed))
             for s, needs in stages.items()
         )
-        return cls(dict(model_bytes), plans)
+        return cls(dict(model_bytes), plans, streamed)
 
     @property
     def all_weights(self) -> int:
@@ -155,18 +181,50 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = None) -> tuple[Policy, list[str]]:
-    """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences. ``limit``: bytes the
-    models and the work may use at most (a memory budget less the interpreter), below the machine's own."""
-    pool, host = usable(machine.device_available), usable(machine.host_available)  # what may be filled
+def _pool(machine: Machine, limit: int | None) -> tuple[int, int, str]:
+    """What may be filled on the device and in host memory, and those words for the reasons."""
+    pool, host = usable(machine.device_available), usable(machine.host_available)
     room = f"{gib(pool)} usable ({gib(machine.device_available)} available less {HEADROOM:.0%} headroom)"
     if limit is not None and limit < pool:
         room = f"{gib(limit)} usable (the memory budget; {gib(machine.device_available)} available)"
         pool, host = limit, min(host, limit)
+    return pool, host, room
+
+
+def _where(machine: Machine, room: str) -> str:
+    if machine.unified:
+        return f"unified memory ({machine.device}): models and work share one pool, {room}"
+    return f"discrete GPU {machine.name} ({machine.device}): {room}"
+
+
+def stream_choice(streamed: MemoryPlan, machine: Machine, *, limit: int | None = None,
+                  because: str) -> tuple[Policy, list[str]]:
+    """``stream``, and why: ``because`` says why whole models do not do (a sentence)."""
+    pool, _, room = _pool(machine, limit)
+    streaming = (f"stream the flow and decoder blocks to the device two at a time: the largest stage then needs "
+                 f"{gib(streamed.staged_peak)} (its other models, the streamed models' small parts, two blocks in "
+                 f"flight and its work)")
+    reasons = [_where(machine, room), because, streaming]
+    if streamed.staged_peak > pool:
+        reasons.append(f"warning: even so, {gib(streamed.staged_peak)} is more than the {gib(pool)} usable; "
+                       f"expect swapping or out-of-memory")
+    return Policy.stream, reasons
+
+
+def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = None,
+                  streamed: MemoryPlan | None = None) -> tuple[Policy, list[str]]:
+    """The ``auto`` choice (DESIGN.md's table) and the reasons for it, as sentences. ``limit``: bytes the
+    models and the work may use at most (a memory budget less the interpreter), below the machine's own.
+    ``streamed``: the plan with the streamable models' blocks streamed; chosen when the largest stage does not
+    fit with whole models."""
+    pool, host, room = _pool(machine, limit)
+    where = _where(machine, room)
     everything = f"all models resident need {gib(plan.resident_peak)}"
     largest = f"the largest stage needs {gib(plan.staged_peak)}"
+    if streamed is not None and plan.staged_peak > pool and plan.resident_peak > pool:
+        return stream_choice(streamed, machine, limit=limit, because=f"with whole models {largest}, which does "
+                                                                      f"not fit")
     if machine.unified:
-        where = f"unified memory ({machine.device}): models and work share one pool, {room}"
         if plan.resident_peak <= pool:
             return Policy.resident, [where, f"{everything}, which fits: keep every model loaded"]
         reasons = [
@@ -177,7 +235,6 @@ def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = Non
         if plan.staged_peak > pool:
             reasons.append(f"warning: {largest}, more than usable memory; expect swapping or out-of-memory")
         return Policy.staged, reasons
-    where = f"discrete GPU {machine.name} ({machine.device}): {room}"
     if plan.resident_peak <= pool:
         return Policy.resident, [where, f"{everything}, which fits on the GPU: keep every model there"]
     reasons = [where, f"{everything}, which does not fit on the GPU"]
@@ -199,24 +256,29 @@ def choose_policy(plan: MemoryPlan, machine: Machine, *, limit: int | None = Non
 
 
 def resolve_policy(requested: Policy | str, plan: MemoryPlan, machine: Machine, *,
-                   limit: int | None = None) -> tuple[Policy, list[str]]:
-    """Turn the requested policy into the one to run: ``auto`` chooses (within ``limit`` bytes when given: see
-    ``choose_policy``); ``offload`` is checked."""
+                   limit: int | None = None, streamed: MemoryPlan | None = None) -> tuple[Policy, list[str]]:
+    """Turn the requested policy into the one to run: ``auto`` chooses (within ``limit`` bytes when given; with
+    ``streamed``, the plan of the ``stream`` policy: see ``choose_policy``); ``offload`` is checked; ``stream``
+    needs ``streamed``."""
     try:
         policy = Policy(requested)
     except ValueError:
         choices = [p.value for p in Policy]
         raise PolicyError(f"unknown policy {requested!r}; choose one of {choices}") from None
     if policy is Policy.auto:
-        return choose_policy(plan, machine, limit=limit)
+        return choose_policy(plan, machine, limit=limit, streamed=streamed)
     if policy is Policy.offload and machine.unified:
         raise PolicyError(
             f"policy 'offload' parks idle models in host memory, but {machine.device} uses unified "
             f"memory: host and device are one pool, so offloading frees nothing and adds a copy. "
             f"Use policy=staged (or auto) on this machine."
         )
+    if policy is Policy.stream:
+        if streamed is None:
+            raise PolicyError("policy 'stream' needs models that can stream their blocks, and this plan has none")
+        plan = streamed
     reasons = [f"requested explicitly (policy={policy.value})"]
-    need = plan.staged_peak if policy in (Policy.staged, Policy.offload) else plan.resident_peak
+    need = plan.staged_peak if policy in (Policy.staged, Policy.offload, Policy.stream) else plan.resident_peak
     if need > usable(machine.device_available):
         reasons.append(
             f"warning: {policy.value} needs {gib(need)}, {machine.device} has "
@@ -242,18 +304,26 @@ def _describe(machine: Machine) -> str:
 
 
 def format_plan(plan: MemoryPlan, machine: Machine, policy: Policy, reasons: Iterable[str]) -> str:
-    """The plan as a text table, then the machine, the chosen policy and its reasons (for ``--plan``)."""
-    rows = [("stage", "models", "weights", "working set", "total")]
+    """The plan as a text table, then the machine, the chosen policy and its reasons (for ``--plan``). A plan
+    whose blocks stream marks the streamed models (``~``) and adds the blocks each pass copies."""
+    streams = bool(plan.streamed)
+    header = ["stage", "models", "weights", "working set", "total"] + (["streamed per pass"] if streams else [])
+    rows = [tuple(header)]
     for s in plan.stages:
-        models = ", ".join(s.models) or "-"
-        rows.append((s.name, models, gib(s.weight_bytes), gib(s.working_bytes), gib(s.total_bytes)))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        models = ", ".join(f"{m}~" if m in plan.streamed else m for m in s.models) or "-"
+        row = [s.name, models, gib(s.weight_bytes), gib(s.working_bytes), gib(s.total_bytes)]
+        if streams:
+            row.append(gib(s.streamed_bytes) if s.streamed_bytes else "-")
+        rows.append(tuple(row))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     for i, row in enumerate(rows):
         cells = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if streams:
+        lines.append("~: streamed (its small parts resident, two blocks on the device at a time)")
     lines += [
         "",
         f"all weights at once: {gib(plan.all_weights)}; resident peak: {gib(plan.resident_peak)}; "
@@ -279,6 +349,7 @@ PLACEMENTS: Mapping[Policy, Placement] = {
     Policy.resident: Placement("keep"),
     Policy.staged: Placement("release"),
     Policy.offload: Placement("park"),
+    Policy.stream: Placement("release"),  # the streamed models' blocks come and go inside their stage
 }
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .stream import release_streams
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_staging_released"
@@ -128,6 +130,7 @@ def release(
     second time.
     """
     keep = [k for k in keep if k is not module]
+    release_streams(module)  # a streamed model's blocks in flight go with it
     kept_modules = {id(sub) for k in keep for sub in k.modules()}
     kept_storage = {
         _storage_key(t)

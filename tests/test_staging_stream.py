@@ -1,0 +1,162 @@
+"""WeightStream: a model's blocks copied to the device one at a time compute the same bits as the whole model;
+never more than two blocks are on the device; the next copy is started ahead (learned order); releasing the model
+drops its blocks; the plan's layout of a header matches what loading streams."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from pixal3d.models.loading import load_model, load_streamed, register_model
+from pixal3d.staging import (
+    StagedModels,
+    StreamLayout,
+    WeightStream,
+    release,
+    stream_model,
+)
+from pixal3d.staging.stream import (
+    IN_FLIGHT,
+    StreamedList,
+    in_flight_bytes,
+    streamed_units,
+)
+
+
+@register_model("StreamToy")
+class StreamToy(nn.Module):
+    """An embedding, four bf16 blocks (each a Linear and a norm with an fp32 weight), a head."""
+
+    stream_lists = ("blocks",)
+    stream_unit = r"blocks\.\d+\."
+
+    def __init__(self, width: int = 16, blocks: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, dtype=torch.bfloat16),
+                                                  nn.LayerNorm(width)) for _ in range(blocks))
+        self.head = nn.Linear(width, 2)
+        self.seen: list[int] = []  # units on the device (and being copied) while each block runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            if isinstance(self.blocks, StreamedList):
+                stream = self.blocks.stream
+                self.seen.append(sum(u.resident for u in self.blocks.units) + len(stream._pending))
+            h = block[1](block[0](h.to(torch.bfloat16)).float())
+        return self.head(h)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("toy")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = StreamToy()
+        for block in model.blocks:  # norms that do something
+            nn.init.uniform_(block[1].weight, 0.5, 1.5)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}  # file: all bf16
+    save_file(state, str(folder / "toy.safetensors"))
+    (folder / "toy.json").write_text('{"name": "StreamToy", "args": {}}')
+    return folder / "toy"
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_streamed_model_computes_the_whole_models_bits_with_two_blocks_at_most_on_the_device(toy, copy):
+    whole = load_model(toy)
+    stream = WeightStream("cpu", copy=copy)
+    streamed = load_streamed(toy, stream)
+    assert isinstance(streamed.blocks, StreamedList) and all(p.is_meta for p in streamed.blocks.parameters())
+    assert streamed.blocks[0][1].weight.dtype == torch.float32  # the model's dtype, from the file's bf16
+    with torch.no_grad():
+        expected = whole(_x())
+        outputs = [streamed(_x()) for _ in range(3)]
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert max(streamed.seen) <= IN_FLIGHT
+    assert not any(u.resident for u in streamed_units(streamed))  # a forward lets its last block go
+    assert stream.stats.units == 3 * 4  # every block of every forward (the first forward found block 0 there)
+    assert stream.stats.unprefetched <= 2  # the first block asked for; later the order is learned
+    stream.close()
+
+
+def test_copied_blocks_own_their_memory_and_mapped_ones_view_the_file(toy):
+    for copy in (True, False):
+        stream = WeightStream("cpu", copy=copy)
+        model = load_streamed(toy, stream)
+        unit = model.blocks.units[0]
+        weight = model.blocks[0][0].weight
+        source = next(t.source for t in unit.tensors if t.key == "weight" and t.dtype == torch.bfloat16)
+        assert (weight.data_ptr() == source.data_ptr()) is not copy
+        stream.close()
+
+
+def test_control_a_changed_block_source_changes_the_output(toy):
+    """The comparison above can fail: a streamed block whose bytes differ by one bit gives other outputs."""
+    whole = load_model(toy)
+    stream = WeightStream("cpu")
+    streamed = load_streamed(toy, stream)
+    tensor = streamed.blocks.units[2].tensors[0]
+    flipped = tensor.source.clone()
+    flipped.view(torch.int16)[0, 0] ^= 1
+    object.__setattr__(tensor, "source", flipped)
+    with torch.no_grad():
+        assert not torch.equal(streamed(_x()), whole(_x()))
+    stream.close()
+
+
+def test_releasing_a_streamed_model_drops_its_blocks_and_the_copy_under_way(toy):
+    stream = WeightStream("cpu")
+    registry = StagedModels({"toy": functools.partial(load_streamed, toy, stream)}, {"a": ["toy"], "b": []})
+    registry.enter("a")
+    model = registry["toy"]
+    model.blocks[1]  # block 1 on the device, block 2 being copied
+    assert stream._pending and model.blocks.units[1].resident
+    units = streamed_units(model)
+    registry.enter("b")  # staged: released
+    assert not stream._pending and not any(u.resident for u in units)
+    stream.close()
+
+
+def test_stream_model_refuses_what_it_cannot_stream(toy):
+    stream = WeightStream("cpu")
+    with pytest.raises(TypeError, match="not a ModuleList"):
+        stream_model(load_model(toy), ["head"], {}, stream)
+    with pytest.raises(ValueError, match="already loaded"):
+        loaded = load_model(toy)
+        stream_model(loaded, ["blocks"], dict(loaded.state_dict()), stream)
+    with torch.device("meta"):
+        empty = StreamToy()
+    with pytest.raises(KeyError, match="no source for blocks.0.0.weight"):
+        stream_model(empty, ["blocks"], {}, stream)
+
+
+def test_the_layout_of_a_header_is_what_loading_streams(toy):
+    from pixal3d.staging import read_safetensors_header
+
+    header = read_safetensors_header(toy.with_suffix(".safetensors"))
+    tensors = {name: info["data_offsets"][1] - info["data_offsets"][0] for name, info in header.tensors.items()}
+    layout = StreamLayout.from_tensors(tensors, StreamToy.stream_unit)
+    stream = WeightStream("cpu")
+    units = streamed_units(load_streamed(toy, stream))
+    assert len(layout.unit_bytes) == len(units) == 4
+    assert layout.resident_bytes == sum(v for k, v in tensors.items() if not k.startswith("blocks."))
+    assert layout.streamed_bytes == sum(v for k, v in tensors.items() if k.startswith("blocks."))
+    assert in_flight_bytes([layout, StreamLayout(0, (1000, 3))]) == 1000 + max(layout.unit_bytes)
+    stream.close()
+
+
+def test_a_released_streamed_model_is_gone_like_any_other(toy):
+    stream = WeightStream("cpu")
+    model = load_streamed(toy, stream)
+    assert release(model) > 0  # its resident parts
+    with pytest.raises(RuntimeError, match="released"):
+        model(_x())
+    stream.close()
