@@ -43,7 +43,7 @@ from pixal3d.staging.executor import Hook, Item
 from pixal3d.telemetry import MemoryMeter
 
 from .errors import Failure, classify
-from .state import check_seed
+from .state import check_fov, check_seed
 from .work_dir import StageKey
 
 BatchOrder = Literal["image", "stage"]
@@ -62,12 +62,14 @@ class BatchItem(Item):
     None before any) and its ``failure`` (``pipelines.errors.Failure``: kind and one line).
 
     input:   what run.json calls it (its ``label``: the path, or ``<image>``)
-    seed:    its seed; ``keys``: its stages' work-directory keys (``work_dir.stage_keys``)
+    seed:    its seed; ``fov``: its field of view (None: the config's, else estimated)
+    keys:    its stages' work-directory keys (``work_dir.stage_keys``)
     resumed: the stages taken from the work directory instead of being run
     notes:   lines about the work directory (a stale record and why)
     """
 
     seed: int = 0
+    fov: float | None = None
     keys: list[StageKey] = field(default_factory=list)
 
     @property
@@ -91,9 +93,11 @@ class BatchItem(Item):
 
 
 def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, default_seed: int,
-                names: Sequence[str] | None = None, labels: Sequence[str] | None = None) -> list[BatchItem]:
-    """One item per image, its seed checked; names (what outputs and records call it: the file's stem, else
-    ``image<i>``) unique; labels (what run.json calls its input: the path, else ``<image>``)."""
+                fov: float | Sequence[float | None] | None = None, names: Sequence[str] | None = None,
+                labels: Sequence[str] | None = None) -> list[BatchItem]:
+    """One item per image, its seed and field of view checked (one for all, or one per image); names (what
+    outputs and records call it: the file's stem, else ``image<i>``) unique; labels (what run.json calls its
+    input: the path, else ``<image>``)."""
     images = list(images)
     if isinstance(seed, Sequence):
         if len(seed) != len(images):
@@ -101,6 +105,14 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
         seeds = [check_seed(s) for s in seed]
     else:
         seeds = [default_seed if seed is None else check_seed(seed)] * len(images)
+    if isinstance(fov, Sequence):
+        if len(fov) != len(images):
+            raise ValueError(f"{len(fov)} fields of view for {len(images)} images; pass one, or one per image")
+        fovs = list(fov)
+    else:
+        fovs = [fov] * len(images)
+    for value in fovs:
+        check_fov(value)
     if names is None:
         names = [Path(im).stem if isinstance(im, (str, Path)) else f"image{i}" for i, im in enumerate(images)]
     elif len(names) != len(images):
@@ -109,8 +121,8 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
     if duplicates:
         raise ValueError(f"several images are named {duplicates}; names must be unique (pass names=)")
     labels = labels or [str(im) if isinstance(im, (str, Path)) else "<image>" for im in images]
-    return [BatchItem(i, str(name), image, label, seed=s)
-            for i, (image, name, label, s) in enumerate(zip(images, names, labels, seeds))]
+    return [BatchItem(i, str(name), image, label, seed=s, fov=f)
+            for i, (image, name, label, s, f) in enumerate(zip(images, names, labels, seeds, fovs))]
 
 
 class Progress(Hook):

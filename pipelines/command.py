@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from contextlib import ExitStack, closing
 from dataclasses import replace
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pixal3d.config import CascadeConfig
-from pixal3d.files import folds_case, write_json_atomic
+from pixal3d.files import write_json_atomic
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import ImageError, probe_image
@@ -30,15 +29,15 @@ from pixal3d.parallel import (
 from pixal3d.parallel.topology import Topology
 from pixal3d.staging.policy import gib
 
-from .batch import BatchItem, default_order, trace_path
-from .camera import CameraStage
+from .batch import BatchItem, default_order
 from .cli_args import DEFAULT_CONFIG, parse_args  # noqa: F401 -- DEFAULT_CONFIG re-exported
 from .data_parallel import DataJob, GroupStoppedError
 from .errors import Failure, UsageError, classify, one_line
-from .job import Job
+from .job import Job, expand_inputs
 from .leftovers import clean_leftovers, cleaned_line
 from .parallel import rank_device
 from .pipeline import Pixal3D
+from .session import Session, check_outputs, plan_outputs
 from .plan import RunPlan, check_inputs, default_device, parse_device
 from .result import run_json_path
 from .work_dir import LOCK as WORK_DIR_LOCK
@@ -165,9 +164,10 @@ def _command(args: argparse.Namespace, parallel: ParallelSettings | ParallelRunt
                     print(_batch_line(prepared, args), flush=True)
             if args.plan:
                 return 0
-            pipe = held.enter_context(Pixal3D.from_plan(prepared.plan))  # fetches and verifies the weights
+            session = held.enter_context(Session("cli", device=prepared.plan.device, parallel=parallel, lean=True))
+            session.prepare(prepared.asked, prepared.plan)  # fetches and verifies the weights
             started = True
-            return _run(pipe, prepared, args, job)
+            return _run(session, prepared, args, job)
     except BaseException as err:  # classify() decides; anything it does not know is re-raised
         failure = _classify(err, started=started)
         if failure is None:
@@ -305,7 +305,7 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     config = asked.config
     # 2. inputs: images Pillow can open, usable by this config's stages (e.g. alpha without a remover); in a
     #    batch a bad one costs only itself: reported, skipped, counted in the summary
-    inputs = everything = collect_inputs(args.inputs)
+    inputs = everything = expand_inputs(args.inputs)
     rejected: list[tuple[Path, ImageError]] = []
     if _several(args):
         rejected = [(path, err) for path in inputs if (err := _unusable(config, path)) is not None]
@@ -319,7 +319,7 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
         check_inputs(config, inputs)
     # 3. outputs: not folders, writable, not colliding, not being written by another run; the work directory
     jobs = list(zip(inputs, plan_outputs(inputs, args.output)))
-    check_outputs(jobs, args)
+    check_outputs(jobs, asked)
     if args.work_dir is not None:  # a folder that is not a work directory is refused before any weight is read
         if job is not None:
             job.in_turn(lambda: WorkDir(args.work_dir))  # rank 0 makes it, then the others find it made
@@ -342,9 +342,7 @@ def _prepare(args: argparse.Namespace, held: ExitStack, parallel: ParallelSettin
     device = parse_device(args.device) if args.device else default_device()
     # 4. the plan, from safetensors headers only (nothing but pipeline.json is downloaded for it); with --fov
     #    every image has its field of view, so no camera model is planned or fetched
-    replace_stages = {"camera": CameraStage(None, use_moge=False)} if args.fov is not None else None
-    plan = Pixal3D.plan(config, policy=asked.memory_policy, device=device, parallel=parallel,
-                        memory_budget=asked.budget, replace=replace_stages)
+    plan = Session("cli", device=device, parallel=parallel, lean=True).plan(asked)
     return Prepared(plan, jobs, rejected, everything, asked)
 
 
@@ -424,83 +422,8 @@ def parse_pp_split(text: str | None) -> str | tuple[int, ...] | None:
         raise UsageError(f"--pp-split {text!r} is neither auto nor block counts such as 1,3") from None
 
 
-def collect_inputs(paths: Sequence[Path]) -> list[Path]:
-    """Image files named directly, plus the images inside named folders (sorted; hidden files such as macOS's
-    ``._cup.png`` AppleDouble companions and ``.DS_Store`` are not images and are skipped); checked to exist.
-    (Whether each is a usable image is checked from its header by the caller.)"""
-    found: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            images = sorted(p for p in path.iterdir()
-                            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
-            if not images:
-                raise UsageError(f"folder {path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-            found += images
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise UsageError(f"input {path} does not exist")
-    stems = [p.stem for p in found]
-    duplicates = sorted({s for s in stems if stems.count(s) > 1})
-    if duplicates:
-        raise UsageError(f"several inputs are named {duplicates}; their outputs would overwrite each other")
-    return found
-
-
-def plan_outputs(inputs: Sequence[Path], output: Path | None) -> list[Path]:
-    """One ``.glb`` per input: ``-o file.glb`` for one input, ``-o folder`` (or ``outputs/``) for any."""
-    if output is not None and output.suffix.lower() == ".glb":
-        if len(inputs) > 1:
-            raise UsageError(f"-o {output} names one file but there are {len(inputs)} inputs; pass a folder")
-        return [output]
-    folder = output if output is not None else Path("outputs")
-    return [folder / f"{p.stem}.glb" for p in inputs]
-
-
-def check_outputs(jobs: Sequence[tuple[Path, Path]], args: argparse.Namespace) -> None:
-    """Everything the run will write can be written: no output is a folder, every folder is writable, and
-    no two outputs are one file on a case-insensitive file system (``Cup.glb`` and ``cup.glb`` on macOS)."""
-    several = len(args.inputs) > 1 or args.inputs[0].is_dir()
-    for input_path, output in jobs:
-        check_file_path(output, "-o")
-        check_file_path(run_json_path(output), "-o")
-        check_writable(output.parent, "-o")
-        if args.keep_latents is not None:
-            check_writable(args.keep_latents, "--keep-latents")
-            check_file_path(args.keep_latents / f"{input_path.stem}.latents.pt", "--keep-latents")
-        for trace in {args.trace, trace_path(args.trace, input_path.stem, several=several)} - {None}:
-            check_file_path(trace, "--trace")  # one trace for a stage-ordered batch, one per image otherwise
-            check_writable(trace.parent, "--trace")
-    outputs = [output for _, output in jobs]
-    if len(outputs) > 1 and any(folds_case(folder) for folder in {o.parent for o in outputs}):
-        folded: dict[tuple[Path, str], Path] = {}
-        for output in outputs:
-            other = folded.setdefault((output.parent, output.name.casefold()), output)
-            if other != output:
-                raise UsageError(f"outputs {other.name} and {output.name} differ only in case, and {output.parent} is "
-                                 f"on a case-insensitive file system where they are one file; rename an input")
-
-
-def check_file_path(path: Path, option: str) -> None:
-    """``path`` is not an existing folder (found now, not after the whole run)."""
-    if path.is_dir():
-        raise UsageError(f"{option}: {path} is a folder, so no file can be written there; name a file or "
-                         f"remove the folder")
-
-
-def check_writable(folder: Path, option: str = "-o") -> None:
-    """Create ``folder`` if needed and prove a file can be written there (then remove it)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pixal3d-write-test-"):
-            pass
-    except OSError as err:
-        raise UsageError(f"{option}: folder {folder} is not writable ({err.strerror or err}); "
-                         f"choose another {option}") from None
-
-
 # -- 2. the run ----------------------------------------------------------------------------------
-def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace, job: DataJob | None = None) -> int:
+def _run(session: Session, prepared: Prepared, args: argparse.Namespace, job: DataJob | None = None) -> int:
     """Every usable input through ``Pixal3D.run_batch``; each result written as it comes. One input: its error
     is the command's. Several: a failed image is one line and the others go on; the summary ends it. In a data
     job this rank runs its share, and rank 0 writes the summary of every rank's images."""
@@ -508,20 +431,19 @@ def _run(pipe: Pixal3D, prepared: Prepared, args: argparse.Namespace, job: DataJ
     order = _order(prepared.plan, args)
     outputs = dict(prepared.jobs)
     items: list[BatchItem] = []
-    with closing(pipe.run_batch(list(outputs), names=[p.stem for p in outputs], seed=prepared.asked.seed,
-                                fov=prepared.asked.fov,
-                                order=order, work_dir=args.work_dir, progress=not args.quiet,
-                                trace=args.trace, share=job)) as batch:
+    asked = prepared.asked.with_images([prepared.asked.image(path, path.stem) for path in outputs])
+    with closing(session.run(asked, plan=prepared.plan, order=order, progress=not args.quiet, trace=args.trace,
+                             share=job)) as batch:
         for item in batch:
             items.append(item)
             if item.ok:
-                _write(item, outputs[Path(item.input)], args)
+                _write(session, item, outputs[Path(item.input)], prepared.asked, args)
             elif not several:
                 raise item.error
             else:
                 _skip_line(Path(item.input).name, item.message)
     if job is not None:
-        pipe.close()  # its models go, and a group's followers are told the end now, not after the slowest group
+        session.close()  # its models go, and a group's followers are told the end now, not after the slowest group
         return _job_summary(job, args, items, prepared, order)
     return _summary(args, items, prepared, order) if several else 0
 
@@ -552,11 +474,10 @@ def _order(plan: RunPlan, args: argparse.Namespace) -> str:
     return args.batch_order or default_order(plan.policy)
 
 
-def _write(item: BatchItem, output_path: Path, args: argparse.Namespace) -> None:
+def _write(session: Session, item: BatchItem, output_path: Path, asked: Job, args: argparse.Namespace) -> None:
     result = item.result
     latents = args.keep_latents / f"{item.name}.latents.pt" if args.keep_latents is not None else None
-    result.save_outputs(output_path, record=run_json_path(output_path), latents=latents,
-                        command=args.command)
+    session.write(result, asked, output_path, latents=latents)
     if not args.quiet:
         print(result.table())
         if (camera := result.camera_line()) is not None:

@@ -10,6 +10,7 @@ when signal N stopped it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
 from __future__ import annotations
 
 import errno
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from pixal3d.staging.mps_memory import MpsMemoryLimitError
 from .job import UsageError
 from .structure import EmptyStructureError
 from .work_dir import WorkDirError
+
+logger = logging.getLogger(__name__)
 
 EXIT_DURING_RUN = 1
 EXIT_BEFORE_RUN = 2
@@ -125,3 +128,13 @@ def _os_failure(err: OSError, code: int) -> Failure:
 
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
+
+
+def error_line(err: BaseException) -> str:
+    """The line a visitor or a client sees for ``err`` (the web app, the job server): the classifier's line for a
+    user-caused error; for anything else a line naming it as unexpected (its traceback is logged)."""
+    failure = classify(err, started=True)
+    if failure is not None:
+        return failure.message
+    logger.error("job failed unexpectedly", exc_info=err)
+    return f"unexpected error ({type(err).__name__}: {one_line(err)}); the server log has the traceback"

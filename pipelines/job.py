@@ -393,8 +393,8 @@ def _form_value(setting: Setting, value: Any) -> Any:
         if setting.kind == "float":
             return float(value)
     except (TypeError, ValueError, OverflowError):
-        raise SettingsError(f"{setting.label} {value!r} is not {'a whole number' if setting.kind == 'int' else 'a number'}"
-                            ) from None
+        noun = "a whole number" if setting.kind == "int" else "a number"
+        raise SettingsError(f"{setting.label} {value!r} is not {noun}") from None
     return value.strip() if isinstance(value, str) else value
 
 

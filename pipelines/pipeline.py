@@ -60,7 +60,7 @@ from .plan import (RunPlan, check_device, check_memory, default_device, describe
 from .preprocess import rembg_loader
 from .result import Result
 from .stage import CascadeStage
-from .state import PROVIDED, RunState, check_fov
+from .state import PROVIDED, RunState
 from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_digests
 
 logger = logging.getLogger(__name__)
@@ -287,23 +287,25 @@ class Pixal3D:
         arguments.check_image(image)
         arguments.check_optional(name, "name", (str,), "a string")
         arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
-        items = image_items([image], seed=seed, default_seed=self.config.seed, labels=[name] if name else None)
-        [item] = self._execute(items, "image", fov=fov, events=events, progress=progress, callback=callback,
+        items = image_items([image], seed=seed, fov=fov, default_seed=self.config.seed,
+                            labels=[name] if name else None)
+        [item] = self._execute(items, "image", events=events, progress=progress, callback=callback,
                                trace=trace, trace_meta=trace_meta)
         return item.result
 
     def run_batch(self, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
-                  fov: float | None = None, names: Sequence[str] | None = None, order: BatchOrder | None = None,
+                  fov: float | Sequence[float | None] | None = None, names: Sequence[str] | None = None,
+                  order: BatchOrder | None = None,
                   work_dir: str | Path | None = None, state_budget: int | None = None,
                   events: Callable[[Event], None] | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
                   trace_meta: Mapping[str, Any] | None = None, share: DataJob | None = None) -> Iterator[BatchItem]:
         """Run several images, stage by stage or image by image (``pipelines.batch``), optionally resuming from a
         work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
-        finishes. ``seed``: one, or one per image; ``names``: what outputs and records call each image (default:
-        the file's stem, else image<i>); ``order``: default ``default_order(policy)``; ``state_budget``: bytes of
-        states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest as
-        for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order).
+        finishes. ``seed`` and ``fov``: one, or one per image; ``names``: what outputs and records call each image
+        (default: the file's stem, else image<i>); ``order``: default ``default_order(policy)``; ``state_budget``:
+        bytes of states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest
+        as for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order).
         ``share``: this rank's part of a ``--parallel data`` job (``data_parallel.DataJob``): only the images this
         group claims (in ``work_dir``) or is given (i mod K) run here and are yielded."""
         arguments.check_images(images)
@@ -320,12 +322,12 @@ class Pixal3D:
         if self._runtime is not None and work_dir is not None and share is None:
             raise ValueError("under torchrun a work directory is for data groups (the groups claim images in it): "
                              "pass share=DataJob, or run without work_dir")
-        items = image_items(images, seed=seed, default_seed=self.config.seed, names=names)
-        return self._execute(items, order, fov=fov, work_dir=work_dir, state_budget=state_budget, events=events,
+        items = image_items(images, seed=seed, fov=fov, default_seed=self.config.seed, names=names)
+        return self._execute(items, order, work_dir=work_dir, state_budget=state_budget, events=events,
                              progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True,
                              share=share)
 
-    def _execute(self, items: list[BatchItem], order: BatchOrder, *, fov: float | None, work_dir: str | Path | None = None,
+    def _execute(self, items: list[BatchItem], order: BatchOrder, *, work_dir: str | Path | None = None,
                  state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
                  trace_meta: Mapping[str, Any] | None, isolate: bool = False, share: DataJob | None = None
@@ -334,7 +336,6 @@ class Pixal3D:
         if self.is_follower:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
                                f"and run images on rank 0")
-        check_fov(fov)
         stages = self.stages
         bar = Progress([s.name for s in stages], progress=progress, callback=callback)
         meter = Meter(self._relay, lambda: self._runner.registry, device=self.device, trace=trace,
@@ -353,7 +354,7 @@ class Pixal3D:
                     probe_image(item.source)  # not an image, or too small: from its header
                 self.run_plan.check_input(item.source)  # e.g. no alpha and no remover
                 provided = {"input_image": input_digest(item.source) if keyed else None, "generator": item.seed,
-                            "fov_deg": fov, "device": str(self.device),
+                            "fov_deg": item.fov, "device": str(self.device),
                             "shape_normalization": repr(self.weights.shape_normalization),
                             "tex_normalization": repr(self.weights.tex_normalization)}
             except OSError as err:
@@ -364,7 +365,7 @@ class Pixal3D:
 
         def start(item: BatchItem, k: int) -> RunState:
             reads_input = any("input_image" in s.inputs for s in stages[k:])
-            return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=fov,
+            return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=item.fov,
                                   progress=progress, callback=bar.callback_for(item))
 
         def alone(item: BatchItem, err: BaseException) -> bool:

@@ -8,7 +8,7 @@ import hashlib
 import io
 import math
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,8 @@ from pixal3d.files import (
     write_bytes_to,
     write_json_atomic,
 )
-from pixal3d.mesh.records import ExportedMesh
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
+from pixal3d.mesh.records import ExportedMesh
 from pixal3d.staging import Policy, StageRecord
 from pixal3d.telemetry import format_bytes, text_table
 
@@ -178,9 +178,10 @@ class Result:
         return buffer.getvalue()
 
     def save_outputs(self, glb: str | Path, *, record: str | Path | None = None, latents: str | Path | None = None,
-                     command: Sequence[str] = ()) -> list[Path]:
-        """Write the GLB and, when paths are given, its run.json (``record(output=glb, command=...)``) and its
-        latents, atomically as one group: every file is written before any appears, so a full disk, an
+                     command: Sequence[str] = (), output: str | Path | None = None,
+                     extension: Mapping[str, Any] | None = None) -> list[Path]:
+        """Write the GLB and, when paths are given, its run.json (``record(output=..., command=..., extension=...)``;
+        ``output``: what it calls the GLB, default its path) and its latents, atomically as one group: every file is written before any appears, so a full disk, an
         error or a signal leaves none of them. The GLB is the group's commit point (``pixal3d.files``): it is
         renamed last, after the latents and the run.json are complete on disk, so even a SIGKILL or a power loss
         never leaves a GLB without its record (at most a record without its GLB, which counts as absent; the
@@ -191,7 +192,8 @@ class Result:
         if latents is not None:
             files[Path(latents)] = self.latents_bytes
         if record is not None:
-            files[Path(record)] = lambda: json_bytes(self.record(output=glb, command=command))
+            files[Path(record)] = lambda: json_bytes(self.record(output=glb if output is None else output,
+                                                                 command=command, extension=extension))
         files[Path(glb)] = lambda: self.mesh.glb
         for path in files:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,10 +202,12 @@ class Result:
                 write_bytes_to(tmp, data(), path)
         return [Path(glb), *(Path(p) for p in (record, latents) if p is not None)]
 
-    def record(self, *, output: str | Path | None = None, command: Sequence[str] = ()) -> dict[str, Any]:
+    def record(self, *, output: str | Path | None = None, command: Sequence[str] = (),
+               extension: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The run.json content: config, seed, versions, the CPU kernels and their pins (``pixal3d.kernels``),
         policy and reasons, camera, tokens, per-stage rows (``reused``: taken from a work directory, its seconds
-        those of the run that made it; ``total_seconds`` counts only this run's)."""
+        those of the run that made it; ``total_seconds`` counts only this run's); ``extension``: entries a front
+        end adds (``pipelines.session.Session.write``: one, named after it)."""
         stages = [{"stage": r.stage, "seconds": round(r.seconds, 4), "models": r.used,
                    "peak_process_bytes": r.peak_process_bytes, "peak_device_bytes": r.peak_device_bytes,
                    "fingerprints": r.fingerprints, "reused": r.reused} for r in self.stages]
@@ -230,6 +234,7 @@ class Result:
             "memory": list(self.memory),
             "export": self._export_record(output),
             **({"parallel": self.parallel} if self.parallel is not None else {}),
+            **(extension or {}),
         }
 
     def _export_record(self, output: str | Path | None) -> dict[str, Any]:

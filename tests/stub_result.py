@@ -35,15 +35,15 @@ def stub_run(*, glb: bytes = STUB_GLB, before: Callable[[Pixal3D, Any], None] | 
     """A replacement for ``Pixal3D.run_batch`` yielding one ``stub_result`` per image (``before(self, image)`` is
     called first)."""
 
-    def run_batch(self: Pixal3D, images: Sequence[Any], *, seed: int | None = None,
+    def run_batch(self: Pixal3D, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
                   names: Sequence[str] | None = None, **_: Any) -> Iterator[BatchItem]:
-        seed = self.config.seed if seed is None else seed
+        seeds = list(seed) if isinstance(seed, Sequence) else [self.config.seed if seed is None else seed] * len(images)
         for index, image in enumerate(images):
             if before is not None:
                 before(self, image)
             name = names[index] if names is not None else f"image{index}"
-            yield BatchItem(index, name, image, str(image), seed=seed, result=stub_result(self.config, input=str(image),
-                                                                                          seed=seed, glb=glb))
+            yield BatchItem(index, name, image, str(image), seed=seeds[index],
+                            result=stub_result(self.config, input=str(image), seed=seeds[index], glb=glb))
 
     return run_batch
 

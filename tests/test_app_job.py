@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from pipelines.app.job import NO_IMAGE, REFUSAL, plan_or_refusal, run_job
-from pipelines.app.worker import Worker
 from pipelines.job import Job, SettingsError
+from pipelines.session import Session
 from pixal3d.models.preprocess import ImageError, as_image
 from pixal3d.staging import PolicyError
 from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
@@ -29,7 +29,7 @@ def RESIDENT(tiny):  # noqa: N802 - the job every test here runs
 
 @pytest.fixture(scope="module")
 def worker(tiny):
-    worker = Worker(tiny, device="cpu")
+    worker = Session("app", device="cpu")
     yield worker
     worker.close()
 
@@ -131,7 +131,7 @@ def test_a_job_whose_page_went_away_stops_at_its_next_stage_and_frees_the_models
 
 
 def test_the_pipeline_is_kept_while_the_plan_is_the_same_and_rebuilt_when_it_changes(tiny):
-    worker = Worker(tiny, device="cpu")
+    worker = Session("app", device="cpu")
     try:
         first = worker.prepare(_job(tiny, memory_policy="staged"))
         assert worker.prepare(_job(tiny, memory_policy="staged", seed=7, fov=30.0)) is first  # run arguments only

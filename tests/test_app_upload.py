@@ -37,11 +37,11 @@ def test_no_upload_is_none():
 
 def _fov_inputs(config, tmp_path) -> dict:
     from pipelines.app.ui import build_ui
-    from pipelines.app.worker import Worker
+    from pipelines.session import Session
 
-    worker = Worker(config, device="cpu")
+    worker = Session("app", device="cpu")
     try:
-        page = build_ui(worker, outputs=tmp_path)
+        page = build_ui(worker, config, outputs=tmp_path)
     finally:
         worker.close()
     return {b.elem_id: b for b in page.blocks.values() if getattr(b, "elem_id", None) in ("fov-auto", "fov")}
@@ -66,15 +66,15 @@ def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_o
     from pipelines.app import ui
     from pipelines.app.job import JobUpdate
     from pipelines.job import SETTINGS
-    from pipelines.app.worker import Worker
+    from pipelines.session import Session
 
     updates = [JobUpdate(status="planning"), JobUpdate(status="stage 3/9 · structure", fraction=0.3),
                JobUpdate(status="stage 7/9 · texture · sampler step 2/4", fraction=0.7),
                JobUpdate(status="error: injected", error="injected")]
     monkeypatch.setattr(ui, "run_job", lambda *args, **kwargs: iter(updates))
-    worker = Worker(tiny, device="cpu")
+    worker = Session("app", device="cpu")
     try:
-        page = ui.build_ui(worker, outputs=tmp_path)
+        page = ui.build_ui(worker, tiny, outputs=tmp_path)
         [on_run] = [f.fn for f in page.fns.values() if getattr(f.fn, "__name__", "") == "on_run"]
         told = []
         form = {"seed": 1, "fov": 40.0, "memory_policy": "auto", "texture_size": 1024, "face_budget": 1000,

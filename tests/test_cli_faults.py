@@ -24,7 +24,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from pipelines import Pixal3D, cli, command
+from pipelines import Pixal3D, cli, session
 from pixal3d.tiny_weights import TINY_VERSION
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.stub_result import stub_run
@@ -338,7 +338,7 @@ def test_outputs_that_differ_only_in_case_are_refused_on_a_case_insensitive_fold
     inputs.mkdir()
     shutil.copy(EXAMPLE, inputs / "Cup.png")
     shutil.copy(EXAMPLE, inputs / "cup.png")
-    monkeypatch.setattr(command, "folds_case", lambda folder: True)  # as on macOS's default volume
+    monkeypatch.setattr(session, "folds_case", lambda folder: True)  # as on macOS's default volume
     code, _, err = _run(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
     line = _one_error_line(err)
     assert code == 2 and "Cup" in line and "cup" in line and "case" in line

@@ -3,11 +3,12 @@
     pip install -e ".[app]"
     pixal3d-app --config configs/tiny.yaml          # or: python -m pipelines.app
 
-It lives beside the command line, at the edge: ``pixal3d`` never imports ``pipelines``, and only
-``ui.py`` imports Gradio, so everything else here (settings, the worker, the job) is tested without it.
+A front end beside the command and the job server, each over the same floor: the form makes a job
+(``pipelines.job.Job.from_form``), a session keeps the pipeline for its plan and writes the results
+(``pipelines.session.Session``, one job at a time), and the one-line errors are ``pipelines.errors.error_line``.
+It imports neither the command nor the server; only ``ui.py`` imports Gradio, so the rest is tested without it.
 
-- ``worker.py``: one ``Pixal3D`` kept alive for the current plan, one job at a time.
 - ``job.py``: one job as a stream of updates (stage, step, memory trace so far, then the outputs).
-- ``errors.py``: the one line a visitor sees for an error they caused.
-- ``ui.py``: the Gradio page; ``main.py``: ``pixal3d-app`` (``--config``, ``--host``, ``--port``).
+- ``ui.py``: the Gradio page, its form one field per job setting; ``main.py``: ``pixal3d-app`` (``--config``,
+  ``--host``, ``--port``).
 """

@@ -7,6 +7,7 @@ memory plot while the run happens. Nothing here imports Gradio.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -15,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pixal3d.files import write_json_atomic
 from pixal3d.models.preprocess import ImageError
 
+from ..errors import error_line
 from ..job import Job
 from ..plan import RunPlan
 from ..result import Result, run_json_path
-from .errors import error_line
-from .worker import Worker
+from ..session import Session
 
 REFUSAL = "cannot run on this machine: "
 NO_IMAGE = ("no image: upload a PNG, JPEG or WebP (an RGBA image's alpha marks the object), or pick the example")
@@ -128,19 +128,20 @@ class _Progress:
         return min(1.0, (self.index + within) / max(self.stages, 1)) if self.stage else 0.0
 
 
-def plan_or_refusal(worker: Worker, job: Job) -> str:
+def plan_or_refusal(session: Session, job: Job) -> str:
     """The memory plan and the chosen policy with its reasons (``RunPlan.table()``, the text ``--plan`` prints), or
     ``REFUSAL`` and the one-line reason when the plan cannot be made or the machine cannot run it."""
     try:
-        return worker.plan(job).table()
+        return session.plan(job).table()
     except Exception as err:  # noqa: BLE001 - every failure to plan is shown, as a refusal with its reason
         return REFUSAL + error_line(err)
 
 
-def run_job(worker: Worker, image: Any, job: Job, *, outputs: Path, name: str | None = None,
+def run_job(session: Session, image: Any, job: Job, *, outputs: Path, name: str | None = None,
             poll: float = 0.5) -> Iterator[JobUpdate]:
-    """Run one job on ``worker``, yielding an update every ``poll`` seconds and a last one with the outputs (written
-    under ``outputs``) or the error. ``image``: a path, a PIL image or an array (None: the "no image" error)."""
+    """Run ``job`` on ``image`` in ``session``, yielding an update every ``poll`` seconds and a last one with the
+    outputs (written under ``outputs`` by ``Session.write``) or the error. ``image``: a path, a PIL image or an
+    array (None: the "no image" error)."""
     if image is None:
         yield JobUpdate(status=f"error: {NO_IMAGE}", error=error_line(ImageError(NO_IMAGE)))
         return
@@ -149,12 +150,16 @@ def run_job(worker: Worker, image: Any, job: Job, *, outputs: Path, name: str | 
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / f"{stem}.trace.jsonl"
     tail, progress, finished = TraceTail(trace), _Progress(), {}
+    job = dataclasses.replace(job, images=(job.image(image, stem),),
+                              command=job.command or ("pixal3d-app", "--config", job.config.source))
 
     def work() -> None:
         try:
-            finished["result"] = worker.run(image, job, name=name or str(image), callback=progress,
-                                            trace=trace, on_wait=progress.waits,
-                                            on_start=progress.started)
+            for item in session.run(job, callback=progress, trace=trace, on_wait=progress.waits,
+                                    on_start=progress.started):
+                if not item.ok:
+                    raise item.error
+                finished["result"] = item.result
         except BaseException as err:  # noqa: BLE001 - handed to the generator, which reports it
             finished["error"] = err
 
@@ -173,7 +178,7 @@ def run_job(worker: Worker, image: Any, job: Job, *, outputs: Path, name: str | 
                         plan=_plan_text(progress), error=message)
         return
     result: Result = finished["result"]
-    done = _save(result, folder / f"{stem}.glb", trace, job)
+    done = _save(session, result, job, folder / f"{stem}.glb", trace)
     yield JobUpdate(status=f"done in {done.seconds:.1f} s (policy {done.policy}): {done.glb.name}", fraction=1.0,
                     records=tail.read(), plan=_plan_text(progress), outputs=done)
 
@@ -187,11 +192,9 @@ def _plan_text(progress: _Progress) -> str | None:
     return progress.plan.table() if progress.plan is not None else None
 
 
-def _save(result: Result, glb: Path, trace: Path, job: Job) -> JobOutputs:
-    """The GLB and run.json (with the visitor's settings beside the config) next to the trace."""
-    result.save(glb)
-    record = result.record(output=glb, command=["pixal3d-app", "--config", result.config.source])
-    record["app"] = {"settings": job.settings()}
-    write_json_atomic(run_json_path(glb), record)
+def _save(session: Session, result: Result, job: Job, glb: Path, trace: Path) -> JobOutputs:
+    """The GLB and run.json (with the visitor's settings beside the config) next to the trace: the session's one
+    writer, the GLB renamed last."""
+    session.write(result, job, glb)
     return JobOutputs(glb=glb, record=run_json_path(glb), trace=trace, table=result.stage_rows(),
                       seconds=result.seconds, policy=result.policy.value)

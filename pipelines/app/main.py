@@ -105,15 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pixal3d-app: error: the web app needs Gradio ({err}); install it with: pip install -e \".[app]\"",
               file=sys.stderr)
         return 2
+    from ..session import Session
     from .ui import CSS, build_ui
-    from .worker import Worker
 
     gc.freeze()  # as the CLI does: the imports' objects are never rescanned by the collections each release runs
-    worker = Worker(config, device=device)
+    session = Session("app", device=device)
     with tempfile.TemporaryDirectory(prefix="pixal3d-app-") as scratch:
         outputs = args.outputs if args.outputs is not None else Path(scratch)
         outputs.mkdir(parents=True, exist_ok=True)
-        page = build_ui(worker, outputs=outputs)
+        page = build_ui(session, config, outputs=outputs)
         page.queue(max_size=args.queue_size, default_concurrency_limit=1)
         try:  # Gradio's own start lines (and its share=True hint, which a user of this command cannot act on) stay out
             page.launch(server_name=args.host, server_port=args.port, show_error=True, quiet=True,
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         finally:
-            worker.close()
+            session.close()
     return 0
 
 

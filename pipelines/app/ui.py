@@ -18,11 +18,11 @@ from pixal3d.config import CascadeConfig
 from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
+from ..errors import error_line
 from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
-from .errors import error_line
+from ..session import Session
 from .job import REFUSAL, JobUpdate, plan_or_refusal, run_job
-from .worker import Worker
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
 INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
@@ -34,9 +34,9 @@ PLOT_EVERY = 1.0  # seconds between redraws of the memory plot: drawing takes CP
 CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines are long: small, full width
 
 
-def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
-    """The page for ``worker``; job files go under ``outputs``. The form has one field per job setting
-    (``pipelines.job.SETTINGS``), its value read back by ``Job.from_form``."""
+def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
+    """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has one field
+    per job setting (``pipelines.job.SETTINGS``), its values read back by ``Job.from_form``."""
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
         gr.Markdown(INTRO)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
@@ -49,9 +49,9 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
                 fields: dict[str, Any] = {}
                 for setting in SETTINGS:
                     if setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
-                        fov_auto, fields["fov"] = _fov_fields(worker.config)
+                        fov_auto, fields["fov"] = _fov_fields(config)
                     else:
-                        fields[setting.name] = _field(setting, worker.config)
+                        fields[setting.name] = _field(setting, config)
                 run = gr.Button("Generate", variant="primary", elem_id="run")
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
@@ -68,10 +68,10 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
 
         def show_plan(*values: Any) -> str:
             try:
-                job = Job.from_form(dict(zip(planned, values, strict=True)), worker.config)
+                job = Job.from_form(dict(zip(planned, values, strict=True)), config)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 return f"**{REFUSAL}{error_line(err)}**"
-            text = plan_or_refusal(worker, job)
+            text = plan_or_refusal(session, job)
             return f"**{text}**" if text.startswith(REFUSAL) else _plan_markdown(text)
 
         def on_run(image_: str | None, fov_auto_: bool, progress: gr.Progress = gr.Progress(),  # noqa: B008
@@ -81,12 +81,12 @@ def build_ui(worker: Worker, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
             if fov_auto_:
                 form["fov"] = None
             try:
-                job = Job.from_form(form, worker.config)
+                job = Job.from_form(form, config)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             drawn, drawn_at = 0, 0.0
-            for update in run_job(worker, image_, job, outputs=outputs, poll=poll):
+            for update in run_job(session, image_, job, outputs=outputs, poll=poll):
                 figure = gr.skip()
                 if update.records and len(update.records) != drawn and (
                         update.done or time.monotonic() - drawn_at >= PLOT_EVERY):

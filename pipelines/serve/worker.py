@@ -1,5 +1,5 @@
-"""One worker process per device: it keeps a pipeline between jobs (the web app's ``Worker``: rebuilt only when the
-plan changes) and runs the groups of jobs the scheduler hands it through ``Pixal3D.run_batch`` over the data
+"""One worker process per device: it keeps a pipeline between jobs (a ``pipelines.session.Session``: rebuilt only
+when the plan changes) and runs the groups of jobs the scheduler hands it through ``Pixal3D.run_batch`` over the data
 folder's work directory, so every stage of every job is recorded as it finishes and a job started again resumes at
 its first unrecorded stage.
 
@@ -14,6 +14,7 @@ back to the queue and resume from their records.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -25,13 +26,14 @@ from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pixal3d.config import load_config
-from pixal3d.files import atomic_path, write_json_atomic
+from pixal3d.config import CascadeConfig, load_config
+from pixal3d.files import atomic_path
 from pixal3d.locks import exclusive_lock
 
-from ..app.errors import error_line
-from ..app.worker import Worker
+from ..errors import error_line
 from ..job import Job
+from ..plan import RunPlan
+from ..session import Session
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
     if threads is not None:
         torch.set_num_threads(threads)
     store = JobStore(data)
-    worker = Worker(load_config(config), device=device)
+    session, config = Session("serve", device=device), load_config(config)
     runs: queue.Queue[dict[str, Any]] = queue.Queue()
     cancelled: set[str] = set()
 
@@ -78,20 +80,24 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
     while True:
         message = runs.get()
         if message["op"] == "stop":
-            worker.close()
+            session.close()
             return
-        run_group(worker, store, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
+        run_group(session, config, store, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
                   send=events.send)
         events.send({"event": "idle"})
 
 
-def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, timeout: float | None,
-              cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
-    """Run ``jobs`` (one plan) as one batch; every job ends (status.json written) or is released."""
+def run_group(session: Session, config: CascadeConfig, store: JobStore, jobs: list[dict[str, Any]], *,
+              timeout: float | None, cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``jobs`` (one plan; their settings against ``config``) as one batch, a job of several images in
+    ``session``; every job ends (status.json written) or is released."""
     ids = [job["id"] for job in jobs]
     try:
-        asked = [Job.from_request(job["settings"], worker.config) for job in jobs]
-        pipe = worker.prepare(asked[0])
+        asked = [Job.from_request(job["settings"], config) for job in jobs]
+        group = dataclasses.replace(asked[0], work_dir=store.work.root, command=("pixal3d-serve",), images=tuple(
+            one.image(str(store.folder(job["id"]) / job["input"]), job["id"]) for one, job in zip(asked, jobs)))
+        plan = session.plan(group)
+        session.prepare(group, plan)
     except Exception as err:  # noqa: BLE001 - the plan or the weights fail every job of this plan alike
         for job_id in ids:
             _end(store, job_id, {"status": "failed", "error": error_line(err)}, send)
@@ -99,12 +105,12 @@ def run_group(worker: Worker, store: JobStore, jobs: list[dict[str, Any]], *, ti
     with ExitStack() as held:  # never two runs of one job (a worker of a killed server may still be exiting)
         for job_id in ids:
             held.enter_context(exclusive_lock(store.folder(job_id) / ".run.lock", wait=True))
-        _run(pipe, store, jobs, asked, timeout=timeout, cancelled=cancelled, send=send)
+        _run(session, group, plan, store, timeout=timeout, cancelled=cancelled, send=send)
 
 
-def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], asked: list[Job], *, timeout: float | None,
+def _run(session: Session, group: Job, plan: RunPlan, store: JobStore, *, timeout: float | None,
          cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
-    ids = [job["id"] for job in jobs]
+    ids = [image.name for image in group.images]
     deadline = None if timeout is None else time.monotonic() + timeout * len(ids)
     current = {"job": ids[0]}
     ended: list[str] = []
@@ -132,12 +138,9 @@ def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], asked: list[Job
             loads[event.model] = loads.get(event.model, 0) + 1
 
     try:
-        batch = pipe.run_batch([str(store.folder(j["id"]) / j["input"]) for j in jobs], names=ids,
-                               seed=[job.seed for job in asked], fov=asked[0].fov,
-                               work_dir=store.work.root, callback=callback, trace=trace, events=count)
-        for item in batch:
+        for item in session.run(group, plan=plan, callback=callback, trace=trace, events=count):
             if item.ok:
-                _save(store, item, jobs[ids.index(item.name)], len(ids))
+                _save(session, group, store, item)
                 done.append(item.name)
                 _end(store, item.name, {**_done_status(item, len(ids)), "group_loads": dict(loads)}, send)
             else:
@@ -165,15 +168,13 @@ def _run(pipe: Any, store: JobStore, jobs: list[dict[str, Any]], asked: list[Job
         cancelled.discard(job_id)
 
 
-def _save(store: JobStore, item: Any, job: dict[str, Any], group: int) -> None:
-    """The GLB and run.json of a finished job (the job's settings and what was resumed beside the config)."""
+def _save(session: Session, group: Job, store: JobStore, item: Any) -> None:
+    """The GLB and run.json of a finished job (its settings, what was resumed and its group in run.json's
+    ``serve``), by the session's one writer: the GLB renamed last."""
     folder = store.folder(item.name)
-    result = item.result
-    result.save(folder / "result.glb")
-    record = result.record(output="result.glb", command=["pixal3d-serve"])
-    record["serve"] = {"job": item.name, "settings": job["settings"], "resumed": list(item.resumed),
-                       "group": group, "notes": list(item.notes)}
-    write_json_atomic(folder / "run.json", record)
+    session.write(item.result, group, folder / "result.glb", record=folder / "run.json", output="result.glb",
+                  extra={"job": item.name, "resumed": list(item.resumed), "group": len(group.images),
+                         "notes": list(item.notes)})
 
 
 def _done_status(item: Any, group: int) -> dict[str, Any]:
