@@ -129,7 +129,8 @@ class WeightSource:
     repo:     Hugging Face repo id, downloaded with ``snapshot_download`` at the pinned ``revision``
     local:    a folder on disk (relative paths are relative to the config file)
     url:      one file over HTTPS (``filename`` in the cache, checked against ``sha256``)
-    generate: ``tiny``: deterministic demo weights written by ``scripts/make_tiny_weights.py``
+    generate: ``tiny`` (or ``tiny-mv``, the multi-view demo's denoisers): deterministic demo weights written by
+              ``scripts/make_tiny_weights.py``
     files:    the files (glob patterns) this source must provide, beyond those derived from
               ``pipeline.json``
     """
@@ -168,6 +169,8 @@ class WeightsConfig:
     naf:     the NAF upsampler weights (one file)
     rembg:   the ``rembg`` model name for opaque inputs (``None``: inputs must carry an alpha channel)
     moge:    MoGe-2 (only used when no field of view is given); ``None`` = not configured
+    pipeline_json: the file in ``pixal3d`` that names the checkpoints and the normalization
+             (``pipeline_mv.json``: upstream's multi-view denoisers, ``ckpts/*_mv``)
     """
 
     pixal3d: WeightSource
@@ -175,6 +178,7 @@ class WeightsConfig:
     naf: WeightSource
     rembg: str | None = "birefnet-general"
     moge: WeightSource | None = None
+    pipeline_json: str = "pipeline.json"
 
 
 # -- stages --------------------------------------------------------------------------------------
@@ -264,6 +268,21 @@ class UpsampleConfig:
     min_resolution: int = ranged(COUNT, 1024)
 
 
+@dataclass(frozen=True)
+class ViewsConfig:
+    """A cascade that takes posed views (a folder with a ``transforms.json``, as upstream's ``inference_mv.py``)
+    instead of one image: no crop, no camera estimate, the views' features averaged in the projection grid.
+
+    ``plan_views``: the number of views the memory plan counts before any input is read (the reference rig has
+    4); a run with more views than this is told so in its plan reasons.
+    """
+
+    plan_views: int = ranged(COUNT, 4)
+
+
+GENERATED = ("tiny", "tiny-mv")
+"""The generated weight kinds (``WeightSource.generate``)."""
+
 ATTENTION_ROUTES = ("auto", "sdpa", "fp32_chunked")  # pixal3d.nn.attention.ROUTES (a test keeps them equal)
 CPU_WEIGHTS = ("mapped", "copied")
 
@@ -295,6 +314,7 @@ class CascadeConfig:
     shape_1024: ShapeConfig
     texture: ShapeConfig
     seed: int = ranged(SEED, 42)
+    views: ViewsConfig | None = None  # set: the cascade takes posed views, not images
     camera: CameraConfig = field(default_factory=CameraConfig)
     export: ExportSettings = field(default_factory=ExportSettings)  # pixal3d.mesh.settings, checked there
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -497,8 +517,13 @@ def _check_config(config: CascadeConfig, where: str) -> None:
                               f"got {set_ or 'none'}")
         if src.url is not None and not src.filename:
             raise ConfigError(f"{where}: key 'weights.{name}.filename' is required with 'url'")
-        if src.generate is not None and src.generate != "tiny":
-            raise ConfigError(f"{where}: key 'weights.{name}.generate' must be 'tiny', got {src.generate!r}")
+        if src.generate is not None and src.generate not in GENERATED:
+            raise ConfigError(f"{where}: key 'weights.{name}.generate' must be {' or '.join(GENERATED)}, "
+                              f"got {src.generate!r}")
+    pipeline_json = config.weights.pipeline_json
+    if not pipeline_json.endswith(".json") or "/" in pipeline_json or "\\" in pipeline_json:
+        raise ConfigError(f"{where}: key 'weights.pipeline_json' must be a .json file name in weights.pixal3d "
+                          f"(pipeline.json, pipeline_mv.json), got {pipeline_json!r}")
     for stage in ("structure", "shape_512", "shape_1024", "texture"):
         sampler = getattr(config, stage).sampler
         if sampler.guidance_interval is not None:

@@ -6,7 +6,7 @@
 - ``local``: a folder on disk, used as is.
 - ``url``: one file, downloaded once into the pixal3d cache (``$PIXAL3D_CACHE`` or
   ``~/.cache/pixal3d``), checked against its sha256 when the config pins one.
-- ``generate: tiny``: the deterministic demo weights, generated into the cache on first use.
+- ``generate: tiny`` (``tiny-mv``): the deterministic demo weights, generated into the cache on first use.
 
 Files that are not there become one ``MissingWeightsError`` naming every missing file of every source, one
 per line, where they should come from, the commands that fetch them one source at a time and, last, the one
@@ -93,7 +93,7 @@ class Fetcher:
         elif source.local is not None:
             folder = Path(source.local)
         elif source.generate is not None:
-            folder = self._generated() / label.split(".")[-1]
+            folder = self._generated(source.generate) / label.split(".")[-1]
         else:
             raise WeightsError(f"{label}: a url source gives one file, but a folder is needed here; "
                                f"use repo or local")
@@ -137,7 +137,7 @@ class Fetcher:
         elif source.local is not None:
             folder = Path(source.local)
         elif source.generate is not None:
-            folder = self._generated() / label.split(".")[-1]
+            folder = self._generated(source.generate) / label.split(".")[-1]
         else:
             return None
         return folder / filename if folder is not None and (folder / filename).is_file() else None
@@ -285,9 +285,14 @@ class Fetcher:
             self.unreachable = f"the Hugging Face Hub could not be reached ({type(err).__name__}: {_first_line(err)})"
             logger.info("%s; using only the local cache from now on", self.unreachable)
 
-    def _generated(self) -> Path:
+    def _generated(self, kind: str) -> Path:
+        """The generated folder of ``kind`` (``tiny``: ``self.generate`` when given; ``tiny-mv``: the multi-view
+        demo's denoisers, always generated here)."""
+        from pixal3d.tiny_weights import ensure_tiny_mv_weights, ensure_tiny_weights
+
+        if kind == "tiny-mv":
+            return ensure_tiny_mv_weights(cache_root() / "tiny")
         if self.generate is None:
-            from pixal3d.tiny_weights import ensure_tiny_weights
             return ensure_tiny_weights(cache_root() / "tiny")
         return self.generate(cache_root() / "tiny")
 

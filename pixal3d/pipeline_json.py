@@ -36,29 +36,37 @@ PIPELINE_MODELS = (
     "shape_slat_flow_model_1024", "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder",
 )
 
-PINNED_CHECKPOINTS: dict[tuple[str, str], dict[str, str]] = {
-    ("TencentARC/Pixal3D", "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f"): {
-        "sparse_structure_flow_model": "ckpts/ss_flow_img_dit_1_3B_64_bf16",
-        "sparse_structure_decoder": "ckpts/ss_dec_conv3d_16l8_fp16",
-        "shape_slat_flow_model_512": "ckpts/slat_flow_img2shape_dit_1_3B_512_bf16",
-        "shape_slat_flow_model_1024": "ckpts/slat_flow_img2shape_dit_1_3B_1024_bf16",
-        "tex_slat_flow_model_1024": "ckpts/slat_flow_imgshape2tex_dit_1_3B_1024_bf16",
-        "shape_slat_decoder": "ckpts/shape_dec_next_dc_f16c32_fp16",
-        "tex_slat_decoder": "ckpts/tex_dec_next_dc_f16c32_fp16",
-    },
+_PUBLISHED_DECODERS = {
+    "sparse_structure_decoder": "ckpts/ss_dec_conv3d_16l8_fp16",
+    "shape_slat_decoder": "ckpts/shape_dec_next_dc_f16c32_fp16",
+    "tex_slat_decoder": "ckpts/tex_dec_next_dc_f16c32_fp16",
 }
-"""What ``pipeline.json`` names (``args.models``, as ``checkpoint_stems`` reads it) at the revisions configs pin
-(reference: pixal3d-inference.md §weights), so that a missing-weights error can list the checkpoints before
-``pipeline.json`` is downloaded. A run always reads the downloaded file, never this table."""
+_PUBLISHED_FLOWS = {
+    "sparse_structure_flow_model": "ckpts/ss_flow_img_dit_1_3B_64_bf16",
+    "shape_slat_flow_model_512": "ckpts/slat_flow_img2shape_dit_1_3B_512_bf16",
+    "shape_slat_flow_model_1024": "ckpts/slat_flow_img2shape_dit_1_3B_1024_bf16",
+    "tex_slat_flow_model_1024": "ckpts/slat_flow_imgshape2tex_dit_1_3B_1024_bf16",
+}
+PINNED_CHECKPOINTS: dict[tuple[str, str, str], dict[str, str]] = {
+    ("TencentARC/Pixal3D", "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f", "pipeline.json"): {
+        **_PUBLISHED_FLOWS, **_PUBLISHED_DECODERS},
+    # the multi-view denoisers (ckpts/*_mv) beside the single-view ones, the decoders shared
+    ("TencentARC/Pixal3D", "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f", "pipeline_mv.json"): {
+        **{name: f"{stem}_mv" for name, stem in _PUBLISHED_FLOWS.items()}, **_PUBLISHED_DECODERS},
+}
+"""What the pipeline file (``pipeline.json``, ``pipeline_mv.json``) names (``args.models``, as ``checkpoint_stems``
+reads it) at the revisions configs pin (reference: pixal3d-inference.md §weights; the ``_mv`` names from public
+ports' file lists), so that a missing-weights error can list the checkpoints before the pipeline file is
+downloaded. A run always reads the downloaded file, never this table."""
 
 
 def expect_pinned_checkpoints(fetch: Fetcher, weights: WeightsConfig, wanted: Iterable[str]) -> None:
     """With ``pipeline.json`` not on disk, record the checkpoints it will name at the pinned revision as missing
     too (nothing when the revision is not in ``PINNED_CHECKPOINTS``), so one error lists every file."""
     source = weights.pixal3d
-    stems = PINNED_CHECKPOINTS.get((str(source.repo), str(source.revision)), {})
+    stems = PINNED_CHECKPOINTS.get((str(source.repo), str(source.revision), weights.pipeline_json), {})
     files = [f"{stems[m]}{suffix}" for m in wanted if m in stems for suffix in (".json", ".safetensors")]
-    fetch.expect(source, files, label="weights.pixal3d", note="named by pipeline.json at this revision")
+    fetch.expect(source, files, label="weights.pixal3d", note=f"named by {weights.pipeline_json} at this revision")
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,8 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     # 3. every safetensors file the run will read must be whole
     resolved = ResolvedWeights(
         pipeline_dir=pipe_dir, checkpoints=checkpoints, dinov3=dinov3, naf=naf, rembg=weights.rembg, moge=moge,
-        shape_normalization=read_normalization(pipeline, "shape_slat_normalization", pipe_dir / "pipeline.json"),
-        tex_normalization=read_normalization(pipeline, "tex_slat_normalization", pipe_dir / "pipeline.json"),
+        shape_normalization=read_normalization(pipeline, "shape_slat_normalization", pipe_dir / weights.pipeline_json),
+        tex_normalization=read_normalization(pipeline, "tex_slat_normalization", pipe_dir / weights.pipeline_json),
         pipeline=pipeline)
     sources = {"dinov3": weights.dinov3, "naf": weights.naf}
     for name, path in resolved.safetensors().items():
@@ -131,15 +139,16 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
 def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge: bool) -> tuple[Any, ...]:
     """Steps 1-2 of ``resolve_weights``: every file's place, what is missing recorded in ``fetch``."""
     wanted = [m for m in models if m in PIPELINE_MODELS]
-    # 1. pipeline.json, then the checkpoints it names for the models this run uses
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    # 1. the pipeline file (pipeline.json), then the checkpoints it names for the models this run uses
+    name = weights.pipeline_json
+    pipe_dir = fetch.folder(weights.pixal3d, [name], label="weights.pixal3d")
     pipeline: dict[str, Any] = {}
     checkpoints: dict[str, Path] = {}
-    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
-        pipeline = read_pipeline_json(pipe_dir / "pipeline.json")
-        stems = checkpoint_stems(pipeline, wanted, pipe_dir / "pipeline.json")
+    if pipe_dir is not None and (pipe_dir / name).is_file():
+        pipeline = read_pipeline_json(pipe_dir / name)
+        stems = checkpoint_stems(pipeline, wanted, pipe_dir / name)
         files = [f"{stem}{suffix}" for stem in stems.values() for suffix in (".json", ".safetensors")]
-        pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json", *files], label="weights.pixal3d")
+        pipe_dir = fetch.folder(weights.pixal3d, [name, *files], label="weights.pixal3d")
         checkpoints = {name: pipe_dir / stem for name, stem in stems.items()} if pipe_dir is not None else {}
     else:
         expect_pinned_checkpoints(fetch, weights, wanted)
@@ -198,10 +207,11 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
     fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
     sizes: dict[str, int] = {}
     notes: list[str] = []
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
-    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
-        stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"),
-                                  [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / "pipeline.json")
+    name = weights.pipeline_json
+    pipe_dir = fetch.folder(weights.pixal3d, [name], label="weights.pixal3d")
+    if pipe_dir is not None and (pipe_dir / name).is_file():
+        stems = checkpoint_stems(read_pipeline_json(pipe_dir / name),
+                                  [m for m in wanted if m in PIPELINE_MODELS], pipe_dir / name)
         for name, stem in stems.items():
             sizes[name] = fetch.planned_bytes(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d",
                                               select=select.get(name))
@@ -376,7 +386,7 @@ def planned_pipeline_json(weights: WeightsConfig, *, offline: bool | None = None
     """``pipeline.json`` for planning (fetched alone, like ``planned_sizes`` does), or None when it cannot be
     had now: ``planned_sizes`` then names it with every other missing file."""
     fetch = Fetcher(offline=hub_offline() if offline is None else offline, generate=generate)
-    folder = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    folder = fetch.folder(weights.pixal3d, [weights.pipeline_json], label="weights.pixal3d")
     if folder is None or fetch.missing:
         return None
-    return read_pipeline_json(folder / "pipeline.json")
+    return read_pipeline_json(folder / weights.pipeline_json)

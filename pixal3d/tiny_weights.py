@@ -8,6 +8,11 @@ code as the real one::
     <root>/naf/naf.json, naf.safetensors                              (NAF, registered model json)
     <root>/moge/model.pt                                              (MoGe-2: {model_config, model})
 
+The multi-view demo (``configs/tiny_mv.yaml``, ``generate: tiny-mv``) has its own folder, ``<cache>/tiny/
+tiny-mv-v1/pixal3d``: ``pipeline_mv.json`` naming four flows of their own (``ckpts/*_mv``: the same networks,
+other values, as upstream's multi-view denoisers) and the three decoders (the same bytes as the single-view
+demo's: upstream shares them); it shares DINOv3 and NAF with the single-view demo. Nothing of ``tiny-v6`` changes.
+
 Values come from NumPy's PCG64 seeded with a CRC32 of ``<file>/<tensor>`` and are stored in float32
 (the tiny networks compute in float32: bf16/fp16 matmuls are slow on CPUs), so the bytes are the same
 on every run and machine (for one transformers version, which writes its version into
@@ -187,9 +192,28 @@ def _state_for(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_checkpoint(folder: Path, name: str) -> None:
-    stem, spec, dtype = CHECKPOINTS[name]
-    state = _state_for(name, spec)
+MV_FLOWS = ("sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
+            "tex_slat_flow_model_1024")
+MV_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], torch.dtype]] = {
+    name: (f"{stem}_mv", spec, dtype) if name in MV_FLOWS else (stem, spec, dtype)
+    for name, (stem, spec, dtype) in CHECKPOINTS.items()}
+"""The multi-view demo's checkpoints: the flows under ``_mv`` stems (their values drawn under ``<name>_mv``), the
+decoders as the single-view demo's."""
+TINY_MV_VERSION = "tiny-mv-v1"
+
+
+def mv_pipeline_json() -> dict[str, Any]:
+    """The tiny ``pipeline_mv.json``: the multi-view checkpoints, the single-view demo's normalization."""
+    data = pipeline_json()
+    data["name"] = "Pixal3DMVImageTo3DPipeline"
+    data["args"]["models"] = {name: stem for name, (stem, _, _) in MV_CHECKPOINTS.items()}
+    return data
+
+
+def _write_checkpoint(folder: Path, name: str, *, label: str | None = None,
+                      table: dict[str, tuple[str, dict[str, Any], torch.dtype]] | None = None) -> None:
+    stem, spec, dtype = (table or CHECKPOINTS)[name]
+    state = _state_for(label or name, spec)
     for (model, key), value in SPECIAL_SCALES.items():
         if model == name:
             state[key] = state[key] * value
@@ -259,6 +283,24 @@ def write_tiny_weights(folder: Path) -> Path:
     return folder
 
 
+def write_tiny_mv_weights(folder: Path) -> Path:
+    """Write the multi-view demo's ``pixal3d`` folder (``pipeline_mv.json`` + checkpoints) into ``folder``."""
+    from pixal3d.staging.rng import preserved_rng
+
+    with preserved_rng():
+        pipe = folder / "pixal3d"
+        pipe.mkdir(parents=True, exist_ok=True)
+        (pipe / "pipeline_mv.json").write_text(json.dumps(mv_pipeline_json(), indent=2, sort_keys=True) + "\n")
+        for name in MV_CHECKPOINTS:
+            _write_checkpoint(pipe, name, table=MV_CHECKPOINTS, label=f"{name}_mv" if name in MV_FLOWS else name)
+    return folder
+
+
+def ensure_tiny_mv_weights(root: Path) -> Path:
+    """``root/<TINY_MV_VERSION>``, generated on first use as ``ensure_tiny_weights`` does."""
+    return _ensure(Path(root), TINY_MV_VERSION, write_tiny_mv_weights)
+
+
 def ensure_tiny_weights(root: Path) -> Path:
     """``root/<TINY_VERSION>``, generated on first use: written to a temporary folder, then renamed.
 
@@ -267,14 +309,19 @@ def ensure_tiny_weights(root: Path) -> Path:
     while another process reads it. A cache that cannot be written (read-only, a file where the folder
     should be, a full disk) is a ``WeightsError`` naming the folder and ``PIXAL3D_CACHE``.
     """
-    target = Path(root) / TINY_VERSION
+    return _ensure(Path(root), TINY_VERSION, write_tiny_weights)
+
+
+def _ensure(root: Path, version: str, write: Any) -> Path:
+    """``root/<version>`` written by ``write(folder)`` on first use (see ``ensure_tiny_weights``)."""
+    target = root / version
     if (target / "COMPLETE").is_file():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(target.parent / f".{TINY_VERSION}.lock", wait=True):
+        with exclusive_lock(target.parent / f".{version}.lock", wait=True):
             if not (target / "COMPLETE").is_file():  # not finished by another process while this one waited
-                _generate(target)
+                _generate(target, version, write)
     except OSError as err:
         reason = err.strerror or str(err)
         raise WeightsError(f"cannot write the offline demo weights into {target.parent} ({reason}"
@@ -283,11 +330,11 @@ def ensure_tiny_weights(root: Path) -> Path:
     return target
 
 
-def _generate(target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=target.parent))
+def _generate(target: Path, version: str, write: Any) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
     try:
-        write_tiny_weights(tmp)
-        (tmp / "COMPLETE").write_text(TINY_VERSION + "\n")
+        write(tmp)
+        (tmp / "COMPLETE").write_text(version + "\n")
         if target.exists():
             shutil.rmtree(target)  # an attempt that never completed (no COMPLETE: nobody reads it)
         os.replace(tmp, target)
