@@ -60,6 +60,32 @@ def check_image(image: Any, argument: str = "image") -> None:
     raise TypeError(f"{argument} must be {READABLE_IMAGES}, not {_kind(image)}")
 
 
+def check_views(views: Any, argument: str = "views") -> None:
+    """``views`` is a views folder (a path) or a checked ``ViewSet``."""
+    from pixal3d.models.views import ViewSet
+
+    if not isinstance(views, (str, Path, ViewSet)):
+        raise TypeError(f"{argument} must be a views folder (a path to a folder with a transforms.json) or a ViewSet, "
+                        f"not {_kind(views)}")
+
+
+def check_input_kind(config: CascadeConfig, *, image: Any, views: Any, num_views: Any, fov: Any) -> None:
+    """One input of the kind the config's cascade takes: an image, or posed views (a config with ``views``);
+    ``num_views`` and no ``fov`` go with views only."""
+    name = config.source or config.name
+    if config.views is not None:
+        if image is not None or views is None:
+            raise ValueError(f"{name} is a multi-view cascade: pass views=FOLDER (a folder with a transforms.json), "
+                             f"not an image; for one image use a single-view config such as 1024_cascade.yaml")
+        if fov is not None:
+            raise ValueError("the views' cameras come from their transforms.json: drop fov")
+        if num_views is not None and (isinstance(num_views, bool) or not isinstance(num_views, int) or num_views < 1):
+            raise ValueError(f"num_views must be an integer >= 1 or None, not {num_views!r}")
+    elif views is not None or num_views is not None:
+        raise ValueError(f"{name} takes one image: views= and num_views= need a multi-view config (one with a "
+                         f"'views' section, e.g. 1024_cascade_mv.yaml)")
+
+
 def check_images(images: Any) -> None:
     """``images`` is a sequence of images (not one image, whose characters or rows would become images)."""
     if isinstance(images, (str, Path, Image.Image, np.ndarray)) or not isinstance(images, Sequence):
@@ -67,6 +93,12 @@ def check_images(images: Any) -> None:
                         f"for one image call run(image)")
     for index, image in enumerate(images):
         check_image(image, f"images[{index}]")
+
+
+def check_sequence(values: Any, argument: str) -> None:
+    """``values`` is a list (not one path, whose characters would become items)."""
+    if isinstance(values, (str, Path)) or not isinstance(values, Sequence):
+        raise TypeError(f"{argument} must be a list, not {_kind(values)}; for one input call run()")
 
 
 def check_names(names: Any) -> None:

@@ -120,7 +120,8 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
     duplicates = sorted({n for n in names if list(names).count(n) > 1})
     if duplicates:
         raise ValueError(f"several images are named {duplicates}; names must be unique (pass names=)")
-    labels = labels or [str(im) if isinstance(im, (str, Path)) else "<image>" for im in images]
+    labels = labels or [str(im) if isinstance(im, (str, Path)) else str(getattr(im, "folder", "<image>"))
+                        for im in images]
     return [BatchItem(i, str(name), image, label, seed=s, fov=f)
             for i, (image, name, label, s, f) in enumerate(zip(images, names, labels, seeds, fovs))]
 

@@ -8,6 +8,10 @@ moved to the run's device, at exactly the reference's four points (structure, sh
 texture; reference §7.1): the reference seeds the global CPU generator and draws from it, and a CPU
 ``torch.Generator`` seeded the same gives the same bits, on every device. Nothing else draws from it.
 
+A flow stage is conditioned on one image (``image`` and ``camera``: the single-view cascade) or on several posed
+views (``views``: ``on_views`` makes a stage of the multi-view cascade read them instead); ``stage_condition``
+asks ``conditioning.condition`` or ``multiview.condition_views`` accordingly, nothing else differs.
+
 Sampling goes through ``sample``: today's single-process sampler, or, when the run has a parallel
 runtime (``RunState.parallel``, rank 0 under torchrun), ``pixal3d.parallel.parallel_sample`` with the
 same inputs, which the other ranks join (``pipelines/parallel.py``).
@@ -40,6 +44,7 @@ from pixal3d.models.conditioning import (
     negative_condition,
     select_naf_mode,
 )
+from pixal3d.models.multiview import condition_views
 from pixal3d.nn.limits import kernel_limits
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.parallel import parallel_sample
@@ -56,6 +61,18 @@ DEFAULT_CHUNKS = FlowChunks(attention_scores=attention_score_elements(math.inf),
 
 CONDITION_INPUTS = ("features", "camera", "device", "generator", "progress", "callback", "parallel")
 """The ``RunState`` fields every flow stage reads besides its own."""
+IMAGE_SOURCE = ("image", "camera")
+VIEWS_SOURCE = ("views",)
+"""What the features and flow stages read besides the features: one image and its camera, or posed views."""
+
+
+def on_views(stage: CascadeStage, plan_views: int) -> CascadeStage:
+    """A copy of ``stage`` (the features stage or a flow stage) reading posed views (``RunState.views``) instead of
+    the image and its camera; ``plan_views``: the number of views its working set counts."""
+    stage = copy.copy(stage)
+    stage.inputs = (*VIEWS_SOURCE, *(f for f in stage.inputs if f not in IMAGE_SOURCE))
+    stage.view_count = plan_views
+    return stage
 
 
 def draw_noise(generator: torch.Generator, *shape: int) -> torch.Tensor:
@@ -70,14 +87,19 @@ def extractor(name: str, cfg: ConditionConfig, grid_resolution: int) -> Extracto
 
 
 def stage_condition(state: RunState, models: Any, ext: ExtractorConfig,
-                    coords: torch.Tensor | None, *, naf_mode: str = "full") -> dict[str, Any]:
+                    coords: torch.Tensor | None, *, naf_mode: str = "full", views: bool = False) -> dict[str, Any]:
     """``{'global', 'proj'}`` for one extractor from the run's DINOv3 features (``state.features``), kept in
     ``state.cond`` (transient: fingerprinted, cleared). ``naf_mode``: ``full`` (the reference's values) or
     ``frugal`` (less memory); ``auto`` means ``full`` here — the plan resolves it from the memory it gives the
-    stage (``SparseFlowStage.fitted``)."""
+    stage (``SparseFlowStage.fitted``). ``views``: the features are posed views' (``state.views``: every view
+    projected, then averaged), not one image's seen by ``state.camera``."""
     naf = models["naf"] if ext.naf_size is not None else None
-    cond = condition(ext, state.features.at(ext.image_size), state.camera, coords, naf=naf,
-                     naf_mode="full" if naf_mode == "auto" else naf_mode)
+    mode = "full" if naf_mode == "auto" else naf_mode
+    features = state.features.at(ext.image_size)
+    if views:
+        cond = condition_views(ext, features, state.views, coords, naf=naf, naf_mode=mode)
+    else:
+        cond = condition(ext, features, state.camera, coords, naf=naf, naf_mode=mode)
     state.cond = dict(cond)
     return cond
 
@@ -142,7 +164,7 @@ class SparseFlowStage(CascadeStage):
             return self.bounded_bytes
         cond = self.config.condition
         return flow_stage_bytes(self.estimated_tokens(), cond.image_size, naf_size=cond.naf_size,
-                                naf_mode=self.naf_mode) + self.attention_bytes()
+                                naf_mode=self.naf_mode, views=self.view_count or 1) + self.attention_bytes()
 
     def attention_bytes(self) -> int:
         """What the attention route adds to the measured working set (its fp32 chunks on ``fp32_chunked``)."""

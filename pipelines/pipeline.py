@@ -31,6 +31,7 @@ import pixal3d
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
+from pixal3d.models.views import ViewSet, read_views, view_name
 from pixal3d.nn.attention import describe_route, resolve_route
 from pixal3d.parallel import ParallelRuntime, ParallelSettings
 from pixal3d.pipeline_json import (
@@ -267,33 +268,42 @@ class Pixal3D:
         return self.run_plan.follower
 
     # -- running -----------------------------------------------------------------------------
-    def run(self, image: Any, *, seed: int | None = None, fov: float | None = None,
-            events: Callable[[Event], None] | None = None, progress: bool = False,
+    def run(self, image: Any = None, *, views: Any = None, num_views: int | None = None, seed: int | None = None,
+            fov: float | None = None, events: Callable[[Event], None] | None = None, progress: bool = False,
             callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
             trace_meta: Mapping[str, Any] | None = None, name: str | None = None) -> Result:
-        """Take one image through every stage and return the ``Result`` (nothing is written to disk): a batch of
-        one (``run_batch``), whose errors are raised.
+        """Take one image (or, on a multi-view config, one views folder) through every stage and return the
+        ``Result`` (nothing is written to disk): a batch of one (``run_batch``), whose errors are raised.
 
-        image:    a path, a PIL image or a uint8 array (RGBA: the alpha marks the object)
-        seed:     the run's seed (default: the config's); the run owns a CPU generator seeded with it
-        fov:      horizontal field of view in degrees (default: the config's, else MoGe-2, else 49.1)
-        events:   also receives this run's registry events (loads, releases, stage changes)
-        progress: tqdm bars for stages, sampler steps and export steps
-        callback: ``{"kind": "stage", "stage", "index", "stages", "image", "image_index", "images"}`` as each
-                  stage starts and ``{"kind": "step", "stage", "step", "steps", ...}`` after each sampler step
-        trace:    also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
-        name:     what run.json calls the input (default: the path, or "<image>")
+        image:     a path, a PIL image or a uint8 array (RGBA: the alpha marks the object)
+        views:     the multi-view cascade's input instead (a config with ``views``): a folder with a
+                   ``transforms.json`` (``pixal3d.models.views``) or a ``ViewSet`` from ``read_views``
+        num_views: use the first N views of the folder (default: all)
+        seed:      the run's seed (default: the config's); the run owns a CPU generator seeded with it
+        fov:       horizontal field of view in degrees (default: the config's, else MoGe-2, else 49.1); not with views
+        events:    also receives this run's registry events (loads, releases, stage changes)
+        progress:  tqdm bars for stages, sampler steps and export steps
+        callback:  ``{"kind": "stage", "stage", "index", "stages", "image", "image_index", "images"}`` as each
+                   stage starts and ``{"kind": "step", "stage", "step", "steps", ...}`` after each sampler step
+        trace:     also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
+        name:      what run.json calls the input (default: the path, or "<image>")
         """
-        arguments.check_image(image)
+        arguments.check_input_kind(self.config, image=image, views=views, num_views=num_views, fov=fov)
+        if views is not None:
+            arguments.check_views(views)
+        else:
+            arguments.check_image(image)
         arguments.check_optional(name, "name", (str,), "a string")
         arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
-        items = image_items([image], seed=seed, fov=fov, default_seed=self.config.seed,
-                            labels=[name] if name else None)
-        [item] = self._execute(items, "image", events=events, progress=progress, callback=callback,
-                               trace=trace, trace_meta=trace_meta)
+        source = views if views is not None else image
+        items = image_items([source], seed=seed, fov=fov, default_seed=self.config.seed,
+                            labels=[name] if name else None, names=[view_name(source)] if views is not None else None)
+        [item] = self._execute(items, "image", num_views=num_views, events=events, progress=progress,
+                               callback=callback, trace=trace, trace_meta=trace_meta)
         return item.result
 
-    def run_batch(self, images: Sequence[Any], *, seed: int | Sequence[int] | None = None,
+    def run_batch(self, images: Sequence[Any] | None = None, *, views: Sequence[Any] | None = None,
+                  num_views: int | None = None, seed: int | Sequence[int] | None = None,
                   fov: float | Sequence[float | None] | None = None, names: Sequence[str] | None = None,
                   order: BatchOrder | None = None,
                   work_dir: str | Path | None = None, state_budget: int | None = None,
@@ -303,12 +313,20 @@ class Pixal3D:
         """Run several images, stage by stage or image by image (``pipelines.batch``), optionally resuming from a
         work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
         finishes. ``seed`` and ``fov``: one, or one per image; ``names``: what outputs and records call each image
-        (default: the file's stem, else image<i>); ``order``: default ``default_order(policy)``; ``state_budget``:
-        bytes of states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest
-        as for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order).
+        (default: the file's stem, else image<i>; a views folder's name); ``views``/``num_views``: views folders
+        instead of images, on a multi-view config (as ``run``); ``order``: default ``default_order(policy)``;
+        ``state_budget``: bytes of states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on
+        disk); the rest as for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in
+        image order).
         ``share``: this rank's part of a ``--parallel data`` job (``data_parallel.DataJob``): only the images this
         group claims (in ``work_dir``) or is given (i mod K) run here and are yielded."""
-        arguments.check_images(images)
+        arguments.check_input_kind(self.config, image=images, views=views, num_views=num_views, fov=fov)
+        if views is not None:
+            arguments.check_sequence(views, "views")
+            for index, folder in enumerate(views):
+                arguments.check_views(folder, f"views[{index}]")
+        else:
+            arguments.check_images(images)
         arguments.check_names(names)
         arguments.check_optional(work_dir, "work_dir", (str, Path), "a path")
         arguments.check_state_budget(state_budget)
@@ -322,12 +340,16 @@ class Pixal3D:
         if self._runtime is not None and work_dir is not None and share is None:
             raise ValueError("under torchrun a work directory is for data groups (the groups claim images in it): "
                              "pass share=DataJob, or run without work_dir")
-        items = image_items(images, seed=seed, fov=fov, default_seed=self.config.seed, names=names)
-        return self._execute(items, order, work_dir=work_dir, state_budget=state_budget, events=events,
-                             progress=progress, callback=callback, trace=trace, trace_meta=trace_meta, isolate=True,
-                             share=share)
+        sources = list(views) if views is not None else images
+        if views is not None and names is None:
+            names = [view_name(folder) for folder in sources]
+        items = image_items(sources, seed=seed, fov=fov, default_seed=self.config.seed, names=names)
+        return self._execute(items, order, num_views=num_views, work_dir=work_dir, state_budget=state_budget,
+                             events=events, progress=progress, callback=callback, trace=trace, trace_meta=trace_meta,
+                             isolate=True, share=share)
 
-    def _execute(self, items: list[BatchItem], order: BatchOrder, *, work_dir: str | Path | None = None,
+    def _execute(self, items: list[BatchItem], order: BatchOrder, *, num_views: int | None = None,
+                 work_dir: str | Path | None = None,
                  state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
                  trace_meta: Mapping[str, Any] | None, isolate: bool = False, share: DataJob | None = None
@@ -347,14 +369,20 @@ class Pixal3D:
         keyed = work_dir is not None or (order == "stage" and len(items) > 1)  # records, or states spilled
         digests = weights_digests(self.weights) if keyed else {}
 
+        views = self.config.views is not None
+
         def open_item(item: BatchItem) -> None:
             """Refuse an unusable input before its first stage; key its stages (for the store)."""
             try:
-                if isinstance(item.source, (str, Path)):
+                if views:  # a views folder: transforms.json and every frame checked, once (read_views)
+                    if not isinstance(item.source, ViewSet) or num_views is not None:
+                        item.source = read_views(getattr(item.source, "folder", item.source), num_views)
+                elif isinstance(item.source, (str, Path)):
                     probe_image(item.source)  # not an image, or too small: from its header
                 self.run_plan.check_input(item.source)  # e.g. no alpha and no remover
-                provided = {"input_image": input_digest(item.source) if keyed else None, "generator": item.seed,
-                            "fov_deg": item.fov, "device": str(self.device),
+                digest = (item.source.digest() if views else input_digest(item.source)) if keyed else None
+                provided = {"input_image": None if views else digest, "input_views": digest if views else None,
+                            "generator": item.seed, "fov_deg": item.fov, "device": str(self.device),
                             "shape_normalization": repr(self.weights.shape_normalization),
                             "tex_normalization": repr(self.weights.tex_normalization)}
             except OSError as err:
@@ -364,6 +392,9 @@ class Pixal3D:
                                                                     "pixal3d": pixal3d.__version__})
 
         def start(item: BatchItem, k: int) -> RunState:
+            if views:
+                return self.new_state(None, views=item.source, seed=item.seed, progress=progress,
+                                      callback=bar.callback_for(item))
             reads_input = any("input_image" in s.inputs for s in stages[k:])
             return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=item.fov,
                                   progress=progress, callback=bar.callback_for(item))
@@ -381,12 +412,14 @@ class Pixal3D:
         return executor.by_stage(items) if order == "stage" and len(items) > 1 else executor.by_item(items)
 
     # -- what runs and batches share -------------------------------------------------------------
-    def new_state(self, image: Any, *, seed: int, fov: float | None = None, progress: bool = False,
-                  callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
-        """A fresh ``RunState`` for ``image`` (a PIL image, or None when the preprocess stage will not run):
-        the provided fields, a CPU generator seeded with ``seed``."""
+    def new_state(self, image: Any, *, views: ViewSet | None = None, seed: int, fov: float | None = None,
+                  progress: bool = False, callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
+        """A fresh ``RunState`` for ``image`` (a PIL image, or None when the preprocess stage will not run) or
+        ``views`` (the multi-view cascade's checked folder): the provided fields, a CPU generator seeded with
+        ``seed``."""
         return RunState(
-            input_image=image, generator=torch.Generator().manual_seed(seed), device=self.device, fov_deg=fov,
+            input_image=image, input_views=views, generator=torch.Generator().manual_seed(seed), device=self.device,
+            fov_deg=fov,
             shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
             progress=progress, callback=callback, parallel=self._runtime)
 

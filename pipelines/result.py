@@ -112,8 +112,20 @@ class Result:
             out["moge_precision"] = "float16 autocast" if fp16 else "float32"
         return out
 
+    def views(self) -> dict[str, Any]:
+        """The input views for run.json (a multi-view run): folder, count, names, fields of view, mesh scale, frame
+        0's distance and whether it is the canonical front pose; empty for an image."""
+        views = self.state.input_views
+        return {} if views is None else views.describe()
+
     def camera_line(self) -> str | None:
-        """``camera: 59.29° horizontal field of view (MoGe-2, float32)``, what the command prints after a run."""
+        """``camera: 59.29° horizontal field of view (MoGe-2, float32)``, what the command prints after a run
+        (``views: 4 posed views ...`` for a multi-view run)."""
+        views = self.views()
+        if views:
+            front = "frame 0 at the front pose" if views["front_pose"] else "frame 0 NOT at the front pose"
+            return (f"views: {views['views']} posed views from {views['folder']} "
+                    f"({', '.join(views['names'])}; {front})")
         camera = self.camera()
         if not camera:
             return None
@@ -228,6 +240,7 @@ class Result:
             "versions": versions(),
             "kernels": kernels.describe(),
             "camera": self.camera(),
+            **({"views": self.views()} if self.views() else {}),
             "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
             "total_seconds": round(self.seconds, 4),
             "stages": stages,

@@ -40,7 +40,7 @@ class Shape1024Stage(HrFlowStage):
         grid = self.grid(state)
         with self.bounded():
             cond = stage_condition(state, models, extractor("shape_1024", cfg.condition, grid), coords,
-                                   naf_mode=self.naf_mode)
+                                   naf_mode=self.naf_mode, views=self.view_count is not None)
             state.hr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_hr, C], CPU
             latent = sample(models[self.flow_model], SparseTensor(state.hr_noise.to(state.device), coords),
                             cond, cfg.sampler, state=state, stage=self.name)

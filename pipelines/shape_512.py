@@ -54,7 +54,7 @@ class Shape512Stage(SparseFlowStage):
         coords = state.coords_lr.to(state.device)
         with self.bounded():
             cond = stage_condition(state, models, extractor("shape_512", cfg.condition, self.coords_resolution),
-                                   coords, naf_mode=self.naf_mode)
+                                   coords, naf_mode=self.naf_mode, views=self.view_count is not None)
             state.lr_noise = draw_noise(state.generator, coords.shape[0], cfg.latent_channels)  # [N_lr, C], CPU
             latent = sample(models[self.flow_model], SparseTensor(state.lr_noise.to(state.device), coords),
                             cond, cfg.sampler, state=state, stage=self.name)

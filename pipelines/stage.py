@@ -47,6 +47,7 @@ class CascadeStage(Stage):
 
     section: str | None = None
     flow_model: str | None = None  # the registry name of the flow model it samples, if any
+    view_count: int | None = None  # a flow stage conditioned on posed views: the views its working set counts
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> Self:

@@ -25,8 +25,8 @@ from pixal3d.pipeline_json import Normalization
 
 from .job import check_fov, check_seed  # noqa: F401 -- the ranges' home is the job value; re-exported
 
-PROVIDED = ("input_image", "generator", "device", "fov_deg", "shape_normalization", "tex_normalization",
-            "progress", "callback", "parallel")
+PROVIDED = ("input_image", "input_views", "generator", "device", "fov_deg", "shape_normalization",
+            "tex_normalization", "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""
 
 
@@ -49,8 +49,11 @@ class RunState:
     progress: bool = False                    # tqdm bars for sampler steps and export steps
     callback: Callable[[dict[str, Any]], None] | None = None  # progress reports (Pixal3D.run)
     parallel: Any = None                      # pixal3d.parallel.ParallelRuntime under torchrun (rank 0), else None
+    input_views: Any = None                   # pixal3d.models.views.ViewSet: the multi-view cascade's input, else None
     # preprocess
     image: Any = stored("image")                          # PIL.Image, RGB, object cropped and composited on black
+    # views (the multi-view cascade, instead of preprocess and camera)
+    views: Any = stored("views")                          # pixal3d.models.multiview.PosedViews: matted, posed
     # camera
     camera: Any = stored("camera")                        # pixal3d.models.camera.Camera
     # features

@@ -12,6 +12,7 @@ entry in the description saying how to rebuild it:
 | ``DualGridFields``, ``PbrVoxels`` (dataclasses) | one per tensor field | the class, the other fields, ``on`` |
 | ``Camera`` (floats) | none | its fields |
 | ``ImageFeatures`` | ``.<S>.tokens``, ``.<S>.image`` per size S | the sizes, the global tokens' count, ``on`` |
+| ``PosedViews`` | ``.transforms``, ``.fovs``, ``.image<i>`` uint8 ``[H, W, C]`` | modes, names, mesh_scale |
 | PIL image | ``<field>`` uint8 ``[H, W, C]`` | ``mode`` |
 | ``ExportedMesh`` | ``.glb`` uint8 (the GLB bytes) | the export report; the trimesh is read back from the GLB |
 | ``int``, ``float``, ``str``, ``bool``, ``None`` | none | the value (JSON keeps Python floats exactly) |
@@ -36,13 +37,14 @@ from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.mesh.records import ExportedMesh, ExportReport, StepReport
 from pixal3d.models.camera import Camera
 from pixal3d.models.conditioning import BackboneFeatures, ImageFeatures
+from pixal3d.models.multiview import PosedViews
 from pixal3d.nn.sparse_tensor import SparseTensor
 
 _DATACLASSES: dict[str, type] = {"DualGridFields": DualGridFields, "PbrVoxels": PbrVoxels}
 """Dataclasses of tensors (and plain fields) that ``decode`` may rebuild, by name."""
 
 
-KINDS = ("value", "tensor", "sparse", "camera", "image", "mesh", "dataclass", "features")
+KINDS = ("value", "tensor", "sparse", "camera", "image", "views", "mesh", "dataclass", "features")
 """The kinds of value this codec stores (the table above)."""
 
 
@@ -98,6 +100,9 @@ def nbytes(value: Any, seen: set[int] | None = None) -> int:
         return len(value.glb) + nbytes(value.mesh.vertices, seen) + nbytes(value.mesh.faces, seen)
     if isinstance(value, Image.Image):
         return value.width * value.height * len(value.getbands())
+    if isinstance(value, PosedViews):
+        return (sum(nbytes(image, seen) for image in value.images) + nbytes(value.transforms, seen)
+                + nbytes(value.fovs, seen))
     if isinstance(value, np.ndarray):
         return value.nbytes
     if isinstance(value, Mapping):
@@ -140,6 +145,13 @@ def _encode(name: str, value: Any, tensors: dict[str, torch.Tensor]) -> dict[str
     if isinstance(value, Image.Image):
         _put(tensors, name, torch.from_numpy(np.array(value)))
         return {"kind": "image", "mode": value.mode}
+    if isinstance(value, PosedViews):
+        _put(tensors, f"{name}.transforms", value.transforms)
+        _put(tensors, f"{name}.fovs", value.fovs)
+        for i, image in enumerate(value.images):
+            _put(tensors, f"{name}.image{i}", torch.from_numpy(np.array(image)))
+        return {"kind": "views", "modes": [image.mode for image in value.images], "names": list(value.names),
+                "mesh_scale": value.mesh_scale}
     if isinstance(value, ExportedMesh):
         _put(tensors, f"{name}.glb", torch.frombuffer(bytearray(value.glb), dtype=torch.uint8))
         return {"kind": "mesh", "report": dataclasses.asdict(value.report)}
@@ -182,6 +194,12 @@ def _decode(name: str, entry: Mapping[str, Any], tensors: Mapping[str, torch.Ten
                               for size in entry["sizes"]})
     if kind == "image":
         return Image.fromarray(_get(tensors, name, "cpu", device).numpy(), mode=entry["mode"])
+    if kind == "views":
+        images = tuple(Image.fromarray(_get(tensors, f"{name}.image{i}", "cpu", device).numpy(), mode=mode)
+                       for i, mode in enumerate(entry["modes"]))
+        return PosedViews(images, _get(tensors, f"{name}.transforms", "cpu", device),
+                          _get(tensors, f"{name}.fovs", "cpu", device), float(entry["mesh_scale"]),
+                          tuple(entry["names"]))
     if kind == "mesh":
         return _mesh(bytes(_get(tensors, f"{name}.glb", "cpu", device).numpy().tobytes()), entry["report"])
     if kind == "dataclass" and entry.get("class") in _DATACLASSES:

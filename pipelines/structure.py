@@ -53,12 +53,14 @@ class StructureStage(CascadeStage):
 
     def working_set(self) -> int:
         tokens = self.config.noise_resolution ** 3
-        return structure_bytes(self.config.noise_resolution) + attention_route_bytes(
+        return structure_bytes(self.config.noise_resolution, views=self.view_count or 1,
+                               image_size=self.config.condition.image_size) + attention_route_bytes(
             self.attention_route, tokens, DEFAULT_CHUNKS.attention_scores)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         cfg = self.config
-        cond = stage_condition(state, models, extractor("ss", cfg.condition, cfg.noise_resolution), None)
+        cond = stage_condition(state, models, extractor("ss", cfg.condition, cfg.noise_resolution), None,
+                               views=self.view_count is not None)
         r = cfg.noise_resolution
         state.ss_noise = draw_noise(state.generator, 1, cfg.latent_channels, r, r, r)  # [1, C, R, R, R] f32, CPU
         latent = sample(models[self.flow_model], state.ss_noise.to(state.device), cond, cfg.sampler,

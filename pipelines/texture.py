@@ -41,7 +41,7 @@ class TextureStage(HrFlowStage):
         grid = self.grid(state)
         with self.bounded():
             cond = stage_condition(state, models, extractor("tex_1024", cfg.condition, grid), shape.coords,
-                                   naf_mode=self.naf_mode)
+                                   naf_mode=self.naf_mode, views=self.view_count is not None)
             shape_mean, shape_std = norm_tensors(state.shape_normalization, state.device)
             shape_norm = shape.replace((shape.feats - shape_mean) / shape_std)
             state.tex_noise = draw_noise(state.generator, shape.coords.shape[0], cfg.latent_channels)  # [N_hr, C]

@@ -41,26 +41,41 @@ def hr_tokens(hr_resolution: int) -> int:
     return int(HR_TOKENS_AT_1024 * (hr_resolution / 1024) ** 2)
 
 
-def structure_bytes(noise_resolution: int) -> int:
-    """The structure stage (DINOv3 at 512 px, the dense flow with CFG, the structure decoder)."""
-    return int(STRUCTURE_BYTES * max(1.0, noise_resolution ** 3 / 16 ** 3))
+def structure_bytes(noise_resolution: int, *, views: int = 1, image_size: int = 512) -> int:
+    """The structure stage (the dense flow with CFG, the structure decoder); with several posed views, what they
+    hold (``views_extra_bytes``) on top."""
+    base = STRUCTURE_BYTES * max(1.0, noise_resolution ** 3 / 16 ** 3)
+    return int(base + views_extra_bytes(views, noise_resolution ** 3, image_size, naf=False))
 
 
-def flow_stage_bytes(tokens: int, image_size: int, *, naf_size: int | None, naf_mode: str) -> int:
+def flow_stage_bytes(tokens: int, image_size: int, *, naf_size: int | None, naf_mode: str, views: int = 1) -> int:
     """A sparse flow stage: the measured whole-stage line (frugal NAF, sampling with the condition and its CFG
     negative held; measured with the backbone's forward in the stage, which now runs in the features stage),
-    or NAF's ``full`` mode if that is larger."""
-    stage = tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES
+    or NAF's ``full`` mode if that is larger. ``views`` > 1 (the multi-view cascade): the views' tokens ride
+    along and one view's projected features are held while they are added to the sum (``views_extra_bytes``)."""
+    stage = tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES + views_extra_bytes(views, tokens, image_size,
+                                                                                  naf=naf_size is not None)
     naf = naf_peak_bytes("full", image_size, naf_size, points=tokens) if naf_size and naf_mode == "full" else 0
     return int(max(stage, naf))
 
 
-def features_bytes(sizes: tuple[int, ...], *, width: int = DINOV3_WIDTH, patch: int = 16) -> int:
+def features_bytes(sizes: tuple[int, ...], *, width: int = DINOV3_WIDTH, patch: int = 16, views: int = 1) -> int:
     """The features stage: DINOv3's forward at the largest size (``DINOV3_BYTES_PER_PATCH``), beside the tokens
-    and guide images of every size it keeps (fp32)."""
+    and guide images of every size it keeps (fp32); ``views`` posed views go through it as one batch (the
+    reference's), so both grow with them."""
     kept = sum((5 + (s // patch) ** 2) * width * 4 + 3 * s * s * 4 for s in sizes)
     forward = max(((s / patch) ** 2 * DINOV3_BYTES_PER_PATCH for s in sizes), default=0)
-    return int(forward + kept)
+    return int(views * (forward + kept))
+
+
+def views_extra_bytes(views: int, points: int, image_size: int, *, naf: bool, width: int = DINOV3_WIDTH) -> int:
+    """What conditioning on ``views`` posed views holds beyond one image's: every view's tokens (fp32, at the
+    released backbone's ``width``; kept from the features stage) and, from the second view on, one view's
+    projected features at ``points`` (``width``, doubled with NAF) while it is added to the sum. 0 for one view."""
+    if views <= 1:
+        return 0
+    tokens = views * int((image_size / 16) ** 2 + 5) * width * 4
+    return tokens + points * width * (2 if naf else 1) * 4
 
 
 def upsample_bytes(coords_resolution: int, times: int) -> int:

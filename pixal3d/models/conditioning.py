@@ -164,7 +164,7 @@ def condition(extractor: ExtractorConfig, features: BackboneFeatures, camera: Ca
         points = coords_points(coords.to(device), extractor.grid_resolution)
     grid = project(points, camera, extractor.image_size)  # [K, 2]
     with torch.no_grad():
-        proj = _project_features(extractor, features, grid, naf, naf_mode)  # [K, C']
+        proj = project_features(extractor, features.patch_map(), features.image, grid, naf, naf_mode)  # [K, C']
     if coords is None:
         return {"global": features.global_tokens, "proj": proj[None]}
     return {"global": features.global_tokens, "proj": SparseTensor(proj, coords.to(device))}
@@ -176,18 +176,18 @@ def negative_condition(cond: dict[str, torch.Tensor | SparseTensor]) -> dict[str
             else torch.zeros_like(value) for key, value in cond.items()}
 
 
-def _project_features(extractor: ExtractorConfig, features: BackboneFeatures, grid: torch.Tensor,
-                      naf: NAF | None, naf_mode: NafMode) -> torch.Tensor:
-    """Low-res features at ``grid`` then (NAF extractors) NAF features, concatenated: ``[K, C or 2C]``."""
-    patch_map = features.patch_map()
+def project_features(extractor: ExtractorConfig, patch_map: torch.Tensor, image: torch.Tensor, grid: torch.Tensor,
+                     naf: NAF | None, naf_mode: NafMode) -> torch.Tensor:
+    """Low-res features of ``patch_map [1, C, h, w]`` at ``grid [K, 2]`` then (NAF extractors) the NAF features
+    guided by ``image [1, 3, S, S]``, concatenated: ``[K, C or 2C]``."""
     low_res = sample_map(patch_map, grid)
     if extractor.naf_size is None:
         return low_res
     size = (extractor.naf_size, extractor.naf_size)
     if naf_mode == "full":
-        high_res = naf.sample(features.image, patch_map, size, grid)
+        high_res = naf.sample(image, patch_map, size, grid)
     else:
-        high_res = sample_pointwise(lambda pixels: naf.features_at(features.image, patch_map, size, pixels),
+        high_res = sample_pointwise(lambda pixels: naf.features_at(image, patch_map, size, pixels),
                                     grid, *size)
     return torch.cat([low_res, high_res], dim=-1)
 

@@ -8,6 +8,9 @@ feature map is sampled with ``grid_sample(bilinear, border, align_corners=False)
 view get border-clamped features (the reference discards its validity mask).
 
 Vocabulary: a *sampling grid* is ``g [K, 2]`` in ``grid_sample``'s normalised ``(x, y)`` coordinates.
+
+Several posed views (``project_posed``, reference ``ProjGridMV``): each view's camera-to-world matrix replaces the
+front camera, computed with the reference's own batched operations (``bmm``, ``linalg.inv`` on ``[1, 4, 4]``).
 """
 from __future__ import annotations
 
@@ -60,6 +63,23 @@ def project(points: torch.Tensor, camera: Camera, image_size: int) -> torch.Tens
     v = -focal * cam_points[:, 1] / depth + image_size / 2
     uv = torch.stack([u, v], dim=-1)
     return (uv + 0.5) / image_size * 2 - 1
+
+
+def project_posed(points: torch.Tensor, cam_to_world: torch.Tensor, fov: torch.Tensor, image_size: int,
+                  mesh_scale: torch.Tensor) -> torch.Tensor:
+    """Sampling grid ``[K, 2]`` of grid ``points [K, 3]`` seen by a camera ``cam_to_world [4, 4]`` with horizontal
+    fov ``fov`` (a float32 scalar tensor, radians), ``mesh_scale`` a float32 scalar tensor. The reference's
+    operations in its order and shapes (``project_points_to_image_batch`` with a batch of one)."""
+    world = points[None] / mesh_scale.reshape(1, 1, 1) / 2  # [1, K, 3]
+    homogeneous = torch.cat([world, torch.ones(1, world.shape[1], 1, device=points.device, dtype=world.dtype)], -1)
+    world_to_camera = torch.linalg.inv(cam_to_world[None].float())  # [1, 4, 4]
+    cam_points = torch.bmm(homogeneous, world_to_camera.transpose(-2, -1))[..., :3]  # [1, K, 3]
+    focal = (16.0 / torch.tan(fov.reshape(1) / 2.0)) * image_size / 32.0  # [1]: f = S / (2 tan(fov/2))
+    focal = focal.unsqueeze(1)  # [1, 1]
+    u = focal * cam_points[..., 0] / (-cam_points[..., 2] + 1e-8) + image_size / 2.0
+    v = -(focal * cam_points[..., 1] / (-cam_points[..., 2] + 1e-8)) + image_size / 2.0
+    uv = torch.stack([u, v], dim=-1)  # [1, K, 2]
+    return ((uv + 0.5) / image_size * 2 - 1)[0]
 
 
 def sample_map(feature_map: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
