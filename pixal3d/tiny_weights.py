@@ -177,7 +177,7 @@ def deterministic_tensor(label: str, key: str, shape: tuple[int, ...]) -> torch.
     return torch.from_numpy(values.astype(np.float32)).reshape(shape)
 
 
-def _state_for(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+def checkpoint_state(label: str, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every stored tensor of the model ``spec`` describes: deterministic values for parameters, the true
     (config-derived) values for persistent buffers such as NAF's RoPE periods."""
     from pixal3d.models import build_model  # the package registers every network class
@@ -213,7 +213,7 @@ def mv_pipeline_json() -> dict[str, Any]:
 def _write_checkpoint(folder: Path, name: str, *, label: str | None = None,
                       table: dict[str, tuple[str, dict[str, Any], torch.dtype]] | None = None) -> None:
     stem, spec, dtype = (table or CHECKPOINTS)[name]
-    state = _state_for(label or name, spec)
+    state = checkpoint_state(label or name, spec)
     for (model, key), value in SPECIAL_SCALES.items():
         if model == name:
             state[key] = state[key] * value
@@ -240,7 +240,7 @@ def _write_dinov3(folder: Path) -> None:
 
 def _write_naf(folder: Path) -> None:
     spec = {"name": "NAF", "args": NAF_ARGS}
-    state = _state_for("naf", spec)
+    state = checkpoint_state("naf", spec)
     folder.mkdir(parents=True, exist_ok=True)
     _save(dict(sorted(state.items())), folder / "naf.safetensors")
     (folder / "naf.json").write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
