@@ -1,8 +1,9 @@
 """A real ``pixal3d-serve`` for the tests: a process on a free loopback port, its worker processes, and a client.
 
 ``Server.start`` runs ``python -m pipelines.serve`` (with this checkout first on the path, the session's tiny cache
-and kernel pins inherited), waits for its ``serving`` line and for every worker to be ready. ``kill`` sends
-SIGKILL to the server alone and waits until its workers have gone, as after a crash.
+and kernel pins inherited), waits for its ``serving`` line and for every worker to be ready (``--role worker``: for
+its ``worker NAME`` line; it has no URL). ``kill`` sends SIGKILL to the server alone and waits until its workers
+have gone, as after a crash.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-SERVING = re.compile(r"serving (http://\S+)")
+SERVING = re.compile(r"serving (http://\S+)|pixal3d-serve: worker \S+ on")
 ENDED = ("done", "failed", "cancelled")
 
 
@@ -37,9 +38,10 @@ class Server:
     headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, data: Path, *args: str, token: str | None = None, ready: bool = True,
-              timeout: float = 180) -> Server:
-        server = cls(data, list(args), data.parent / f"{data.name}.log")
+    def start(cls, data: Path, *args: str, token: str | None = None, ready: bool = True, timeout: float = 180,
+              log: str | None = None) -> Server:
+        """``log``: the log's name beside ``data`` (several processes on one data folder need one each)."""
+        server = cls(data, list(args), data.parent / f"{log or data.name}.log")
         if token is not None:
             server.headers = {"Authorization": f"Bearer {token}"}
         server.launch(ready=ready, timeout=timeout)
@@ -56,14 +58,14 @@ class Server:
         while time.monotonic() < deadline:
             found = SERVING.findall(self.log.read_text(errors="replace"))
             if len(found) > seen:  # this launch's line (the log keeps earlier launches' too)
-                self.url = found[-1]
+                self.url = found[-1]  # empty for a worker without the API
                 break
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.tail()}")
             time.sleep(0.1)
         else:
             raise TimeoutError(f"the server did not start in {timeout} s:\n{self.tail()}")
-        while ready and not self.get("/health").json().get("ready"):
+        while ready and self.url and not self.get("/health").json().get("ready"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the workers did not start in {timeout} s:\n{self.tail()}")
             time.sleep(0.2)
@@ -108,22 +110,31 @@ class Server:
                 pass
         return pids
 
+    def descendants(self) -> list[psutil.Process]:
+        """Every process the server started (its workers, and Python's resource tracker)."""
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
     def kill(self) -> list[int]:
-        """SIGKILL the server process only; wait until its workers have exited too. Returns their pids."""
-        workers = self.worker_pids()
+        """SIGKILL the server process only; wait until its workers (and every other process it started) have exited
+        too. Returns the workers' pids."""
+        workers, others = self.worker_pids(), self.descendants()
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(30)
         _, alive = psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
         assert not alive, f"workers {alive} outlived their server"
+        psutil.wait_procs(others, timeout=30)
         return workers
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            workers = self.worker_pids()
+            others = self.descendants()
             self.process.terminate()
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(30)
-            psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
+            psutil.wait_procs(others, timeout=30)

@@ -48,17 +48,22 @@ APP = KILL_AT + """
 """
 
 SERVE = KILL_AT + """
-    from pipelines.job import Job
-    from pipelines.serve.store import JobStore, new_id
-    from pipelines.serve.worker import run_group
+    from pipelines.job import Job, plan_key
+    from pipelines.serve.db import open_queue
+    from pipelines.serve.store import DataFolder, new_id
+    from pipelines.serve.worker import Where, run_group
     from pipelines.session import Session
     from pixal3d.config import load_config
-    config, store = load_config(sys.argv[3]), JobStore(folder)
+    config, data = load_config(sys.argv[3]), DataFolder(folder)
+    queue, job_id = open_queue(None, data.root), new_id()
     settings = Job.from_request({"seed": 3}, config).settings()
-    stored = store.create(new_id(), 1, Path(sys.argv[4]).read_bytes(), ".png", settings)
-    job = {"id": stored.id, "input": stored.input, "settings": stored.settings}
+    name = data.write_input(job_id, Path(sys.argv[4]).read_bytes(), ".png")
+    queue.submit(job_id, settings, plan_key(settings), name, queue_size=None)
+    [claim] = queue.claim("test", 0, "cpu", group_size=1, lease=600)
+    job = {"id": claim.id, "input": claim.input, "settings": claim.settings, "attempt": claim.attempt}
     arm()
-    run_group(Session("serve", device="cpu"), config, store, [job], timeout=None, cancelled=set(), send=print)
+    run_group(Session("serve", device="cpu"), config, Where(data, queue, "test"), [job], timeout=None, cancelled={},
+              send=print)
 """
 
 GLB_FIRST = KILL_AT + """
@@ -100,10 +105,10 @@ def test_a_sigkill_before_any_rename_never_leaves_a_glb_without_its_record(front
     written = sorted(p.name for p in (tmp_path / "whole").rglob("*") if p.suffix in (".glb", ".json"))
     assert ("result.glb" in written and "run.json" in written) if front_end == "serve" else \
         written == ["example.glb", "example.run.json"], written
-    for rename in (1, 2, 3):  # the app writes two files; the server two, then the trace and status.json
+    for rename in (1, 2, 3):  # each writes two files (the server's end is then a row of its queue, not a file)
         folder = tmp_path / f"kill{rename}"
         proc = _kill(script, rename, folder, tiny_cache)
-        if front_end == "app" and rename == 3:
+        if rename == 3:
             assert proc.returncode == 0, proc.stderr  # nothing is renamed after the GLB
             continue
         assert proc.returncode == -signal.SIGKILL, (rename, proc.stdout, proc.stderr)

@@ -4,7 +4,6 @@ again on the same data folder: all three finish, the interrupted one resumed fro
 an uninterrupted run. A worker process killed alone is replaced and its job resumes likewise."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -12,6 +11,7 @@ import psutil
 import pytest
 
 from pipelines.build import CASCADE_STAGES
+from pipelines.serve.db import open_queue
 from tests.cascade_fixtures import (  # noqa: F401
     EXAMPLE,
     TINY_CONFIG,
@@ -28,8 +28,20 @@ ORDER = [stage.name for stage in CASCADE_STAGES]
 
 
 def _attempts(server: Server, job_id: str) -> list[str]:
-    path = server.data / "jobs" / job_id / "attempts.jsonl"
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+    """Each time a worker started or ended the job, from the queue (SQLite in the data folder)."""
+    queue = open_queue(None, server.data)
+    try:
+        return [attempt["event"] for attempt in queue.attempts(job_id)]
+    finally:
+        queue.close()
+
+
+def _status(server: Server, job_id: str) -> str:
+    queue = open_queue(None, server.data)
+    try:
+        return queue.get(job_id).status
+    finally:
+        queue.close()
 
 
 def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_twice(tiny_cache, tiny_reference,
@@ -47,8 +59,7 @@ def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_tw
         server.kill()
         recorded = sorted((p.stem for p in (server.data / "work" / middle).glob("*.json")), key=ORDER.index)
         assert len(recorded) >= 4 and recorded == ORDER[:len(recorded)], recorded
-        assert not (server.data / "jobs" / middle / "status.json").exists()
-        assert not (server.data / "jobs" / last / "status.json").exists()
+        assert _status(server, middle) == "running" and _status(server, last) == "queued"  # as the kill left them
         # 2. started again: the queue goes on
         server.launch()
         views = {job_id: server.wait(job_id) for job_id in ids}

@@ -111,7 +111,8 @@ def test_delete_stops_a_running_job_at_its_next_stage_and_the_worker_goes_on(ser
     assert response.status_code == 200 and response.json()["status"] in ("running", "cancelled")
     view = server.wait(job, timeout=60)
     assert view["status"] == "cancelled" and "DELETE" in view["error"]
-    assert server.get(f"/jobs/{job}/result.glb").status_code == 404
+    gone = server.get(f"/jobs/{job}/result.glb")  # it will never come: 410, one line (it was 404 "comes when done")
+    assert gone.status_code == 410 and "cancelled" in gone.json()["error"] and "\n" not in gone.json()["error"]
     with server.client() as client:
         again = client.delete(f"/jobs/{job}")
     assert again.status_code == 409 and "cancelled" in again.json()["error"]

@@ -112,14 +112,15 @@ def test_cancel_ends_a_queued_job_at_once_and_raises_a_running_ones_flag_for_its
     [claim] = queue.claim("w1", 0, "cpu", group_size=1, lease=60)  # the oldest is B
     assert claim.id == queued
     queue.release([queued], "w1", {queued: 1})
-    assert queue.cancel(queued) == "cancelled"
-    assert queue.get(queued).outcome["error"].startswith("cancelled by DELETE")
+    assert queue.cancel(queued) == "queued"  # the status before: cancelled now
+    assert queue.get(queued).status == "cancelled" and queue.get(queued).outcome["error"].startswith("cancelled by DELETE")
     [claim] = queue.claim("w1", 0, "cpu", group_size=1, lease=60)
     assert claim.id == running and queue.renew("w1", {running: 1}, 60) == {running: False}
     assert queue.cancel(running) == "running"
     assert queue.renew("w1", {running: 1}, 60) == {running: True}  # the heartbeat carries the flag to the owner
     assert queue.finish(running, "w1", 1, {"status": "cancelled", "error": "cancelled by DELETE /jobs/{id}"})
-    assert queue.cancel(running) == "cancelled" and queue.cancel(ID(7)) is None
+    assert queue.cancel(running) == "cancelled" and queue.get(running).status == "cancelled"  # left as it ended
+    assert queue.cancel(ID(7)) is None
     # a flagged job whose worker died ends cancelled, not queued again
     [job] = _submit(queue, "C")
     queue.claim("w1", 0, "cpu", group_size=1, lease=60)

@@ -80,7 +80,7 @@ def test_bad_uploads_and_settings_get_a_4xx_with_one_line_and_the_server_goes_on
         (png_header(30000, 30000), None, 413, "--max-pixels"),   # over Pillow's own bomb limit too
         (png_header(8, 8), None, 422, "at least 16x16"),
     ]
-    for settings, status, words in [("{not json", 422, "not JSON"), ('["seed"]', 422, "JSON object"),
+    for settings, status, words in [("{not json", 400, "not JSON"), ('["seed"]', 422, "JSON object"),
                                     ('{"seed": 1, "steps": 3}', 422, "unknown settings ['steps']"),
                                     ('{"seed": "one"}', 422, "settings.seed must be int"),
                                     ('{"seed": true}', 422, "settings.seed must be int"),

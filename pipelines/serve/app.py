@@ -1,15 +1,19 @@
-"""The HTTP API (FastAPI): ``/health``, ``/jobs`` and ``/generate`` over the scheduler.
+"""The HTTP API (FastAPI): ``/health``, ``/jobs`` and ``/generate`` over the queue (``service.Jobs``): every answer
+comes from the queue's database, so any API process on one queue answers for any job.
 
-Every error is a JSON body ``{"error": "<one line>"}`` with a 4xx status saying whose it is: 400 a malformed request,
-401 no or a wrong token, 404 no such job or endpoint, 409 not possible in the job's state, 413 too large (bytes or
-pixels), 415 not an image, 422 settings that cannot be used, 429 the queue is full. Two ASGI layers run before any
-route reads the request: the token check (nothing is read or created without it) and the body limit.
+Every error is a JSON body ``{"error": "<one line>"}`` with a status saying whose it is: 400 a malformed request
+(settings that are not JSON too), 401 no or a wrong token, 404 no such job or endpoint, 409 not possible in the job's
+state (yet), 410 a result that will never come (the job was cancelled or failed), 413 too large (bytes or pixels),
+415 not an image, 422 settings that cannot be used, 429 the queue is full; 503 the queue's database cannot be
+reached, 507 the data disk is full (nothing of the job is kept). Two ASGI layers run before any route reads the
+request: the token check (nothing is read or created without it) and the body limit.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import io
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,8 +27,9 @@ from pixal3d.config import CascadeConfig
 from pixal3d.models.preprocess import MIN_SIDE
 
 from ..job import Job, SettingsError
-from .scheduler import QueueFull, Scheduler, UnknownJob
-from .store import ENDED, check_id
+from .db import ENDED, QueueError, QueueFull, QueueUnavailable, StorageFull
+from .service import Jobs
+from .store import DiskFull, check_id
 
 ENVELOPE = 64 * 1024
 """Bytes a request may carry beyond the image: the multipart framing and the settings field."""
@@ -115,14 +120,26 @@ def check_image(data: bytes, max_pixels: int) -> str:
     return f".{(kind or 'img').lower()}"
 
 
-def create_app(scheduler: Scheduler, config: CascadeConfig, *, token: str | None, max_upload: int,
-               max_pixels: int) -> FastAPI:
-    """The API over ``scheduler``, checking settings against ``config``."""
+def create_app(jobs: Jobs, config: CascadeConfig, *, token: str | None, max_upload: int, max_pixels: int,
+               local: Any = None) -> FastAPI:
+    """The API over ``jobs``, checking settings against ``config``; ``local``: this process's workers (a
+    ``node.Node``, or None for ``--role api``), listed by ``/health`` as they are now."""
     app = FastAPI(title="pixal3d-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(Refused)
     async def refused(request: Request, err: Refused) -> JSONResponse:
         return error(err.status, str(err))
+
+    @app.exception_handler(QueueError)
+    async def queue_error(request: Request, err: QueueError) -> JSONResponse:
+        status = 507 if isinstance(err, StorageFull) else 503
+        return error(status, str(err), {"Retry-After": "10"} if isinstance(err, QueueUnavailable) else None)
+
+    @app.exception_handler(OSError)
+    async def storage_error(request: Request, err: OSError) -> JSONResponse:
+        if isinstance(err, DiskFull):
+            return error(507, str(err.strerror))
+        return error(503, f"the data folder cannot be written ({err.strerror or err}); retry later")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -157,6 +174,11 @@ def create_app(scheduler: Scheduler, config: CascadeConfig, *, token: str | None
         settings = form.get("settings")
         if isinstance(settings, UploadFile):
             settings = (await settings.read()).decode("utf-8", "replace")
+        if isinstance(settings, str) and settings.strip():
+            try:  # not JSON at all is a malformed request (400); JSON that is no usable settings is 422
+                settings = json.loads(settings)
+            except ValueError as err:
+                raise Refused(400, f"settings is not JSON ({err}); send an object such as {{\"seed\": 42}}") from None
         try:
             values = Job.from_request(settings, config).settings()
         except SettingsError as err:
@@ -165,50 +187,50 @@ def create_app(scheduler: Scheduler, config: CascadeConfig, *, token: str | None
 
     def submit(data: bytes, suffix: str, values: dict[str, Any]) -> Any:
         try:
-            return scheduler.submit(data, suffix, values)
+            return jobs.submit(data, suffix, values)
         except QueueFull as err:
             raise Refused(429, str(err)) from None
 
-    def known(job_id: str) -> str:
-        if check_id(job_id) is None or job_id not in scheduler.jobs:
+    def view(job_id: str) -> dict[str, Any]:
+        """The job's view; 404 when the id is not an id or no job has it (removed by retention, too)."""
+        found = jobs.view(job_id) if check_id(job_id) is not None else None
+        if found is None:
             shown = job_id if len(job_id) <= 40 else job_id[:40] + "..."
             raise Refused(404, f"no job {shown!r}; job ids are the 32 hex digits POST /jobs returned")
-        return job_id
+        return found
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {**scheduler.health(), "config": config.name}
+        return {**jobs.health(None if local is None else local.health()), "config": config.name}
 
     @app.post("/jobs", status_code=202)
     async def post_job(request: Request) -> JSONResponse:
-        job = submit(*await read_job(request))
-        view = scheduler.view(job.id)
-        return JSONResponse(view, status_code=202, headers={"Location": f"/jobs/{job.id}"})
+        job = await asyncio.to_thread(submit, *await read_job(request))
+        return JSONResponse(jobs.view(job.id), status_code=202, headers={"Location": f"/jobs/{job.id}"})
 
     @app.get("/jobs/{job_id}")
     def get_job(job_id: str) -> dict[str, Any]:
-        try:
-            return scheduler.view(known(job_id))
-        except UnknownJob:  # removed by retention meanwhile
-            raise Refused(404, f"no job {job_id!r}") from None
+        return view(job_id)
 
     @app.delete("/jobs/{job_id}")
     def delete_job(job_id: str) -> dict[str, Any]:
-        status = scheduler.job(known(job_id)).status
+        view(job_id)
+        status = jobs.cancel(job_id)
         if status in ENDED:
             raise Refused(409, f"job {job_id} has ended ({status}); there is nothing to cancel")
-        scheduler.cancel(job_id)
-        return scheduler.view(job_id)
+        return view(job_id)
 
     @app.get("/jobs/{job_id}/{name}")
     def get_file(job_id: str, name: str) -> FileResponse:
-        job = scheduler.job(known(job_id))
+        job = view(job_id)
         if name not in FILES:
             raise Refused(404, f"no file {name[:40]!r}; a job has {', '.join(FILES)}")
-        if job.status != "done":
-            raise Refused(409 if job.status in ("queued", "running") else 404,
-                          f"job {job_id} is {job.status}; {name} comes when it is done")
-        path = scheduler.store.file(job_id, name)
+        if job["status"] in ("queued", "running"):
+            raise Refused(409, f"job {job_id} is {job['status']}; {name} comes when it is done")
+        if job["status"] != "done":
+            raise Refused(410, f"job {job_id} was {job['status']} ({job.get('error') or 'no reason given'}); it "
+                               f"has no {name} and never will")
+        path = jobs.data.file(job_id, name)
         if path is None:
             raise Refused(404, f"job {job_id} has no {name}")
         return FileResponse(path, media_type=FILES[name], filename=f"{job_id}.{name}" if name != "result.glb" else
@@ -216,13 +238,12 @@ def create_app(scheduler: Scheduler, config: CascadeConfig, *, token: str | None
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        job = submit(*await read_job(request))
-        while scheduler.job(job.id).status not in ENDED:
+        job = await asyncio.to_thread(submit, *await read_job(request))
+        while (found := await asyncio.to_thread(jobs.view, job.id))["status"] not in ENDED:
             await asyncio.sleep(0.1)
-        view = scheduler.view(job.id)
-        if view["status"] != "done":
-            return error(409 if view["status"] == "cancelled" else 422, view.get("error") or view["status"])
-        return FileResponse(scheduler.store.folder(job.id) / "result.glb", media_type=FILES["result.glb"],
+        if found["status"] != "done":
+            return error(409 if found["status"] == "cancelled" else 422, found.get("error") or found["status"])
+        return FileResponse(jobs.data.folder(job.id) / "result.glb", media_type=FILES["result.glb"],
                             headers={"X-Job-Id": job.id})
 
     app.add_middleware(BodyLimit, limit=max_upload + ENVELOPE)

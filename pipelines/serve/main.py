@@ -1,13 +1,20 @@
 """``pixal3d-serve``: the job server (``python -m pipelines.serve`` is the same command).
 
-    pixal3d-serve [--config configs/1024_cascade.yaml] [--data DIR] [--host 127.0.0.1] [--port 8000]
-        [--devices cuda:0,cuda:1 | mps | cpu] [--token-file FILE] [--max-upload 32M] [--max-pixels N]
-        [--queue-size 64] [--job-timeout 3600] [--keep 7d] [--group-size 8] [--threads N]
+    pixal3d-serve [--role all | api | worker] [--config configs/1024_cascade.yaml] [--data DIR]
+        [--queue postgresql://user@host/db] [--name NAME] [--lease 30]
+        [--host 127.0.0.1] [--port 8000] [--token-file FILE] [--max-upload 32M] [--max-pixels N] [--queue-size 64]
+        [--keep 7d]                                                   (the API: roles all and api)
+        [--devices cuda:0,cuda:1 | mps | cpu] [--job-timeout 3600] [--group-size 8] [--threads N]
+                                                                      (the workers: roles all and worker)
+
+Roles: ``all`` (the default) is the API and one worker process per device in one command, as on one machine;
+``api`` answers HTTP only and ``worker`` runs jobs only, on any machine that reaches the same ``--queue`` (a
+PostgreSQL URL; by default SQLite in ``--data``, which only one machine can share) and mounts the same ``--data``.
 
 Closed by default: it binds the loopback address, and a non-loopback ``--host`` is refused unless a token is set
 (``--token-file``, or the environment variable ``PIXAL3D_SERVE_TOKEN``); with a token every request needs
 ``Authorization: Bearer <token>``. Startup errors are one line on stderr and exit code 2; once serving, one line on
-stdout says where (``pixal3d-serve: serving http://HOST:PORT ...``).
+stdout says where (``pixal3d-serve: serving http://HOST:PORT ...``; a worker: ``pixal3d-serve: worker NAME ...``).
 """
 from __future__ import annotations
 
@@ -16,8 +23,10 @@ import gc
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,21 +37,37 @@ from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
 
 from ..exposure import is_loopback
-from ..job import DEFAULT_CONFIG, UsageError
+from ..job import DEFAULT_CONFIG, UsageError, plan_key
 from ..plan import default_device, parse_device
-from .store import LOCK, DataDirError, JobStore
+from .db import QueueError, open_queue, queue_url
+from .db.migrate import adopt_folder
+from .store import DataDirError, DataFolder
 
 TOKEN_ENV = "PIXAL3D_SERVE_TOKEN"
+ROLES = ("all", "api", "worker")
 logger = logging.getLogger("pixal3d-serve")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pixal3d-serve", allow_abbrev=False,
                                      description="Pixal3D job server: HTTP API, durable queue, one worker per device.")
+    parser.add_argument("--role", choices=ROLES, default="all",
+                        help="all: the API and the workers (default); api: the API only; worker: the workers only "
+                             "(other machines, on the same --queue and --data)")
+    parser.add_argument("--queue", default=None,
+                        help="the queue's database: postgresql://user@host:5432/db for several machines (the "
+                             "[fleet] extra); default: SQLite in --data (this machine only)")
+    parser.add_argument("--name", default=None,
+                        help="this worker's name, unique on the queue: it owns the jobs' leases (default: the host "
+                             "name); a worker started again under its name takes its old jobs back at once")
+    parser.add_argument("--lease", type=float, default=30.0,
+                        help="seconds a worker's claim on a job lasts without a heartbeat (default 30; renewed every "
+                             "third of it): after a worker dies, its jobs wait this long before another takes them")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="cascade config (default: 1024_cascade; tiny is the offline demo)")
     parser.add_argument("--data", type=Path, default=Path("pixal3d-serve-data"),
-                        help="the durable queue: jobs, results and stage records (default: ./pixal3d-serve-data)")
+                        help="the jobs' inputs, results and stage records, the same path on every machine of one "
+                             "queue (default: ./pixal3d-serve-data)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: 127.0.0.1, this machine only; any other needs a token)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port)")
@@ -103,6 +128,10 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], str | None, int]:
     if not is_loopback(args.host) and token is None:
         raise UsageError(f"--host {args.host} is reachable from other machines: set a token (--token-file FILE or "
                          f"{TOKEN_ENV}) so that only its holders can run jobs, or bind 127.0.0.1")
+    if not args.lease > 0:
+        raise UsageError(f"--lease {args.lease:g} must be more than 0 seconds (e.g. 30)")
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9._:@-]{1,100}", args.name):
+        raise UsageError(f"--name {args.name!r}: use letters, digits and . _ : @ - (at most 100)")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port; use 1-65535 (0: any free one)")
     for name in ("queue_size", "group_size", "max_pixels"):
@@ -119,20 +148,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: serves until interrupted; returns the exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="pixal3d-serve: %(levelname)s: %(message)s")
+    api, workers = args.role in ("all", "api"), args.role in ("all", "worker")
+    name = args.name or socket.gethostname()
     with ExitStack() as held:
         try:
             config = load_config(args.config)
             devices, token, max_upload = check_args(args)
             keep = parse_duration(args.keep)
-            store = JobStore(args.data)
-            held.enter_context(exclusive_lock(args.data / LOCK, wait=False, what=str(args.data),
-                                              owner="another pixal3d-serve"))
-            sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((args.host, args.port))
-            import uvicorn  # here, so that a missing extra is one line
-        except (ConfigError, UsageError, DataDirError, LockedError) as err:
-            print(f"pixal3d-serve: error: {err}", file=sys.stderr)
+            data = DataFolder(args.data)
+            queue = open_queue(args.queue, data.root)
+            held.callback(queue.close)
+            if data.files_only():
+                moved = adopt_folder(queue, data.root, plan_key)
+                data.mark_migrated(queue.describe())
+                print(f"pixal3d-serve: moved {moved} job(s) of {data.root} into the queue {queue.describe()}",
+                      flush=True)
+            if workers:
+                held.enter_context(exclusive_lock(data.worker_lock(name), wait=False, what=f"worker {name} on "
+                                                  f"{data.root}", owner="another pixal3d-serve worker of that name "
+                                                  "(give this one another --name)"))
+            sock = None
+            if api:
+                sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((args.host, args.port))
+                import uvicorn  # here, so that a missing extra is one line
+        except (ConfigError, UsageError, DataDirError, LockedError, QueueError) as err:
+            print(f"pixal3d-serve: error: {' '.join(str(err).split())}", file=sys.stderr)
             return 2
         except OSError as err:
             print(f"pixal3d-serve: error: cannot listen on {args.host}:{args.port} ({err.strerror or err})",
@@ -142,26 +184,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pixal3d-serve: error: the server needs FastAPI and uvicorn ({err}); install them with: "
                   f"pip install -e \".[serve]\"", file=sys.stderr)
             return 2
-        from .app import create_app
-        from .scheduler import Scheduler
+        from .node import Node
+        from .service import Jobs
 
         gc.freeze()
-        scheduler = Scheduler(store, devices=devices, config=str(args.config), queue_size=args.queue_size,
-                              group_size=args.group_size, job_timeout=args.job_timeout or None, keep_seconds=keep,
-                              threads=args.threads)
-        app = create_app(scheduler, config, token=token, max_upload=max_upload, max_pixels=args.max_pixels)
+        node = None
+        if workers:
+            node = Node(queue, queue_url(args.queue, data.root), data, name=name, role=args.role, devices=devices,
+                        config=str(args.config), group_size=args.group_size, job_timeout=args.job_timeout or None,
+                        threads=args.threads, lease=args.lease)
+            node.start()
+            held.callback(node.stop)
+        where = f"data {data.root}; queue {queue.describe()}"
+        if not api:
+            print(f"pixal3d-serve: worker {name} on {', '.join(devices)} ({where})", flush=True)
+            wait_for_a_stop()
+            return 0
+        from .app import create_app
+
+        jobs = Jobs(queue, data, queue_size=args.queue_size, keep_seconds=keep,
+                    wake=node.wake if node is not None else lambda: None)
+        jobs.start()
+        held.callback(jobs.stop)
+        app = create_app(jobs, config, token=token, max_upload=max_upload, max_pixels=args.max_pixels, local=node)
         sock.listen(128)
         host, port = sock.getsockname()[:2]
-        scheduler.start()
         shown = f"[{host}]" if ":" in host else host
-        print(f"pixal3d-serve: serving http://{shown}:{port} (devices {', '.join(devices)}; data {args.data}; "
+        ran = f"devices {', '.join(devices)}; " if workers else "API only; "
+        print(f"pixal3d-serve: serving http://{shown}:{port} ({ran}{where}; "
               f"{'token required' if token else 'no token: this machine only'})", flush=True)
-        try:
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-            server.run(sockets=[sock])
-        finally:
-            scheduler.stop()
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        server.run(sockets=[sock])
     return 0
+
+
+def wait_for_a_stop() -> None:
+    """Block until SIGTERM or SIGINT (a worker without an API has nothing else to wait on)."""
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
 
 
 if __name__ == "__main__":

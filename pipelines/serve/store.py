@@ -1,50 +1,53 @@
-"""The durable queue on disk (``--data DIR``): every job's input and settings, its status once it ends, its results.
+"""The data folder (``--data DIR``, the same path on every machine of one queue): what the jobs read and write.
+The queue itself (which jobs exist, their state, leases and ends) is the database's (``db/``); files here belong to
+a job only while it has a row there.
 
 Layout::
 
-    DIR/pixal3d-serve.json         marks the folder as a job server's data (a non-empty folder without it is refused)
-    DIR/jobs/<id>/job.json         settings, submission time and sequence number: written before ``202`` is returned
-    DIR/jobs/<id>/input.<ext>      the uploaded image, byte for byte
-    DIR/jobs/<id>/status.json      the job's end (done, failed, cancelled) with its stage rows: the commit point
-    DIR/jobs/<id>/result.glb       the GLB, run.json and the memory trace of a done job
-    DIR/jobs/<id>/attempts.jsonl   one line each time a worker starts or finishes the job
-    DIR/work/<id>/<stage>.*        the job's stage records (``pipelines/work_dir.py``): a restarted job resumes there
+    DIR/pixal3d-serve.json        marks the folder as a job server's data (a non-empty folder without it is refused);
+                                  its format says whether the jobs are in the queue's database (``pixal3d-serve/2``)
+                                  or still files only (``pixal3d-serve/1``: moved in at the first start, ``db/migrate``)
+    DIR/queue.sqlite3             the queue, when it is SQLite (the default)
+    DIR/jobs/<id>/input.<ext>     the uploaded image, byte for byte: written and flushed before the job's row is
+    DIR/jobs/<id>/result.glb      a done job's GLB, run.json and memory trace
+    DIR/work/<id>/<stage>.*       the job's stage records (``pipelines/work_dir.py``): whichever worker runs the job
+                                  next resumes there
+    DIR/workers/<name>.lock       held by the worker of that name while it runs (one process per name)
 
-A job is created in a hidden folder (``.new-<id>``) whose files are flushed to disk, then renamed to its id and the
-folder flushed: a kill at any instant leaves the whole job or none (leftovers are removed at the next start). A job
-without ``status.json`` is waiting: at start every such job is queued again in submission order, and a worker
-resumes it at its first unrecorded stage. Job ids are 128 random bits in hex (``new_id``); a request's id is
-checked against that form (``check_id``) before it comes near a path, so no path outside ``DIR`` is ever built.
+Every file is written to a temporary name and renamed (``pixal3d.files``). Job ids are 128 random bits in hex
+(``new_id``); a request's id is checked against that form (``check_id``) before it comes near a path, so no path
+outside ``DIR`` is ever built.
 """
 from __future__ import annotations
 
+import errno
 import json
-import logging
 import os
 import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pixal3d.files import sync_folder, write_bytes_atomic, write_json_atomic
 
 from ..work_dir import WorkDir
 
-logger = logging.getLogger(__name__)
-
 MARKER = "pixal3d-serve.json"
-LOCK = ".pixal3d-serve.lock"
-FORMAT = "pixal3d-serve/1"
+FORMAT = "pixal3d-serve/2"
+FILES_ONLY = "pixal3d-serve/1"
+"""The format of a data folder whose jobs are files only (before the queue moved into a database)."""
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
-ENDED = ("done", "failed", "cancelled")
+RESULTS = ("result.glb", "run.json", "trace.jsonl")
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DataDirError(ValueError):
     """The data folder cannot be used (not ours, not writable)."""
+
+
+class DiskFull(OSError):
+    """The data folder's disk (or quota) is full: a job could not be written; nothing of it is left."""
 
 
 def new_id() -> str:
@@ -57,44 +60,43 @@ def check_id(text: str) -> str | None:
     return text if ID_PATTERN.fullmatch(text) else None
 
 
-@dataclass
-class StoredJob:
-    """What the data folder holds of one job."""
-
-    id: str
-    sequence: int
-    submitted: float
-    settings: dict[str, Any]
-    input: str
-    status: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class JobStore:
+class DataFolder:
     """The data folder at ``root`` (created if needed)."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        marker = self.root / MARKER
         try:
-            if self.root.is_dir() and not (self.root / MARKER).exists() and any(self.root.iterdir()):
+            if self.root.is_dir() and not marker.exists() and any(self.root.iterdir()):
                 raise DataDirError(f"--data {self.root} already holds files and is not a pixal3d-serve data folder "
                                    f"(no {MARKER}); choose an empty or new folder")
             self.jobs.mkdir(parents=True, exist_ok=True)
-            if not (self.root / MARKER).exists():
-                write_json_atomic(self.root / MARKER, {"format": FORMAT})
+            if not marker.exists():
+                write_json_atomic(marker, {"format": FORMAT})
             self.work = WorkDir(self.root / "work")
+            (self.root / "workers").mkdir(exist_ok=True)
         except OSError as err:
             raise DataDirError(f"--data {self.root} cannot be used ({err.strerror or err}); choose another "
                                f"folder") from None
 
-    def clean(self) -> None:
-        """Remove jobs killed while being created (never acknowledged); the server calls it once, at start."""
-        for leftover in self.jobs.glob(".new-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-
     @property
     def jobs(self) -> Path:
         return self.root / "jobs"
+
+    def files_only(self) -> bool:
+        """Whether the jobs here are still files only (an older server's folder): ``db.migrate`` moves them in."""
+        try:
+            return json.loads((self.root / MARKER).read_text()).get("format") == FILES_ONLY
+        except (OSError, ValueError):
+            return False
+
+    def mark_migrated(self, queue: str) -> None:
+        """The jobs are in the queue's database now (``queue``: where, for a reader of the folder)."""
+        write_json_atomic(self.root / MARKER, {"format": FORMAT, "migrated_to": queue})
+
+    def worker_lock(self, name: str) -> Path:
+        """The lock file of worker ``name``."""
+        return self.root / "workers" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.lock"
 
     def folder(self, job_id: str) -> Path:
         """The job's folder (``job_id`` must have passed ``check_id``)."""
@@ -106,69 +108,42 @@ class JobStore:
         """The job's stage records (``WorkDir.folder``)."""
         return self.work.folder(self.folder(job_id).name)
 
-    # -- writing ------------------------------------------------------------------------------
-    def create(self, job_id: str, sequence: int, image: bytes, suffix: str, settings: Mapping[str, Any]) -> StoredJob:
-        """Write the job's input and settings durably, then make it visible under its id (the commit point)."""
-        final = self.folder(job_id)
-        staging = self.jobs / f".new-{job_id}"
-        staging.mkdir()
+    def write_input(self, job_id: str, image: bytes, suffix: str) -> str:
+        """Write the job's image durably (file and folder flushed); returns its name in the job's folder.
+        ``DiskFull`` when the disk is full, with nothing left behind."""
+        folder = self.folder(job_id)
+        name = f"input{suffix}"
         try:
-            name = f"input{suffix}"
-            write_bytes_atomic(staging / name, image)
-            job = StoredJob(job_id, sequence, time.time(), dict(settings), name)
-            write_json_atomic(staging / "job.json", {"format": FORMAT, "id": job_id, "sequence": sequence,
-                                                     "submitted": job.submitted, "settings": job.settings,
-                                                     "input": name})
-            os.rename(staging, final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            folder.mkdir()
+            write_bytes_atomic(folder / name, image)
+            sync_folder(self.jobs)
+        except OSError as err:
+            shutil.rmtree(folder, ignore_errors=True)
+            if err.errno in FULL:
+                raise DiskFull(err.errno, f"the data folder's disk is full ({err.strerror}); free some space "
+                                          f"under --data {self.root}") from None
             raise
-        sync_folder(self.jobs)
-        return job
-
-    def end(self, job_id: str, status: Mapping[str, Any]) -> None:
-        """Record how the job ended (``status["status"]`` one of ``ENDED``), atomically and durably."""
-        write_json_atomic(self.folder(job_id) / "status.json", {"format": FORMAT, **status})
-
-    def attempt(self, job_id: str, line: Mapping[str, Any]) -> None:
-        """Append one line to the job's attempts log (a worker started or finished it)."""
-        with open(self.folder(job_id) / "attempts.jsonl", "a", encoding="utf-8") as log:
-            log.write(json.dumps({"time": time.time(), **line}) + "\n")
-
-    def remove(self, job_id: str) -> None:
-        """Remove the job and its stage records (retention)."""
-        shutil.rmtree(self.work_folder(job_id), ignore_errors=True)
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
-
-    # -- reading ------------------------------------------------------------------------------
-    def load(self) -> Iterator[StoredJob]:
-        """Every job in the folder, in submission order (an unreadable one is logged and left alone)."""
-        found = []
-        for folder in self.jobs.iterdir():
-            if check_id(folder.name) is None:
-                continue
-            try:
-                meta = json.loads((folder / "job.json").read_text())
-                status_path = folder / "status.json"
-                status = json.loads(status_path.read_text()) if status_path.exists() else None
-            except (OSError, ValueError) as err:
-                logger.warning("job %s cannot be read (%s); left as it is", folder.name, err)
-                continue
-            found.append(StoredJob(meta["id"], meta["sequence"], meta["submitted"], meta["settings"], meta["input"],
-                                   status))
-        yield from sorted(found, key=lambda job: job.sequence)
+        return name
 
     def file(self, job_id: str, name: str) -> Path | None:
-        """One of the job's result files (``name`` from a fixed set), when it exists."""
-        if name not in ("result.glb", "run.json", "trace.jsonl"):
+        """One of the job's result files (``name`` from ``RESULTS``), when it exists."""
+        if name not in RESULTS:
             raise ValueError(f"{name!r} is not a job file")
         path = self.folder(job_id) / name
         return path if path.is_file() else None
 
-    def attempts(self, job_id: str) -> list[dict[str, Any]]:
-        """The job's attempts log."""
-        path = self.folder(job_id) / "attempts.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    def remove(self, job_id: str) -> None:
+        """Remove the job's files and stage records (retention)."""
+        shutil.rmtree(self.work_folder(job_id), ignore_errors=True)
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
 
+    def folders(self, older_than: float) -> list[str]:
+        """The ids of the job folders (and stage-record folders) last changed more than ``older_than`` seconds
+        ago: the candidates for removal when no row names them (a submission killed before its row was written)."""
+        found = set()
+        cutoff = time.time() - older_than
+        for parent in (self.jobs, self.work.root):
+            for entry in os.scandir(parent):
+                if check_id(entry.name) is not None and entry.is_dir() and entry.stat().st_mtime < cutoff:
+                    found.add(entry.name)
+        return sorted(found)

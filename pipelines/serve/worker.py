@@ -1,16 +1,20 @@
 """One worker process per device: it keeps a pipeline between jobs (a ``pipelines.session.Session``: rebuilt only
-when the plan changes) and runs the groups of jobs the scheduler hands it through ``Pixal3D.run_batch`` over the data
-folder's work directory, so every stage of every job is recorded as it finishes and a job started again resumes at
-its first unrecorded stage.
+when the plan changes) and runs the groups of jobs its worker (``node.py``) claimed for it through
+``Pixal3D.run_batch`` over the data folder's work directory, so every stage of every job is recorded as it finishes
+and a job started again, here or on another machine, resumes at its first unrecorded stage.
 
-It talks to the server over two pipes: commands in (``run`` a group, ``cancel`` a job), events out (``ready``,
-``progress``, ``ended``, ``released``, ``idle``). When the command pipe closes (the server stopped, or was killed)
-the worker exits at once: whatever it was doing is in the records, and the next server resumes it.
+It talks to its worker over two pipes: commands in (``run`` a group, ``cancel`` a job, a job's lease was ``lost``),
+events out (``ready``, ``progress``, ``ended``, ``released``, ``idle``). When the command pipe closes (the worker
+stopped, or was killed) it exits at once: whatever it was doing is in the records, and the next claimer resumes it.
+It ends a job itself, in the queue's database, only while its worker still holds the job's lease: the results are
+written after a check that it does, and the end is committed only if it still does (``Queue.finish``), so a job ends
+once even when a worker that lost its lease comes back.
 
 A group is several queued jobs with one plan (every setting but the seed), run stage by stage under ``staged`` and
 ``offload`` so each model is loaded once for the group. A cancelled job, or one past its time, stops the group at
 the next stage or sampler step: that job ends (cancelled, or failed with the timeout), the others are released
-back to the queue and resume from their records.
+back to the queue and resume from their records. A job whose lease was lost stops the group the same way without
+ending: the worker that holds it now ends it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,7 +39,8 @@ from ..errors import error_line
 from ..job import Job
 from ..plan import RunPlan
 from ..session import Session
-from .store import JobStore
+from .db import Queue, open_queue
+from .store import DataFolder
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class JobStopped(Exception):
 
 
 def worker_main(commands: Connection, events: Connection, device: str, config: str, data: str,
-                threads: int | None) -> None:
+                threads: int | None, queue_url: str, owner: str) -> None:
     """The worker process's body (``multiprocessing`` spawn target)."""
     logging.basicConfig(level=logging.WARNING, format=f"pixal3d-serve[{device} {os.getpid()}]: %(levelname)s: "
                                                       f"%(message)s")
@@ -58,10 +64,11 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
     transformers.logging.disable_progress_bar()  # its "Loading weights" bar on every load, in the server's log
     if threads is not None:
         torch.set_num_threads(threads)
-    store = JobStore(data)
+    store = DataFolder(data)
+    where = Where(store, open_queue(queue_url, store.root, patience=None), owner)
     session, config = Session("serve", device=device), load_config(config)
     runs: queue.Queue[dict[str, Any]] = queue.Queue()
-    cancelled: set[str] = set()
+    cancelled: dict[str, str] = {}  # job -> "cancel" or "lost"
 
     def listen() -> None:
         """Commands from the server; the pipe closing means the server is gone: exit now (the records keep all)."""
@@ -70,8 +77,8 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
                 message = commands.recv()
             except (EOFError, OSError):
                 os._exit(0)
-            if message["op"] == "cancel":
-                cancelled.add(message["job"])
+            if message["op"] in ("cancel", "lost"):
+                cancelled[message["job"]] = message["op"]
             else:
                 runs.put(message)
 
@@ -82,15 +89,26 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
         if message["op"] == "stop":
             session.close()
             return
-        run_group(session, config, store, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
+        run_group(session, config, where, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
                   send=events.send)
         events.send({"event": "idle"})
 
 
-def run_group(session: Session, config: CascadeConfig, store: JobStore, jobs: list[dict[str, Any]], *,
-              timeout: float | None, cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
-    """Run ``jobs`` (one plan; their settings against ``config``) as one batch, a job of several images in
-    ``session``; every job ends (status.json written) or is released."""
+@dataclass(frozen=True)
+class Where:
+    """Where a worker process's jobs live: the data folder, the queue, and the name whose leases they run under."""
+
+    data: DataFolder
+    queue: Queue
+    owner: str
+
+
+def run_group(session: Session, config: CascadeConfig, where: Where, jobs: list[dict[str, Any]], *,
+              timeout: float | None, cancelled: dict[str, str], send: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``jobs`` (one plan; their settings against ``config``; each with the ``attempt`` its worker claimed) as
+    one batch, a job of several images in ``session``; every job ends (in the queue), is released, or is left to
+    the worker that took its lost lease."""
+    store = where.data
     ids = [job["id"] for job in jobs]
     try:
         asked = [Job.from_request(job["settings"], config) for job in jobs]
@@ -99,27 +117,33 @@ def run_group(session: Session, config: CascadeConfig, store: JobStore, jobs: li
         plan = session.plan(group)
         session.prepare(group, plan)
     except Exception as err:  # noqa: BLE001 - the plan or the weights fail every job of this plan alike
-        for job_id in ids:
-            _end(store, job_id, {"status": "failed", "error": error_line(err)}, send)
+        for job in jobs:
+            _end(where, job, {"status": "failed", "error": error_line(err)}, send)
         return
-    with ExitStack() as held:  # never two runs of one job (a worker of a killed server may still be exiting)
+    with ExitStack() as held:  # never two runs of one job here (a worker of a killed server may still be exiting)
         for job_id in ids:
             held.enter_context(exclusive_lock(store.folder(job_id) / ".run.lock", wait=True))
-        _run(session, group, plan, store, timeout=timeout, cancelled=cancelled, send=send)
+        _run(session, group, plan, where, jobs, timeout=timeout, cancelled=cancelled, send=send)
 
 
-def _run(session: Session, group: Job, plan: RunPlan, store: JobStore, *, timeout: float | None,
-         cancelled: set[str], send: Callable[[dict[str, Any]], None]) -> None:
+def _run(session: Session, group: Job, plan: RunPlan, where: Where, jobs: list[dict[str, Any]], *,
+         timeout: float | None, cancelled: dict[str, str], send: Callable[[dict[str, Any]], None]) -> None:
+    store = where.data
     ids = [image.name for image in group.images]
+    by_id = {job["id"]: job for job in jobs}
     deadline = None if timeout is None else time.monotonic() + timeout * len(ids)
     current = {"job": ids[0]}
     ended: list[str] = []
-    for job_id in ids:
-        store.attempt(job_id, {"event": "started", "pid": os.getpid(), "group": len(ids)})
 
     def callback(report: dict[str, Any]) -> None:
         job = current["job"] = report["image"]
+        if report.get("kind") == "stage" and job not in cancelled:  # the flag at once, not at the next heartbeat
+            reason = where.queue.stop_reason(job, where.owner, by_id[job]["attempt"])
+            if reason is not None:
+                cancelled[job] = reason
         stopped = next((i for i in ids if i in cancelled and i not in ended), None)
+        if stopped is not None and cancelled[stopped] == "lost":
+            raise JobStopped(stopped, "lost", "its lease was lost: another worker runs it now")
         if stopped is not None:
             raise JobStopped(stopped, "cancelled", "cancelled by DELETE /jobs/{id}")
         if deadline is not None and time.monotonic() > deadline:
@@ -139,18 +163,23 @@ def _run(session: Session, group: Job, plan: RunPlan, store: JobStore, *, timeou
 
     try:
         for item in session.run(group, plan=plan, callback=callback, trace=trace, events=count):
+            job = by_id[item.name]
             if item.ok:
-                _save(session, group, store, item)
-                done.append(item.name)
-                _end(store, item.name, {**_done_status(item, len(ids)), "group_loads": dict(loads)}, send)
+                if where.queue.holds(item.name, where.owner, job["attempt"]):
+                    _save(session, group, store, item)
+                    done.append(item.name)
+                _end(where, job, {**_done_status(item, len(ids)), "group_loads": dict(loads)}, send)
             else:
-                _end(store, item.name, {"status": "failed", "error": item.message, "stage": item.stage}, send)
+                _end(where, job, {"status": "failed", "error": item.message, "stage": item.stage}, send)
             ended.append(item.name)
     except JobStopped as stop:
-        _end(store, stop.job, {"status": stop.status, "error": str(stop)}, send)
+        if stop.status == "lost":
+            send({"event": "ended", "job": stop.job, "status": None})
+        else:
+            _end(where, by_id[stop.job], {"status": stop.status, "error": str(stop)}, send)
         ended.append(stop.job)
     except Exception as err:  # noqa: BLE001 - the job in progress fails with the line; the others go back
-        _end(store, current["job"], {"status": "failed", "error": error_line(err)}, send)
+        _end(where, by_id[current["job"]], {"status": "failed", "error": error_line(err)}, send)
         ended.append(current["job"])
     finally:
         for job_id in done:  # the group's memory trace (stage order: one for all; image order: one each)
@@ -164,11 +193,11 @@ def _run(session: Session, group: Job, plan: RunPlan, store: JobStore, *, timeou
     released = [i for i in ids if i not in ended]
     if released:
         send({"event": "released", "jobs": released})
-    for job_id in ended:
-        cancelled.discard(job_id)
+    for job_id in ids:
+        cancelled.pop(job_id, None)
 
 
-def _save(session: Session, group: Job, store: JobStore, item: Any) -> None:
+def _save(session: Session, group: Job, store: DataFolder, item: Any) -> None:
     """The GLB and run.json of a finished job (its settings, what was resumed and its group in run.json's
     ``serve``), by the session's one writer: the GLB renamed last."""
     folder = store.folder(item.name)
@@ -187,11 +216,12 @@ def _done_status(item: Any, group: int) -> dict[str, Any]:
                         "resumed": r.stage in resumed} for r in result.stages]}
 
 
-def _end(store: JobStore, job_id: str, status: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
-    status = {**status, "finished": time.time()}
-    store.end(job_id, status)
-    shutil.rmtree(store.work_folder(job_id), ignore_errors=True)  # an ended job is never resumed
-    store.attempt(job_id, {"event": "ended", "status": status["status"], "pid": os.getpid()})
-    send({"event": "ended", "job": job_id, "status": status})
-
-
+def _end(where: Where, job: dict[str, Any], status: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+    """End the job in the queue if this worker still holds its lease; then its stage records go (an ended job is
+    never resumed). A worker that lost the lease leaves both to the one that holds it."""
+    if where.queue.finish(job["id"], where.owner, job["attempt"], status):
+        shutil.rmtree(where.data.work_folder(job["id"]), ignore_errors=True)
+    else:
+        logger.warning("job %s: its lease was lost before it ended (%s); the worker that holds it ends it", job["id"],
+                       status["status"])
+    send({"event": "ended", "job": job["id"], "status": status})

@@ -69,8 +69,8 @@ class Queue(Engine):
         return [JobRow.from_row(r) for r in rows]
 
     def cancel(self, job_id: str) -> str | None:
-        """Cancel a queued job now; raise a running one's flag (its owner stops it at its next stage or step).
-        Returns the job's status after (None: no such job)."""
+        """Cancel a queued job now; raise a running one's flag (its owner stops it at its next stage or step); an
+        ended job is left as it is. Returns the job's status before (None: no such job)."""
         def body(tx: Transaction) -> str | None:
             row = tx.one("SELECT status FROM pixal3d_jobs WHERE id = ?{for_update}", (job_id,))
             if row is None:
@@ -79,8 +79,7 @@ class Queue(Engine):
                 outcome = {"status": "cancelled", "error": "cancelled by DELETE /jobs/{id} before it started"}
                 tx.run("UPDATE pixal3d_jobs SET status = 'cancelled', outcome = ?, finished = {now} WHERE id = ?",
                        (json.dumps(outcome), job_id))
-                return "cancelled"
-            if row[0] == "running":
+            elif row[0] == "running":
                 tx.run("UPDATE pixal3d_jobs SET cancel = 1 WHERE id = ?", (job_id,))
             return row[0]
 
@@ -183,6 +182,15 @@ class Queue(Engine):
         row = self._run(lambda tx: tx.one("SELECT 1 FROM pixal3d_jobs WHERE id = ? AND owner = ? AND attempt = ? "
                                           "AND status = 'running'", (job_id, owner, attempt)), write=False)
         return row is not None
+
+    def stop_reason(self, job_id: str, owner: str, attempt: int) -> str | None:
+        """Why ``owner`` should stop this attempt of the job now: ``cancel`` (its flag is up), ``lost`` (it no longer
+        holds it), or None. A worker asks at each stage; its heartbeat carries the same news between stages."""
+        row = self._run(lambda tx: tx.one("SELECT owner, attempt, status, cancel FROM pixal3d_jobs WHERE id = ?",
+                                          (job_id,)), write=False)
+        if row is None or (row[0], row[1], row[2]) != (owner, attempt, "running"):
+            return "lost"
+        return "cancel" if row[3] else None
 
     def finish(self, job_id: str, owner: str, attempt: int, outcome: dict[str, Any]) -> bool:
         """End the job (``outcome["status"]`` one of ``ENDED``) if ``owner`` still holds this attempt: a job ends
