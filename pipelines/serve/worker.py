@@ -61,7 +61,13 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
     import torch
     import transformers
 
+    from tqdm import tqdm
+
     transformers.logging.disable_progress_bar()  # its "Loading weights" bar on every load, in the server's log
+    # The batch's progress bar (disabled) takes tqdm's lock, by default a multiprocessing lock: a named semaphore
+    # that a worker killed with its server (SIGKILL, SIGTERM) never unlinks, so Python's resource tracker warned of
+    # a "leaked semaphore" at every stop. A thread lock does the same job inside this one process.
+    tqdm.set_lock(threading.RLock())
     if threads is not None:
         torch.set_num_threads(threads)
     store = DataFolder(data)
