@@ -126,7 +126,6 @@ def test_a_worker_killed_mid_job_is_taken_over_by_the_other_after_its_lease_from
     fleet.workers[dead].kill()
     recorded = sorted((p.stem for p in (fleet.data / "work" / job).glob("*.json")), key=ORDER.index)
     assert len(recorded) >= 4 and recorded == ORDER[:len(recorded)], recorded
-    assert api.get(f"/jobs/{job}").json()["status"] == "running"  # its lease holds a while yet
     ended = api.wait(job, timeout=120)
     assert ended["status"] == "done" and ended["lost"] == 1, (ended, fleet.logs())
     # the other worker resumed it at its first unrecorded stage, and ended it once

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from ..job import plan_key
-from .db import JobRow, Queue
+from .db import JobRow, Queue, QueueUnavailable
 from .store import DataFolder, new_id
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class Jobs:
         name = self.data.write_input(job_id, image, suffix)
         try:
             job = self.queue.submit(job_id, settings, plan_key(settings), name, queue_size=self.queue_size)
+        except QueueUnavailable:
+            raise  # its row may have been committed before the answer was lost: retention removes the folder if not
         except BaseException:
             self.data.remove(job_id)
             raise

@@ -60,7 +60,6 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
                                                       f"%(message)s")
     import torch
     import transformers
-
     from tqdm import tqdm
 
     transformers.logging.disable_progress_bar()  # its "Loading weights" bar on every load, in the server's log
