@@ -113,6 +113,10 @@ def test_jobs_spread_over_two_workers_and_either_api_answers_for_every_job(fleet
     assert sorted((w["name"], w["role"], w["device"]) for w in health["workers"]) == [("a", "worker", "cpu"),
                                                                                     ("b", "worker", "cpu")]
     fleet.uninterrupted[1] = _prints(first, ids[0])
+    # control for the takeover's comparison: another seed gives other fingerprints from the structure on
+    other = _prints(first, ids[1])
+    assert other["structure"] != fleet.uninterrupted[1]["structure"]
+    assert other["preprocess"] == fleet.uninterrupted[1]["preprocess"]
 
 
 def test_a_worker_killed_mid_job_is_taken_over_by_the_other_after_its_lease_from_its_records(fleet):
