@@ -139,7 +139,7 @@ def create_app(jobs: Jobs, config: CascadeConfig, *, token: str | None, max_uplo
     async def storage_error(request: Request, err: OSError) -> JSONResponse:
         if isinstance(err, DiskFull):
             return error(507, str(err.strerror))
-        return error(503, f"the data folder cannot be written ({err.strerror or err}); retry later")
+        return error(503, f"the data folder cannot be used ({err.strerror or err}); retry later")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
