@@ -14,7 +14,8 @@ when it waits.
 One writer: ``write`` puts a result's GLB, its run.json and (when asked) its latents down as one group, the GLB
 renamed last (``Result.save_outputs``: a kill between the renames never leaves a GLB without its record), and
 run.json gains one entry named after the front end (``"cli"``, ``"app"``, ``"serve"``) with the job's settings
-and what that front end adds. ``check_outputs`` proves before the run that every output can be written.
+and what that front end adds. ``check_outputs`` proves before the run that every output can be written, and
+``write_summary`` ends a batch with one line and ``batch.json``.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ from typing import Any, Self
 
 import torch
 
-from pixal3d.files import folds_case
+from pixal3d.files import folds_case, write_json_atomic
 from pixal3d.parallel import ParallelRuntime, ParallelSettings
 
 from .batch import BatchItem, trace_path
 from .camera import CameraStage
+from .errors import one_line
 from .job import Job, UsageError
 from .pipeline import Pixal3D
 from .plan import RunPlan, default_device
@@ -207,3 +209,54 @@ def check_writable(folder: Path, option: str = "-o") -> None:
     except OSError as err:
         raise UsageError(f"{option}: folder {folder} is not writable ({err.strerror or err}); "
                          f"choose another {option}") from None
+
+
+# -- a batch's summary ------------------------------------------------------------------------------
+def batch_rows(items: Sequence[BatchItem], outputs: Mapping[Path, Path],
+               words: Callable[[str], str] = str) -> list[dict[str, Any]]:
+    """``batch.json``'s row of each image of ``items`` (``outputs``: input → GLB; ``words``: the front end's words
+    for the library's, in the error lines)."""
+    rows = []
+    for item in items:
+        output = outputs[Path(item.input)]
+        row = {"input": item.input, "name": item.name, "status": "written" if item.ok else "failed",
+               "kind": item.failure.kind if item.failure else None, "stage": item.stage,
+               "error": words(item.message) or None, "resumed": list(item.resumed), "notes": list(item.notes)}
+        if item.ok:
+            row |= {"output": str(output), "run_record": str(run_json_path(output)),
+                    "seconds": round(item.result.seconds, 4)}
+        rows.append(row)
+    return rows
+
+
+def write_summary(job: Job, rows: list[dict[str, Any]], *, order: str, inputs: Sequence[Path],
+                  outputs: Mapping[Path, Path], refused: Sequence[tuple[Path, BaseException]] = (),
+                  lead: bool = False) -> tuple[str, bool]:
+    """The batch's summary line and ``batch.json`` beside the outputs (written atomically); returns the line and
+    whether any image failed. ``rows``: every image's (``batch_rows``; a data job's from every rank), in any order;
+    ``refused``: inputs refused from their headers before the run; ``lead``: rank 0 of a data job, where an image
+    without a row (its rank stopped) is ``unknown``."""
+    rows = [{"input": str(path), "name": path.stem, "status": "failed", "kind": "input", "stage": None,
+             "error": one_line(err)} for path, err in refused] + list(rows)
+    if lead:
+        known = {row["input"] for row in rows}
+        rows += [{"input": str(path), "name": path.stem, "status": "unknown", "kind": None, "stage": None,
+                  "error": "its rank sent no report"} for path in outputs if str(path) not in known]
+    position = {str(path): i for i, path in enumerate(inputs)}
+    rows.sort(key=lambda row: position[row["input"]])
+    written = sum(row["status"] == "written" for row in rows)
+    failures = [f"{Path(row['input']).name}: {_reason(row)}" for row in rows if row["status"] != "written"]
+    line = f"{written} written, {len(failures)} failed" + (": " + "; ".join(failures) if failures else "")
+    folder = next(iter(outputs.values())).parent
+    write_json_atomic(folder / "batch.json", {
+        "command": list(job.command), "order": order, "work_dir": None if job.work_dir is None else str(job.work_dir),
+        "written": written, "failed": len(failures), "summary": line, "images": rows})
+    return line, bool(failures)
+
+
+def _reason(row: dict) -> str:
+    """A failure's first clause without its path (``not an image Pillow can read``)."""
+    text = row["error"].split(";")[0]
+    for spelling in (row["input"], Path(row["input"]).name):
+        text = text.replace(spelling, "")
+    return " ".join(text.split()).removeprefix("is ")

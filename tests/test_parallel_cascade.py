@@ -48,7 +48,7 @@ def test_parallel_none_is_todays_code_path_and_gives_the_eager_fingerprints(tiny
 
 @pytest.mark.parametrize("argv, env, words", [
     (["--parallel", "cfg"], dict(RANK=0, WORLD_SIZE=3), ["needs 2 processes", "WORLD_SIZE is 3"]),
-    (["--parallel", "pipefusion", "--pp", "2", "--patches", "0"], dict(RANK=0, WORLD_SIZE=2), ["M = 0", ">= 1"]),
+    (["--parallel", "pipefusion", "--pp", "2", "--patches", "0"], dict(RANK=0, WORLD_SIZE=2), ["--patches 0", ">= 1"]),
     (["--parallel", "both", "--pp", "2"], dict(RANK=0, WORLD_SIZE=2), ["needs 4 processes"]),
     (["--pp", "2"], {}, ["--pp needs --parallel pipefusion or both"]),
     ([], dict(RANK=0, WORLD_SIZE=2), ["torchrun started 2 processes but --parallel is none"]),

@@ -29,9 +29,11 @@ STAGES = ["preprocess", "camera", "features", "structure", "shape_512", "upsampl
 
 
 def _settings(argv, world):
-    from pipelines import cli
+    from pipelines import cli, launch
+    from pipelines.job import Job
 
-    return cli.parallel_settings(cli.parse_args(["x.png", *argv]), env={"RANK": "0", "WORLD_SIZE": str(world)})
+    return launch.parallel_settings(Job.from_args(cli.parse_args(["x.png", *argv])),
+                                    env={"RANK": "0", "WORLD_SIZE": str(world)})
 
 
 def test_a_rank_of_a_job_of_groups_is_a_rank_of_its_group():
@@ -62,6 +64,11 @@ def test_the_flags_give_groups_of_cfg_and_pipefusion_jobs():
     assert (both.cfg_degree, both.pp_degree, both.data_groups) == (2, 2, 2)
     with pytest.raises(UsageError, match="--work-dir needs data groups under --parallel cfg"):
         _settings(["--parallel", "cfg", "--work-dir", "w"], world=2)
+    # issue 36, 6.6: --data-groups 1 was given; the advice to "add --data-groups K" named no rule the user missed
+    with pytest.raises(UsageError, match="--work-dir needs 2 or more data groups under --parallel cfg "
+                                         r"\(--data-groups 1 is one group") as one:
+        _settings(["--parallel", "cfg", "--data-groups", "1", "--work-dir", "w"], world=2)
+    assert "add --data-groups" not in str(one.value) and "give --data-groups 2 or more" in str(one.value)
     with pytest.raises(UsageError, match="--data-groups needs --parallel cfg, pipefusion or both"):
         _settings(["--data-groups", "2"], world=1)
     with pytest.raises(UsageError, match="--batch-order stage needs one process per image"):

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from pipelines import cli
+from pipelines import launch
 from pixal3d.parallel import ParallelRuntime, ParallelSettings
 from pixal3d.parallel.topology import Topology
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG
@@ -82,9 +82,9 @@ def test_ended_ranks_names_the_ranks_on_this_machine_whose_process_ended():
         assert runtime.ended_ranks() == [(1, killed.pid)]  # control: rank 2 runs, and is not named
         runtime = _runtime({"pid/1": f"{host}:{finished.pid}", "pid/2": f"elsewhere:{finished.pid}"})
         assert runtime.ended_ranks() == [(1, finished.pid)]  # another machine's pid is not judged
-        line = cli.ended_ranks_line(runtime)
+        line = launch.ended_ranks_line(runtime)
         assert f"rank 1 (pid {finished.pid}) of the parallel job had ended" in line and "torchrun" in line
-        assert "another rank of the job ended" in cli.ended_ranks_line(_runtime({}))  # nothing known: said so
+        assert "another rank of the job ended" in launch.ended_ranks_line(_runtime({}))  # nothing known: said so
     finally:
         alive.kill()
         alive.wait()

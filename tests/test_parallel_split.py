@@ -145,9 +145,11 @@ def test_auto_split_from_injected_memories_is_proportional_on_every_rank(flows4,
 
 # -- the command's flags -------------------------------------------------------------------------------
 def _settings(argv, world=2):
-    from pipelines import cli
+    from pipelines import cli, launch
+    from pipelines.job import Job
 
-    return cli.parallel_settings(cli.parse_args(["x.png", *argv]), env={"RANK": "0", "WORLD_SIZE": str(world)})
+    return launch.parallel_settings(Job.from_args(cli.parse_args(["x.png", *argv])),
+                                    env={"RANK": "0", "WORLD_SIZE": str(world)})
 
 
 def test_the_flags_give_the_split_and_the_data_groups():

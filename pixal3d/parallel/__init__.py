@@ -13,7 +13,7 @@ Two techniques for the four flow transformers, applied from outside the unchange
   The result depends on (M, W) only, never on N: ``emulate_pipefusion`` computes it in one process.
 * ``mode="both"``: 2 × N ranks, one PipeFusion ring per CFG branch.
 
-Wiring (the cascade does this in ``pipelines/parallel.py``, the command in ``pipelines/command.py``)::
+Wiring (the cascade does this in ``pipelines/parallel.py``, the process roles in ``pipelines/launch.py``)::
 
     settings = ParallelSettings(mode="pipefusion", pp=2, patches=4, warmup=1)  # from the CLI / config
     runtime = init_parallel(settings, device=device)   # once per process under torchrun; raises
