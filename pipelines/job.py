@@ -174,7 +174,7 @@ OPTIONS: dict[str, Range] = {
     "--pp": COUNT, "--patches": COUNT, "--warmup": Range(0, integer=True), "--data-groups": COUNT,
     "--parallel-timeout": Range(0, low_open=True),
     "--port": Range(1, 65535, integer=True), "--queue-size": COUNT, "--threads": COUNT, "--group-size": COUNT,
-    "--max-pixels": COUNT, "--job-timeout": Range(0),
+    "--max-pixels": COUNT, "--job-timeout": Range(0), "--lease": Range(0, low_open=True),
 }
 """The range of every numeric option of the three front ends (not a job setting), by flag; ``check_options``."""
 
@@ -365,7 +365,8 @@ def with_export(config: CascadeConfig, values: Mapping[str, Any]) -> CascadeConf
             try:
                 dataclasses.replace(config.export, **{setting.export: changes[setting.export]})
             except (TypeError, ValueError) as err:
-                raise SettingError(setting.name, f"{setting.name}: {err}") from None
+                said = str(err) if setting.export == setting.name else f"{setting.name}: {err}"  # names the key
+                raise SettingError(setting.name, said) from None
     return config.with_overrides(export=dataclasses.replace(config.export, **changes))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from pixal3d.config import ConfigError, load_config
 
 from ..exposure import is_loopback
-from ..job import DEFAULT_CONFIG, UsageError
+from ..job import DEFAULT_CONFIG, UsageError, check_options
 from ..plan import parse_device
 
 logger = logging.getLogger("pixal3d-app")
@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         device = parse_device(args.device) if args.device else None
-        if not 0 < args.port < 65536:
-            raise UsageError(f"--port {args.port} is not a TCP port; use 1-65535, e.g. --port 7860")
+        check_options({"--port": args.port, "--queue-size": args.queue_size})  # one line, exit 2
         auth, exposed = exposure(args)
         import gradio  # noqa: F401 - checked here so a missing extra is one line, not a traceback
     except (ConfigError, UsageError) as err:

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from pixal3d.config import ConfigError, load_config
+from pixal3d.config import ConfigError, Range, load_config
 from pixal3d.locks import LockedError, exclusive_lock
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
 
 from ..exposure import is_loopback
-from ..job import DEFAULT_CONFIG, UsageError, plan_key
+from ..job import DEFAULT_CONFIG, UsageError, check_options, plan_key
 from ..plan import default_device, parse_device
 from .db import QueueError, open_queue, queue_url
 from .db.migrate import adopt_folder
@@ -45,6 +45,8 @@ from .store import DataDirError, DataFolder
 
 TOKEN_ENV = "PIXAL3D_SERVE_TOKEN"
 ROLES = ("all", "api", "worker")
+ANY_PORT = Range(0, 65535, integer=True)
+"""The server's ``--port``: 0 is any free port."""
 logger = logging.getLogger("pixal3d-serve")
 
 
@@ -128,15 +130,12 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], str | None, int]:
     if not is_loopback(args.host) and token is None:
         raise UsageError(f"--host {args.host} is reachable from other machines: set a token (--token-file FILE or "
                          f"{TOKEN_ENV}) so that only its holders can run jobs, or bind 127.0.0.1")
-    if not args.lease > 0:
-        raise UsageError(f"--lease {args.lease:g} must be more than 0 seconds (e.g. 30)")
     if args.name is not None and not re.fullmatch(r"[A-Za-z0-9._:@-]{1,100}", args.name):
         raise UsageError(f"--name {args.name!r}: use letters, digits and . _ : @ - (at most 100)")
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port {args.port} is not a TCP port; use 1-65535 (0: any free one)")
-    for name in ("queue_size", "group_size", "max_pixels"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    check_options({"--port": args.port, "--queue-size": args.queue_size, "--group-size": args.group_size,
+                   "--max-pixels": args.max_pixels, "--job-timeout": args.job_timeout, "--threads": args.threads,
+                   "--lease": args.lease},
+                  {"--port": ANY_PORT})  # one line, exit 2: a worker with 0 threads died and restarted forever
     try:
         max_upload = parse_budget(args.max_upload)
     except ValueError:  # SettingError: its words are about a memory budget
