@@ -1,0 +1,51 @@
+"""Issue 38: the three front ends are peers over one floor. No front end imports another (the command:
+``pipelines/cli.py`` and ``cli_args.py``; the web app: ``pipelines/app/``; the job server: ``pipelines/serve/``), and
+no module of the floor (the job, the session, the process roles, the cascade) imports a front end, so none reaches
+another through it either. Every import statement is read (``tests/test_import_cycles.import_graph``: at module
+level, in functions, under ``TYPE_CHECKING``). Before, the server was built on the app's worker, and the app and
+the server imported the command's body. Control: one such import added back is found."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests.cascade_fixtures import REPO
+from tests.test_import_cycles import PACKAGES, import_graph
+
+
+def front_end(module: str) -> str | None:
+    """Which front end a module of ours belongs to (None: the floor)."""
+    if module in ("pipelines.cli", "pipelines.cli_args"):
+        return "cli"
+    for name in ("app", "serve"):
+        if module == f"pipelines.{name}" or module.startswith(f"pipelines.{name}."):
+            return name
+    return None
+
+
+def crossings(root: Path) -> list[tuple[str, str]]:
+    """(importer, imported) for every import that crosses from one front end, or the floor, into another."""
+    found = []
+    for module, imports in import_graph(root).items():
+        for other in imports:
+            if front_end(other) is not None and front_end(other) != front_end(module):
+                found.append((module, other))
+    return sorted(found)
+
+
+def test_no_front_end_imports_another_and_the_floor_imports_none():
+    graph = import_graph(REPO)
+    assert {front_end(m) for m in graph} == {"cli", "app", "serve", None}  # the walk sees all three
+    assert "pipelines.session" in graph["pipelines.serve.worker"] and "pipelines.job" in graph["pipelines.cli"]
+    assert crossings(REPO) == []
+
+
+def test_control_an_import_of_another_front_end_is_found(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    worker = tmp_path / "pipelines" / "serve" / "worker.py"
+    worker.write_text(worker.read_text() + "\n\ndef _late():\n    from ..app import job  # noqa: F401\n")
+    session = tmp_path / "pipelines" / "session.py"
+    session.write_text(session.read_text() + "\n\ndef _late():\n    from . import cli  # noqa: F401\n")
+    assert crossings(tmp_path) == [("pipelines.serve.worker", "pipelines.app.job"),
+                                   ("pipelines.session", "pipelines.cli")]
