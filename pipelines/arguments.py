@@ -77,7 +77,7 @@ def check_input_kind(config: CascadeConfig, *, image: Any, views: Any, num_views
         if image is not None or views is None:
             raise ValueError(f"{name} is a multi-view cascade: pass views=FOLDER (a folder with a transforms.json), "
                              f"not an image; for one image use a single-view config such as 1024_cascade.yaml")
-        if fov is not None:
+        if fov is not None and not (isinstance(fov, Sequence) and all(f is None for f in fov)):
             raise ValueError("the views' cameras come from their transforms.json: drop fov")
         if num_views is not None and (isinstance(num_views, bool) or not isinstance(num_views, int) or num_views < 1):
             raise ValueError(f"num_views must be an integer >= 1 or None, not {num_views!r}")
