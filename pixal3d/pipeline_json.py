@@ -251,10 +251,11 @@ def planned_tensor_bytes(weights: WeightsConfig, *, models: Iterable[str], offli
         return {}
     offline = hub_offline() if offline is None else offline
     fetch = Fetcher(offline=offline, generate=None, config_file=config_file)
-    pipe_dir = fetch.folder(weights.pixal3d, ["pipeline.json"], label="weights.pixal3d")
+    name = weights.pipeline_json
+    pipe_dir = fetch.folder(weights.pixal3d, [name], label="weights.pixal3d")
     out: dict[str, dict[str, int]] = {}
-    if pipe_dir is not None and (pipe_dir / "pipeline.json").is_file():
-        stems = checkpoint_stems(read_pipeline_json(pipe_dir / "pipeline.json"), wanted, pipe_dir / "pipeline.json")
+    if pipe_dir is not None and (pipe_dir / name).is_file():
+        stems = checkpoint_stems(read_pipeline_json(pipe_dir / name), wanted, pipe_dir / name)
         for name, stem in stems.items():
             tensors = fetch.planned_tensors(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d")
             if tensors is not None:
