@@ -1,0 +1,192 @@
+"""The job server's routes, each a function of its request: ``GET /health``, ``POST /jobs``, ``GET /jobs/{id}``,
+``DELETE /jobs/{id}``, ``GET /jobs/{id}/{file}``, ``POST /generate``. What they serve is the app's ``state.served``
+(``Served``: the queue, the config settings are checked against, the limits, this process's workers), set by
+``app.create_app``; every answer comes from the queue's database, so any API process on one queue answers for any
+job. A refusal is ``Refused(status, one line)``, which ``app.py`` turns into the JSON error body.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse
+from PIL import Image, UnidentifiedImageError
+from starlette.datastructures import UploadFile
+
+from pixal3d.config import CascadeConfig
+from pixal3d.models.preprocess import MIN_SIDE
+
+from ..job import Job, SettingsError
+from .db import ENDED, QueueFull
+from .service import Jobs
+from .store import check_id
+
+FILES = {"result.glb": "model/gltf-binary", "run.json": "application/json", "trace.jsonl": "application/x-ndjson"}
+
+router = APIRouter()
+
+
+class Refused(Exception):
+    """A request refused with ``status`` and a one-line ``message``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The body of every error: ``{"error": "<one line>"}``."""
+    return JSONResponse({"error": " ".join(message.split())}, status_code=status, headers=headers)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the routes serve: the queue (``service.Jobs``), the config jobs' settings are checked against, the
+    upload limits, and this process's workers (a ``node.Node``, listed by ``/health``; None for ``--role api``)."""
+
+    jobs: Jobs
+    config: CascadeConfig
+    max_upload: int
+    max_pixels: int
+    local: Any = None
+
+
+def served(request: Request) -> Served:
+    """What the app of ``request`` serves (``app.create_app``)."""
+    return request.app.state.served
+
+
+# -- the routes ------------------------------------------------------------------------------------------
+@router.get("/health")
+def health(request: Request) -> dict[str, Any]:
+    here = served(request)
+    return {**here.jobs.health(None if here.local is None else here.local.health()), "config": here.config.name}
+
+
+@router.post("/jobs", status_code=202)
+async def post_job(request: Request) -> JSONResponse:
+    here = served(request)
+    job = await asyncio.to_thread(submit, here, *await read_job(request, here))
+    return JSONResponse(here.jobs.view(job.id), status_code=202, headers={"Location": f"/jobs/{job.id}"})
+
+
+@router.get("/jobs/{job_id}")
+def get_job(job_id: str, request: Request) -> dict[str, Any]:
+    return view(served(request), job_id)
+
+
+@router.delete("/jobs/{job_id}")
+def delete_job(job_id: str, request: Request) -> dict[str, Any]:
+    here = served(request)
+    view(here, job_id)
+    status = here.jobs.cancel(job_id)
+    if status in ENDED:
+        raise Refused(409, f"job {job_id} has ended ({status}); there is nothing to cancel")
+    return view(here, job_id)
+
+
+@router.get("/jobs/{job_id}/{name}")
+def get_file(job_id: str, name: str, request: Request) -> FileResponse:
+    here = served(request)
+    job = view(here, job_id)
+    if name not in FILES:
+        raise Refused(404, f"no file {name[:40]!r}; a job has {', '.join(FILES)}")
+    if job["status"] in ("queued", "running"):
+        raise Refused(409, f"job {job_id} is {job['status']}; {name} comes when it is done")
+    if job["status"] != "done":
+        raise Refused(410, f"job {job_id} was {job['status']} ({job.get('error') or 'no reason given'}); it "
+                           f"has no {name} and never will")
+    path = here.jobs.data.file(job_id, name)
+    if path is None:
+        raise Refused(404, f"job {job_id} has no {name}")
+    return FileResponse(path, media_type=FILES[name], filename=f"{job_id}.{name}" if name != "result.glb" else
+                        f"{job_id}.glb")
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Any:
+    here = served(request)
+    job = await asyncio.to_thread(submit, here, *await read_job(request, here))
+    while (found := await asyncio.to_thread(here.jobs.view, job.id))["status"] not in ENDED:
+        await asyncio.sleep(0.1)
+    if found["status"] != "done":
+        return error(409 if found["status"] == "cancelled" else 422, found.get("error") or found["status"])
+    return FileResponse(here.jobs.data.folder(job.id) / "result.glb", media_type=FILES["result.glb"],
+                        headers={"X-Job-Id": job.id})
+
+
+# -- what they share -----------------------------------------------------------------------------------
+async def read_job(request: Request, here: Served) -> tuple[bytes, str, dict[str, Any]]:
+    """The image and settings of a ``POST /jobs`` or ``/generate``, checked."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise Refused(400, "send multipart/form-data with the image in field 'image' (and JSON in 'settings')")
+    try:
+        form = await request.form(max_files=1, max_fields=2)
+    except Refused:
+        raise
+    except Exception as err:  # noqa: BLE001 - the multipart parser's own words, on one line
+        raise Refused(400, f"the multipart body cannot be read ({err})") from None
+    unknown = sorted(set(form.keys()) - {"image", "settings"})
+    if unknown:
+        raise Refused(400, f"unknown form fields {unknown}; send 'image' (a file) and 'settings' (JSON)")
+    upload = form.get("image")
+    if not isinstance(upload, UploadFile):
+        raise Refused(400, "no image: send the image file in the multipart field 'image'")
+    data = await upload.read()
+    if len(data) > here.max_upload:
+        raise Refused(413, f"the image is {len(data)} bytes, more than {here.max_upload} (--max-upload)")
+    suffix = check_image(data, here.max_pixels)
+    settings = form.get("settings")
+    if isinstance(settings, UploadFile):
+        settings = (await settings.read()).decode("utf-8", "replace")
+    if isinstance(settings, str) and settings.strip():
+        try:  # not JSON at all is a malformed request (400); JSON that is no usable settings is 422
+            settings = json.loads(settings)
+        except ValueError as err:
+            raise Refused(400, f"settings is not JSON ({err}); send an object such as {{\"seed\": 42}}") from None
+    try:
+        values = Job.from_request(settings, here.config).settings()
+    except SettingsError as err:
+        raise Refused(422, str(err)) from None
+    return data, suffix, values
+
+
+def submit(here: Served, data: bytes, suffix: str, values: dict[str, Any]) -> Any:
+    try:
+        return here.jobs.submit(data, suffix, values)
+    except QueueFull as err:
+        raise Refused(429, str(err)) from None
+
+
+def view(here: Served, job_id: str) -> dict[str, Any]:
+    """The job's view; 404 when the id is not an id or no job has it (removed by retention, too)."""
+    found = here.jobs.view(job_id) if check_id(job_id) is not None else None
+    if found is None:
+        shown = job_id if len(job_id) <= 40 else job_id[:40] + "..."
+        raise Refused(404, f"no job {shown!r}; job ids are the 32 hex digits POST /jobs returned")
+    return found
+
+
+def check_image(data: bytes, max_pixels: int) -> str:
+    """The file suffix of the uploaded image's format, from its header only; ``Refused`` when it cannot be used."""
+    if not data:
+        raise Refused(400, "the image field is empty; send a PNG, JPEG or WebP file")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            size, kind = image.size, image.format
+    except Image.DecompressionBombError:
+        raise Refused(413, f"the image has more than {max_pixels} pixels (--max-pixels); send a smaller one") from None
+    except UnidentifiedImageError:
+        raise Refused(415, "the image field is not an image Pillow can read; send a PNG, JPEG or WebP file") from None
+    except (OSError, SyntaxError, ValueError) as err:
+        raise Refused(415, f"the image cannot be opened ({err}); re-export it as PNG") from None
+    if size[0] * size[1] > max_pixels:
+        raise Refused(413, f"the image is {size[0]}x{size[1]} pixels, more than {max_pixels} (--max-pixels); "
+                           f"send a smaller one")
+    if min(size) < MIN_SIDE:
+        raise Refused(422, f"the image is {size[0]}x{size[1]} pixels; at least {MIN_SIDE}x{MIN_SIDE} is needed")
+    return f".{(kind or 'img').lower()}"
