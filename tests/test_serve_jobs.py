@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from pipelines import cli
+from pipelines.job import Job
+from pixal3d.config import load_config
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny, tiny_cache  # noqa: F401
 from tests.serve_harness import Server
 
@@ -71,8 +73,9 @@ def test_three_jobs_give_the_commands_glb_and_run_as_one_group_loading_each_mode
         assert hashlib.sha256(data.content).hexdigest() == hashlib.sha256(glb).hexdigest()
         run = server.get(f"/jobs/{job_id}/run.json").json()
         assert _fingerprints(run) == _fingerprints(record)
-        assert run["serve"]["job"] == job_id and run["serve"]["settings"] == {**SETTINGS, "fov": None,
-                                                                              "memory_budget": None}
+        expected = Job.from_request(SETTINGS, load_config(TINY_CONFIG)).settings()  # every setting, by the table
+        assert run["serve"]["job"] == job_id and run["serve"]["settings"] == expected
+        assert {**SETTINGS, "fov": None, "memory_budget": None}.items() <= expected.items()
         trace = server.get(f"/jobs/{job_id}/trace.jsonl")
         assert trace.status_code == 200 and trace.headers["content-type"].startswith("application/x-ndjson")
     # control: the job of the other texture size has other export bits, the same shape
