@@ -28,6 +28,7 @@ from typing import Any
 
 from pixal3d.config import SEED, CascadeConfig, Range, SettingError, load_config
 from pixal3d.memory_budget import parse_budget
+from pixal3d.mesh.settings import TEXTURE_FORMATS
 from pixal3d.shipped import shipped_config
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
@@ -161,6 +162,10 @@ SETTINGS: tuple[Setting, ...] = (
             "15 %%): the decode runs in tiles, the flow stages in smaller chunks, and a config that cannot fit is "
             "refused before any weight is read", metavar="SIZE", check=Budget.parse, automatic=", or auto",
             plans=True),
+    Setting("texture_format", "choice", "--texture-format", "texture-format", "texture format",
+            "the GLB's texture images, png or webp (default: the config's export.texture_format)",
+            choices=lambda: TEXTURE_FORMATS, export="texture_format",
+            config=lambda config: config.export.texture_format),
 )
 """Every setting a client may give, in the order the app's form shows them."""
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -235,6 +240,7 @@ class Job:
     memory_budget: Budget | None = None
     texture_size: int | None = None
     face_budget: int | None = None
+    texture_format: str | None = None
     device: str | None = None
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
