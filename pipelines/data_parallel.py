@@ -257,7 +257,7 @@ class DataJob:
         self.check_lead()
         if work is None:
             mine = [item for i, item in enumerate(items) if i % self.groups == self.rank]
-            yield from executor.by_stage(mine) if order == "stage" and len(mine) > 1 else executor.by_item(mine)
+            yield from executor.drive(mine, order)
             return
         claims = Claims(work, self.job, self.rank)
         try:
@@ -265,11 +265,11 @@ class DataJob:
                 size = max(1, math.ceil(len(items) / self.groups))
                 claimed = self._claimed(items, claims)
                 while chunk := list(itertools.islice(claimed, size)):
-                    for item in executor.by_stage(chunk) if len(chunk) > 1 else executor.by_item(chunk):
+                    for item in executor.drive(chunk, order):
                         yield item
                         claims.done(item)
             else:
-                for item in executor.by_item(self._claimed(items, claims)):
+                for item in executor.drive(self._claimed(items, claims), order):
                     yield item
                     claims.done(item)
         finally:

@@ -409,7 +409,7 @@ class Pixal3D:
                             finish=lambda item: self._result(item, meter.meter_for(item)))
         if share is not None:  # a data group: the images it claims or is given
             return share.feed(items, executor, order, work)
-        return executor.by_stage(items) if order == "stage" and len(items) > 1 else executor.by_item(items)
+        return executor.drive(items, order)
 
     # -- what runs and batches share -------------------------------------------------------------
     def new_state(self, image: Any, *, views: ViewSet | None = None, seed: int, fov: float | None = None,

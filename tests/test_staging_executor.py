@@ -141,3 +141,25 @@ def test_a_hook_that_raises_stops_the_run_and_items_may_come_from_an_iterator():
         next(run)
     assert taken == ["i0", "i1"] and told.heard[0] == ("session", None)
     assert told.heard[-1] == ("failed", "i1", "KeyboardInterrupt")
+
+
+def test_drive_is_the_one_order_rule_stage_order_for_several_items_else_item_by_item():
+    """``drive(items, order)``: several items in stage order run ``by_stage`` (one span, each model loaded once);
+    one item, or any other order, runs ``by_item`` (a span per item), reading an iterator as the run goes."""
+    def spans(order, items):
+        told = _Told()
+        list(Executor(_runner(), _start, hooks=[told]).drive(items, order))
+        return [h[1] for h in told.heard if h[0] == "span"]
+
+    assert spans("stage", _items()) == [["i0", "i1", "i2"]]
+    assert spans("image", _items()) == [["i0"], ["i1"], ["i2"]]  # control: the other order
+    assert spans("stage", _items(1)) == [["i0"]]
+    assert spans("stage", iter(_items(2))) == [["i0", "i1"]]  # stage order reads the items first
+    taken = []
+
+    def feed():
+        for item in _items():
+            taken.append(item.name)
+            yield item
+    run = Executor(_runner(), _start).drive(feed(), "image")
+    assert next(run).ok and taken == ["i0"]  # item order reads them as it goes

@@ -6,6 +6,7 @@ of work measured as one (an item, in item order; the whole batch, in stage order
   the run goes: a job queue or a claim on a shared list can feed it.
 - ``by_stage(items)``: every item through stage 1, then every item through stage 2, ... so each model is
   loaded once for all of them; states wait in the store between stages.
+- ``drive(items, order)``: the one place the order is chosen (``stage`` for several items, else ``by_item``).
 - ``run(state)``: one state the caller built through every stage (an item whose source is its state).
 
 What the executor is given:
@@ -177,6 +178,16 @@ class Executor:
                             yield item
                         elif not self.store.between(item, k):
                             item.state = None
+
+    def drive(self, items: Iterable[Item], order: str) -> Iterator[Item]:
+        """``items`` in ``order``, the one place the choice is made: ``stage`` runs several items ``by_stage``
+        (one item runs the same either way, so ``by_item``); any other order (``item``, a pipeline's ``image``)
+        runs ``by_item``, reading ``items`` as the run goes (they may come from an iterator)."""
+        if order == "stage":
+            items = list(items)
+            if len(items) > 1:
+                return self.by_stage(items)
+        return self.by_item(items)
 
     def run(self, state: Any, name: str = "run") -> list[StageRecord]:
         """``state`` through every stage (an executor built without ``start``); one record per stage."""
