@@ -11,7 +11,7 @@ background job does), and the tests that press Ctrl-C on it would see nothing ha
 user at a terminal, so the suite restores Python's own handler; children then start with the default.
 
 The kernels are pinned too, before torch is imported (``pixal3d.kernels``): on an x86-64 CPU with AVX2 the
-AVX2 family of ATen, MKL and oneDNN, so the golden fingerprints are those of the pinned family, not of the
+AVX2 family of ATen, MKL and oneDNN (with MKL's strict mode on Intel CPUs, ``recommended_pins``), so the golden fingerprints are those of the pinned family, not of the
 CPU the suite happens to run on. Pins set by hand in the environment are kept (CI's second pass sets
 another family), and ``PIXAL3D_KERNEL_PINS=none`` runs the suite on the CPU's own kernels; the goldens are
 keyed by the pins in effect (``tests/cascade_fixtures.py``).

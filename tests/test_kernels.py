@@ -38,11 +38,16 @@ def test_the_key_names_the_architecture_and_the_pinned_family(monkeypatch):
     assert partial.startswith("x86_64-avx512-custom-") and partial != kernels.key({"MKL_CBWR": "AVX512"})
 
 
-def test_recommended_pins_are_the_avx2_family_on_x86_and_none_on_arm(monkeypatch):
+def test_recommended_pins_are_an_avx2_family_on_x86_strict_on_intel_and_none_on_arm(monkeypatch):
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
-    for hardware, wanted in (("AVX2", AVX2PIN), ("AVX512", AVX2PIN), ("DEFAULT", {})):
+    strict = kernels.FAMILIES["avx2strict"]
+    for vendor, hardware, wanted in (("AMD", "AVX2", AVX2PIN), ("AMD", "AVX512", AVX2PIN), ("Intel", "AVX2", strict),
+                                     ("Intel", "AVX512", strict), ("Intel", "DEFAULT", {}), ("", "AVX2", AVX2PIN)):
         monkeypatch.setattr(kernels, "hardware", lambda hardware=hardware: hardware)
-        assert kernels.recommended_pins() == wanted, hardware
+        monkeypatch.setattr(kernels, "vendor", lambda vendor=vendor: vendor)
+        assert kernels.recommended_pins() == wanted, (vendor, hardware)
+    assert kernels.key(strict) == "x86_64-avx2strict" and kernels.family({**strict, "MKL_CBWR": "avx2,strict"}) == \
+        "avx2strict"
     monkeypatch.setattr(kernels.platform, "machine", lambda: "arm64")
     monkeypatch.setattr(kernels, "hardware", lambda: "apple")
     assert kernels.recommended_pins() == {} and kernels.key({}) == "arm64-apple-unpinned"
@@ -51,6 +56,7 @@ def test_recommended_pins_are_the_avx2_family_on_x86_and_none_on_arm(monkeypatch
 def test_pins_set_by_hand_are_kept_and_none_are_added_to_them(monkeypatch):
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(kernels, "hardware", lambda: "AVX2")
+    monkeypatch.setattr(kernels, "vendor", lambda: "AMD")
     env = {"MKL_CBWR": "COMPATIBLE"}
     assert kernels.apply_recommended_pins(env) == {"MKL_CBWR": "COMPATIBLE"} and env == {"MKL_CBWR": "COMPATIBLE"}
     env = {}
