@@ -137,7 +137,7 @@ def test_the_demo_estimates_its_fov_with_moge_logs_it_without_warnings_and_a_fix
     moves = [(e.kind, e.model, e.stage) for e in log.events if e.kind in ("load", "release")]
     # loaded for the camera stage; released as the next stage starts, before that stage loads anything
     assert moves[0] == ("load", "moge", "camera")
-    assert moves[1] == ("release", "moge", "structure") and moves[2][0] == "load"
+    assert moves[1] == ("release", "moge", "features") and moves[2] == ("load", "dinov3", "features")
     assert sum(1 for kind, model, _ in moves if model == "moge") == 2
     camera = estimated.record()["camera"]
     assert camera["source"] == "MoGe-2" and 50.0 < camera["fov_deg"] < 70.0  # the demo model's ~59 degrees
