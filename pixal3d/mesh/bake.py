@@ -144,7 +144,9 @@ class SurfaceProjector:
         nv = len(vertices)
         ref = np.zeros(nv, np.int64)
         ref[faces.reshape(-1)] = np.repeat(np.arange(len(faces)), 3)
-        ref_normal = normals_of(faces[ref])  # [V, 3] the normal each vertex aligns to
+        ref_normal = np.empty((nv, 3), vertices.dtype)  # [V, 3] the normal each vertex aligns to
+        for s in range(0, nv, chunk):  # in chunks: the corners' coordinates of every vertex at once are ~0.7 GB
+            ref_normal[s : s + chunk] = normals_of(faces[ref[s : s + chunk]])
         del ref
         out = np.zeros((nv, 3))
         for s in range(0, len(faces), chunk):

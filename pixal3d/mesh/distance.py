@@ -93,8 +93,13 @@ class SurfaceDistance:
 
         self.tree = cKDTree(self.vertices[self.tree_ids], balanced_tree=False, compact_nodes=False)
         corner_owner = faces.reshape(-1)
-        # [3F] the faces incident to each vertex, grouped by vertex (CSR with ``start``)
-        self.incident = (np.argsort(corner_owner, kind="stable") // 3).astype(np.int32)
+        # [3F] the faces incident to each vertex, grouped by vertex (CSR with ``start``); the division in chunks,
+        # not as a second int64 array of 3F (0.4 GB at 18M faces)
+        order = np.argsort(corner_owner, kind="stable")
+        self.incident = np.empty(len(order), np.int32)
+        for s in range(0, len(order), 1 << 22):
+            self.incident[s : s + (1 << 22)] = order[s : s + (1 << 22)] // 3
+        del order
         self.start = np.zeros(len(self.vertices) + 1, np.int64)
         np.cumsum(np.bincount(corner_owner, minlength=len(self.vertices)), out=self.start[1:])
         self.longest_edge = max(

@@ -4,12 +4,13 @@
 report); ``export_glb`` also writes the file. Steps (each timed, with its peak RSS): 1. dual grid → raw
 mesh; 2. reference surface (degenerate and duplicate faces out, small holes filled) — the surface every
 texel is projected onto; 3. optional remesh (narrow-band UDF dual contouring, the reference's release
-setting); 4. simplify to the face budget; 5. cleanup (+ outward orientation without remesh; the remesh is
-oriented already); 6. normals + UV atlas; 7. bake; 8. quality metrics against the reference surface;
-9. GLB encoding.
+setting); 4. simplify to the face budget (in a child process where it can: ``isolated.py``); 5. cleanup
+(+ outward orientation without remesh; the remesh is oriented already); 6. normals + UV atlas; 7. bake;
+8. quality metrics against the reference surface; 9. GLB encoding.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -32,6 +33,7 @@ from .distance import SurfaceDistance
 from .dual_grid import dual_grid_to_mesh
 from .fields import DualGridFields, PbrVoxels
 from .glb import build_mesh, encode_glb, vertex_normals
+from .isolated import run_isolated
 from .narrow_band import RemeshGrid
 from .quality import mesh_quality
 from .records import ExportedMesh, ExportReport, StepReport
@@ -111,7 +113,9 @@ def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings, decode_resol
 
 
 def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution: int):
-    v, f = simplify_mesh(v, f, settings.decimation_target, voxel_size=1.0 / resolution)
+    # in a child process: the quadric simplifier keeps ~1 GB of buffers at 20-40M faces until its process exits
+    v, f = run_isolated(functools.partial(simplify_mesh, voxel_size=1.0 / resolution), v, f,
+                        settings.decimation_target)
     return (v, f), {"faces": len(f)}
 
 

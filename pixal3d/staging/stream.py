@@ -272,7 +272,12 @@ class WeightStream:
                 if not host.is_pinned():  # a mapped file: stage it in pinned memory so the copy runs async
                     host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
                     keep.append(host)
-                view.copy_(host, non_blocking=True)
+                if host.dtype == view.dtype:
+                    view.copy_(host, non_blocking=True)
+                else:  # the file's dtype over the link, the cast on the device (a cross-dtype copy_ would cast
+                    staged = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # on the host, blocking)
+                    staged.copy_(host, non_blocking=True)
+                    view.copy_(staged)
             event = torch.cuda.Event()
             event.record(self._side)
         return _Fetched(views, flat, event, keep)
