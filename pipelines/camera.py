@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pixal3d.config import MOGE_PRECISIONS, CascadeConfig
+from pixal3d.devices import kind
 from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES, CAMERA_FLOAT32_BYTES, CAMERA_MEASURED_WEIGHT_BYTES
 from pixal3d.models.camera import camera_from_fov, estimate_camera
 from pixal3d.staging import preserved_rng
@@ -79,7 +80,7 @@ class CameraStage(CascadeStage):
 def moge_fp16(precision: str, device: torch.device | str) -> bool:
     """Whether MoGe-2 runs under float16 autocast: ``float16``, or ``auto`` on any device but the CPU (whose
     float16 kernels are emulated; see ``CameraConfig``)."""
-    return precision == "float16" or (precision == "auto" and torch.device(device).type != "cpu")
+    return precision == "float16" or (precision == "auto" and kind(device).half_default)
 
 
 def camera_source(config: CascadeConfig, fov_deg: float | None) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pixal3d.config import ConfigError, SettingError
+from pixal3d.devices import DeviceError
 from pixal3d.hub import MissingWeightsError, WeightsError
 from pixal3d.interrupts import Terminated
 from pixal3d.locks import LockedError
@@ -38,10 +39,6 @@ EXIT_BEFORE_RUN = 2
 
 class NotEnoughMemoryError(RuntimeError):
     """Even the smallest-footprint policy needs more memory than the machine has available."""
-
-
-class DeviceError(ValueError):
-    """The device asked for does not exist on this machine (or this torch build)."""
 
 
 # Our own exceptions for what a user can cause, by kind. Their messages already name the value, the rule

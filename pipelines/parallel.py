@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pixal3d import devices
 from pixal3d.models.loading import read_spec
 from pixal3d.parallel import (
     ParallelConfigError,
@@ -279,9 +280,7 @@ def shard_loaders(loaders: Mapping[str, Callable[[], nn.Module]], weights: Resol
 
 def rank_device(device: torch.device, topology: Topology) -> torch.device:
     """A rank's device: ``cuda`` without an index becomes ``cuda:<local rank>`` (one GPU per process)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", topology.local_rank)
-    return device
+    return devices.rank_device(device, topology.local_rank)
 
 
 def machine_share(machine: Machine, topology: Topology) -> tuple[Machine, str | None]:

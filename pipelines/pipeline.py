@@ -29,6 +29,7 @@ from torch import nn
 
 import pixal3d
 from pixal3d.config import CascadeConfig, load_config
+from pixal3d.devices import kind
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import ImageError, as_image, probe_image
 from pixal3d.models.views import ViewSet, read_views, view_name
@@ -183,7 +184,7 @@ class Pixal3D:
         reasons.append(describe_route(config.runtime.attention, device))
         # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
         mps_limit = None
-        if device.type == "mps":
+        if kind(device).memory_limit:
             mps_limit = check_mps_memory_limit()
             reasons.append(mps_limit.describe())
             if mps_limit.lets_swap:  # PyTorch's default: the run lowers it (from_plan), as said here

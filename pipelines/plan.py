@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig
+from pixal3d.devices import DeviceError, check_device, default_device  # noqa: F401 -- re-exported
 from pixal3d.memory_budget import (
     GIB,
     PROCESS_BYTES,
@@ -40,7 +41,7 @@ from pixal3d.staging.policy import (
 )
 
 from .build import build_stages
-from .errors import DeviceError, NotEnoughMemoryError
+from .errors import NotEnoughMemoryError
 from .job import UsageError
 from .loaders import STREAM_UNITS
 from .parallel import RankPlan
@@ -115,26 +116,6 @@ def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mappi
             stage.check_input(image)
 
 
-def check_device(device: torch.device) -> torch.device:
-    """``device`` if it exists here, else a ``DeviceError`` naming it and what exists."""
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise DeviceError(f"device {device}: only cpu, cuda and mps are supported")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"device {device} asks for CUDA, which this torch build or machine does not have; "
-                              f"use cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise DeviceError(f"device {device} does not exist: this machine has {count} CUDA device(s), "
-                              f"cuda:0 to cuda:{count - 1}")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(f"device {device} asks for Apple MPS, which is not available here; use cpu")
-    if device.type in ("cpu", "mps") and device.index not in (None, 0):
-        raise DeviceError(f"device {device} does not exist: there is one {device.type} device, "
-                          f"'{device.type}' (or {device.type}:0)")
-    return device
-
-
 def parse_device(text: str, flag: str = "--device") -> torch.device:
     """A front end's ``--device`` as a torch device that exists on this machine (``UsageError`` naming ``flag``)."""
     try:
@@ -145,15 +126,6 @@ def parse_device(text: str, flag: str = "--device") -> torch.device:
         return check_device(device)
     except DeviceError as err:
         raise UsageError(f"{flag}: {err}") from None
-
-
-def default_device() -> torch.device:
-    """cuda if available, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def with_sampler_of(stage: Any, config: CascadeConfig) -> Any:

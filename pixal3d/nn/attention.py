@@ -34,6 +34,7 @@ from torch import nn
 
 from ..audit.limits import MPSGRAPH_ARRAY_BYTES
 from ..audit.standin import STANDIN
+from ..devices import kind
 from .limits import current_limits
 from .norms import MultiHeadRMSNorm
 from .rope import apply_rope
@@ -42,12 +43,12 @@ QueryChunk = int | None | Literal["auto"]
 ROUTES: tuple[str, ...] = ("auto", "sdpa", "fp32_chunked")
 
 MPS_ARRAY_BYTES = MPSGRAPH_ARRAY_BYTES  # MPSGraph: "total bytes of NDArray > 2**32" (pytorch/pytorch#149261)
-FP32_ROUTE_DEVICES = ("mps",)  # device types whose ``auto`` route is fp32_chunked
 
 
 def device_array_bytes(device: torch.device | str) -> int | None:
-    """The largest single tensor ``device`` takes: ``MPS_ARRAY_BYTES`` on mps, None (no such limit) elsewhere."""
-    return MPS_ARRAY_BYTES if torch.device(device).type == "mps" else None
+    """The largest single tensor ``device`` takes: ``MPS_ARRAY_BYTES`` on mps, None (no such limit) elsewhere
+    (``pixal3d.devices``)."""
+    return kind(device).array_bytes
 
 
 def score_budget() -> int:
@@ -68,7 +69,7 @@ def resolve_route(route: str, device: torch.device) -> str:
     it), ``sdpa`` elsewhere; an explicit route is kept."""
     if check_route(route) != "auto":
         return route
-    return "fp32_chunked" if device.type in FP32_ROUTE_DEVICES or device == STANDIN else "sdpa"
+    return "fp32_chunked" if kind(device).fp32_attention or device == STANDIN else "sdpa"
 
 
 def describe_route(route: str, device: torch.device) -> str:
@@ -84,7 +85,7 @@ def describe_route(route: str, device: torch.device) -> str:
 
 def auto_query_chunk(q: torch.Tensor, k: torch.Tensor) -> int | None:
     """SDPA query chunk length for ``q [B, H, Lq, D]`` against ``k [B, H, Lk, D]``; None = no chunking."""
-    if q.device.type == "cuda":
+    if kind(q.device).fused_attention:
         return None
     batch, heads, lq, _ = q.shape
     chunk = max(1, score_budget() // max(1, batch * heads * k.shape[-2]))

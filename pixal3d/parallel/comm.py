@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import kind
 from .failure import FailureBoard, wait_work
 
 SEND_DEPTH = 2
@@ -44,7 +45,7 @@ class Wire:
 
     @property
     def threaded(self) -> bool:
-        return self.device.type != "cuda"
+        return kind(self.device).backend == "gloo"  # gloo's works are waited for in a thread
 
     def wait(self, work: Any, what: str, peer: int) -> None:
         wait_work(work, board=self.board, timeout_s=self.timeout_s, what=what, peer=peer, threaded=self.threaded)

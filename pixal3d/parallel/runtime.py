@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .. import devices
+from ..devices import kind
 from .comm import Wire
 from .failure import FailureBoard, PeerFailedError
 from .settings import ParallelConfigError, ParallelSettings
@@ -157,7 +159,7 @@ class ParallelRuntime:
 
 def default_device(local_rank: int) -> torch.device:
     """``cuda:<local rank>`` when CUDA is available, else the CPU (pass ``device`` for MPS)."""
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return devices.default_device(("cuda", "cpu"), local_rank)
 
 
 def init_parallel(settings: ParallelSettings, *, device: torch.device | str | None = None,
@@ -171,8 +173,8 @@ def init_parallel(settings: ParallelSettings, *, device: torch.device | str | No
     topology = Topology.from_env(settings, env)
     world = topology.world_size * topology.data_groups
     device = default_device(topology.local_rank) if device is None else torch.device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+    backend = kind(device).backend
+    if kind(device).indexed:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=settings.timeout_s)
     if not dist.is_initialized():
