@@ -5,6 +5,8 @@ costs, and the whole cascade inside a kernel-enforced memory limit (a cgroup) wi
 Modes (each measurement in a fresh process; real-size random weights from ``scripts/write_random_checkpoints.py``
 in ``--cache``):
 
+- ``plan``: the plan ``--plan --memory-budget`` prints for the 1024 cascade on these checkpoints (their headers are the
+  released files' sizes), the config's own 12 steps.
 - ``stages``: every stage of the 4 GiB plan (``Pixal3D.plan(..., memory_budget=...)``), the plan's own fitted
   stage objects and loaders, run once on synthetic inputs at the reference's counts (4096 dense structure tokens,
   4000 LR and 20,000 HR tokens, the shape decoder's subdivisions made to grow ×4.6 per level: ~9M decoded voxels,
@@ -19,6 +21,7 @@ in ``--cache``):
   ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and a resident run
   outside for the fingerprints.
 
+    python scripts/bench_stream.py plan --budget 4G
     python scripts/bench_stream.py stages --budget 4G --out benchmarks/stream_stages.json
     python scripts/bench_stream.py ratio --tokens 1000 --repeats 3 --out benchmarks/stream_ratio.json
     python scripts/bench_stream.py cgroup --limit 4G --budget 4G --out benchmarks/stream_cgroup.json
@@ -503,7 +506,9 @@ def child(mode: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["log"] = [line for line in proc.stderr.splitlines() if "tiled decode" in line or "export " in line]
+    return result
 
 
 def _save(path: Path | None, data: dict[str, Any]) -> None:
@@ -517,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     from pixal3d.memory_budget import parse_budget
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", choices=("stages", "ratio", "cascade", "cgroup"))
+    parser.add_argument("mode", nargs="?", choices=("plan", "stages", "ratio", "cascade", "cgroup"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--fields", type=Path, default=DEFAULT_FIELDS, help="bench_export.py --cache npz (9M voxels)")
@@ -544,6 +549,13 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join(["python scripts/bench_stream.py", *(argv if argv is not None else sys.argv[1:])])
     data: dict[str, Any] = {"command": command, "torch": torch.__version__, "results": []}
     cache = str(args.cache.expanduser())
+    if args.mode == "plan":
+        from pipelines import Pixal3D
+
+        plan = Pixal3D.plan(bench_config(args.cache.expanduser(), steps=12), device="cpu", policy=args.policy,
+                            memory_budget=args.budget)
+        print(plan.table())
+        return
     if args.mode == "stages":
         for name in args.only:
             params = {"stage": name, "cache": cache, "budget": args.budget, "budget_bytes": parse_budget(args.budget),

@@ -87,15 +87,33 @@ def test_a_streamed_model_computes_the_whole_models_bits_with_two_blocks_at_most
     stream.close()
 
 
-def test_copied_blocks_own_their_memory_and_mapped_ones_view_the_file(toy):
-    for copy in (True, False):
-        stream = WeightStream("cpu", copy=copy)
-        model = load_streamed(toy, stream)
-        unit = model.blocks.units[0]
-        weight = model.blocks[0][0].weight
-        source = next(t.source for t in unit.tensors if t.key == "weight" and t.dtype == torch.bfloat16)
-        assert (weight.data_ptr() == source.data_ptr()) is not copy
-        stream.close()
+def test_copied_blocks_are_read_from_the_file_and_mapped_ones_view_it(toy):
+    from pixal3d.staging.stream import FileSlice
+
+    copied = load_streamed(toy, WeightStream("cpu", copy=True))
+    assert all(isinstance(t.source, FileSlice) for u in copied.blocks.units for t in u.tensors)  # nothing mapped
+    mapped_stream = WeightStream("cpu", copy=False)
+    mapped = load_streamed(toy, mapped_stream)
+    unit = mapped.blocks.units[0]
+    source = next(t.source for t in unit.tensors if t.key == "weight" and t.dtype == torch.bfloat16)
+    assert mapped.blocks[0][0].weight.data_ptr() == source.data_ptr()  # a view of the mapped file
+    mapped_stream.close()
+
+
+def test_a_file_slice_reads_the_bytes_of_its_tensor(toy):
+    from safetensors.torch import load_file
+
+    from pixal3d.staging import read_safetensors_header
+    from pixal3d.staging.stream import file_slices
+
+    path = toy.with_suffix(".safetensors")
+    header = read_safetensors_header(path)
+    slices = file_slices(path, header.tensors, header.header_bytes)
+    stored = load_file(str(path))
+    assert set(slices) == set(stored)
+    assert all(torch.equal(slices[k].read(), stored[k]) for k in stored)
+    with pytest.raises(ValueError, match="cannot read"):
+        slices["head.weight"].read_into(torch.empty(3))
 
 
 def test_control_a_changed_block_source_changes_the_output(toy):
@@ -104,7 +122,7 @@ def test_control_a_changed_block_source_changes_the_output(toy):
     stream = WeightStream("cpu")
     streamed = load_streamed(toy, stream)
     tensor = streamed.blocks.units[2].tensors[0]
-    flipped = tensor.source.clone()
+    flipped = tensor.source.read()  # the file's bytes
     flipped.view(torch.int16)[0, 0] ^= 1
     object.__setattr__(tensor, "source", flipped)
     with torch.no_grad():

@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pixal3d.files import atomic_path, write_json_atomic
-from pixal3d.staging.stream import WeightStream, stream_model
+from pixal3d.staging.safetensors_header import read_safetensors_header
+from pixal3d.staging.stream import FileSlice, WeightStream, file_slices, stream_model
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,9 @@ def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch
 def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) -> nn.Module:
     """``load_model`` for the ``stream`` policy: the model's streamed lists (its ``stream_lists``, the flow
     transformers' blocks, the decoders' stages) stay on ``meta`` and are streamed to ``stream``'s device one block
-    at a time from the memory-mapped file (``pin``: from a pinned host copy, for CUDA when host memory has room);
-    everything else loads onto the device as ``load_model`` loads it. The same keys and shapes are checked."""
+    at a time, read from the file into each block's buffer (``FileSlice``; through a memory map on MPS and on the
+    CPU's zero-copy path; ``pin``: from pinned host copies made now, for CUDA when host memory has room); everything
+    else loads onto the device as ``load_model`` loads it. The same keys and shapes are checked."""
     stem = Path(stem)
     spec = read_spec(stem.with_suffix(".json"))
     model = build_model(spec, device="meta", source=str(stem.with_suffix(".json")))
@@ -180,14 +182,23 @@ def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) 
     expected = dict(model.state_dict(keep_vars=True).items())
     prefixes = tuple(f"{name}." for name in lists)
     state: dict[str, torch.Tensor] = {}
-    sources: dict[str, torch.Tensor] = {}
-    with _open(path, "cpu") as f:  # memory-mapped: a block's bytes are read when it is first copied
+    sources: dict[str, torch.Tensor | FileSlice] = {}
+    slices = None
+    if stream.reads_files or pin:
+        header = read_safetensors_header(path)
+        slices = file_slices(path, header.tensors, header.header_bytes)
+    with _open(path, "cpu") as f:
         _check_keys(f, path, model, expected)
         for key in sorted(expected):
-            tensor = _get(f, path, key)
             if key.startswith(prefixes):
-                sources[key] = tensor.pin_memory() if pin else tensor
+                if slices is None:
+                    sources[key] = _get(f, path, key)  # memory-mapped: a block's pages are read when first used
+                elif pin:
+                    sources[key] = slices[key].read().pin_memory()
+                else:
+                    sources[key] = slices[key]
             else:
+                tensor = _get(f, path, key)
                 value = tensor.to(stream.device, expected[key].dtype)
                 state[key] = value.clone() if stream.copy and value.data_ptr() == tensor.data_ptr() else value
     model.load_state_dict(state, strict=False, assign=True)

@@ -2,17 +2,18 @@
 
 A model names the ``nn.ModuleList``s whose children are its *units* (the flow transformers' blocks, say).
 ``stream_model`` replaces each with a ``StreamedList`` over the same children (parameter names do not
-change) whose tensors stay on ``meta``; each unit keeps where its bytes come from (``UnitSource``: the
-memory-mapped checkpoint, or a copy in host memory). When the model asks for a unit — ``for block in
+change) whose tensors stay on ``meta``; each unit keeps where its bytes come from: a range of the checkpoint file
+(``FileSlice``, read straight into the device's buffer, never mapped into the process), the memory-mapped file,
+or a copy in host memory. When the model asks for a unit — ``for block in
 self.blocks`` or ``self.blocks[i]`` — the device's ``WeightStream`` materialises it, lets the unit before it
 go, and starts copying the one expected next, so that copy overlaps the current unit's compute:
 
-- CPU: a reader thread copies the next unit into fresh process memory (``copy=True``: what a device copy
-  costs, for measurements), or only reads its pages in (``copy=False``: the unit's tensors are views of the
-  mapped file, the zero-copy path of a plain CPU run);
+- CPU: a reader thread reads the next unit from the file into fresh process memory (``copy=True``: what a
+  device copy costs, for measurements), or only reads its mapped pages in (``copy=False``: the unit's tensors
+  are views of the mapped file, the zero-copy path of a plain CPU run);
 - MPS (unified memory): a reader thread reads the next unit's pages in; the copy to the device runs on the
   main thread when the unit is used (MPS kernels are not launched from other threads);
-- CUDA: a reader thread stages the next unit in pinned host memory (unless its source is pinned already)
+- CUDA: a reader thread reads the next unit into pinned host memory (unless its source is pinned already)
   and queues its host-to-device copy on a side stream; the compute stream waits for that copy's event.
 
 "Expected next" is learned: the unit that followed last time (the first time, the next one in the model).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -72,6 +74,69 @@ def in_flight_bytes(layouts: Iterable[StreamLayout]) -> int:
     return sum(sizes[:IN_FLIGHT])
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """A tensor's bytes at ``offset`` in the file at ``path`` (a safetensors checkpoint), little-endian as stored.
+    Read with ``read_into``: through the page cache into the caller's buffer, never mapped into the process."""
+
+    path: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Fill ``out`` (a contiguous CPU tensor of this dtype and shape) with the file's bytes."""
+        if out.dtype != self.dtype or tuple(out.shape) != self.shape or not out.is_contiguous():
+            raise ValueError(f"{self.path}@{self.offset}: cannot read {self.dtype} {self.shape} into {out.dtype} "
+                             f"{tuple(out.shape)}")
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buffer):
+                count = os.preadv(fd, [buffer[done:]], self.offset + done)
+                if count <= 0:
+                    raise OSError(f"{self.path} ends before byte {self.offset + len(buffer)}: truncated")
+                done += count
+        finally:
+            os.close(fd)
+
+    def read(self) -> torch.Tensor:
+        """The tensor, in fresh memory."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+
+def file_slices(path: str | os.PathLike, header: Mapping[str, Mapping[str, object]],
+                header_bytes: int) -> dict[str, FileSlice]:
+    """Each tensor of a safetensors file as a ``FileSlice`` (``header``: its tensors' ``dtype``, ``shape``,
+    ``data_offsets``; ``header_bytes``: the JSON header's length)."""
+    start = 8 + header_bytes
+    out = {}
+    for name, info in header.items():
+        dtype = SAFETENSORS_DTYPES.get(str(info["dtype"]))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which cannot be streamed")
+        out[name] = FileSlice(str(path), start + int(info["data_offsets"][0]), dtype, tuple(info["shape"]))
+    return out
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """One tensor of a unit: where it sits in the module (``owner._parameters`` or ``_buffers`` under ``key``),
@@ -79,7 +144,7 @@ class TensorSource:
 
     owner: nn.Module
     key: str
-    source: torch.Tensor
+    source: torch.Tensor | FileSlice
     dtype: torch.dtype
     parameter: bool
 
@@ -173,6 +238,12 @@ class WeightStream:
         if self.device.type == "cuda":
             self._side = torch.cuda.Stream(device=self.device)
 
+    @property
+    def reads_files(self) -> bool:
+        """Whether units are best read from the file straight into their buffers (``FileSlice`` sources: CPU copies,
+        CUDA's pinned staging) rather than viewed through a memory map (MPS, the CPU's zero-copy path)."""
+        return self.copy and self.device.type in ("cpu", "cuda")
+
     # -- what a StreamedList calls ---------------------------------------------------------------
     def use(self, unit: Unit) -> None:
         """Make ``unit`` resident (waiting for its copy if one is under way) after letting every other resident unit
@@ -256,7 +327,7 @@ class WeightStream:
             flat = torch.empty(unit.nbytes, dtype=torch.uint8)
             views = unit.views(flat)
             for view, t in zip(views, unit.tensors):
-                view.copy_(t.source)
+                _copy_into(view, t.source)
             return _Fetched(views, flat)
         for t in unit.tensors:  # read the pages in (the file is mapped): the copy or the view then costs no I/O
             _touch(t.source)
@@ -269,8 +340,10 @@ class WeightStream:
             views = unit.views(flat)
             for view, t in zip(views, unit.tensors):
                 host = t.source
-                if not host.is_pinned():  # a mapped file: stage it in pinned memory so the copy runs async
-                    host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+                if isinstance(host, FileSlice) or not host.is_pinned():  # staged in pinned memory: the copy is async
+                    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+                    _copy_into(pinned, host)
+                    host = pinned
                     keep.append(host)
                 if host.dtype == view.dtype:
                     view.copy_(host, non_blocking=True)
@@ -303,6 +376,16 @@ class WeightStream:
     def _evict(self, unit: Unit) -> None:
         unit.clear()
         self._resident.pop(id(unit), None)
+
+
+def _copy_into(out: torch.Tensor, source: torch.Tensor | FileSlice) -> None:
+    """``out`` (contiguous, on the CPU) = ``source`` cast to ``out``'s dtype: a file range read straight in."""
+    if isinstance(source, FileSlice):
+        if source.dtype == out.dtype:
+            source.read_into(out)
+            return
+        source = source.read()
+    out.copy_(source)
 
 
 def _touch(tensor: torch.Tensor) -> None:
