@@ -56,7 +56,7 @@ def fetch_all(config_file: str | Path, *, moge: bool = True, rembg: bool = True,
                     logger.info("%s: %s from %s", entry.label, name, entry.source.describe())
                     written.append(online.download_repo_file(entry.source, name))
             elif entry.source.url is not None:
-                path = online.file(entry.source, label=entry.label)
+                path = online.file(entry.source, label=entry.label, strict=True)
                 if path is not None:
                     written.append(path)
             else:  # a local folder or generated weights: nothing to download

@@ -102,8 +102,10 @@ class Fetcher:
             self.missing.append(_Missing(source, label, missing, folder, reason))
         return folder
 
-    def file(self, source: WeightSource, *, label: str) -> Path | None:
-        """The one file ``source`` gives (``None`` when missing: recorded)."""
+    def file(self, source: WeightSource, *, label: str, strict: bool = False) -> Path | None:
+        """The one file ``source`` gives (``None`` when missing: recorded). ``strict`` (``pixal3d-fetch``): a
+        download that fails raises its one-line error (``HubAnswerError``, ``HubUnreachableError``,
+        ``CorruptWeightsError``) instead of being recorded as missing."""
         if source.url is None:
             folder = self.folder(source, list(source.files), label=label)
             if folder is None or any(m.source is source for m in self.missing):
@@ -118,9 +120,12 @@ class Fetcher:
             if self.offline:
                 self.missing.append(_Missing(source, label, [str(source.filename)], target.parent))
                 return None
-            error = _download_url(source.url, target, progress=self.progress)
-            if error is not None:
-                self.missing.append(_Missing(source, label, [str(source.filename)], target.parent, error))
+            try:
+                _download_url(source.url, target, progress=self.progress)
+            except WeightsError as err:
+                if strict:
+                    raise
+                self.missing.append(_Missing(source, label, [str(source.filename)], target.parent, str(err)))
                 return None
         if source.sha256:
             digest = _sha256(target)
@@ -405,9 +410,12 @@ def _fix(entry: _Missing, *, offline: bool) -> str:
     return f"delete {entry.folder.parent if entry.folder else cache_root() / 'tiny'} and run again to regenerate it"
 
 
-def _download_url(url: str, target: Path, *, progress: bool = False) -> str | None:
+def _download_url(url: str, target: Path, *, progress: bool = False) -> None:
     """Download ``url`` to ``target`` through a ``.part`` file that a later call resumes (an HTTP range
-    request); the size is checked against the server's ``Content-Length``. ``None``, or why it failed."""
+    request); the size is checked against the server's ``Content-Length``. A failure is one line:
+    ``HubAnswerError`` (the server answered an error), ``HubUnreachableError`` (it could not be reached; the
+    ``.part`` stays for the next run), ``CorruptWeightsError`` (fewer bytes than announced: removed)."""
+    import urllib.error
     import urllib.request
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -430,14 +438,17 @@ def _download_url(url: str, target: Path, *, progress: bool = False) -> str | No
                         bar.update(len(chunk))
             if bar is not None:
                 bar.close()
-    except OSError as err:  # the .part stays: the next run resumes it
-        return f"could not download it: {_first_line(err)}"
+    except urllib.error.HTTPError as err:  # the server answered: the .part (if any) stays
+        raise HubAnswerError(f"{url} answered {err.code} {err.reason} for {target.name}") from None
+    except OSError as err:  # not reached, or cut off: the .part stays, the next run resumes it
+        raise HubUnreachableError(f"could not download {target.name} from {url} ({_first_line(err)}); check the "
+                                  f"network and run it again (the partial file is resumed)") from None
     got = tmp.stat().st_size
     if expected is not None and got != expected:
         tmp.unlink()
-        return f"the download has {got} bytes, but the server announced {expected}; it was removed, run again"
+        raise CorruptWeightsError(f"the download of {target.name} from {url} has {got} bytes, but the server "
+                                  f"announced {expected}; it was removed, run it again")
     tmp.replace(target)
-    return None
 
 
 def _progress_bar(enabled: bool, total: int | None, done: int, name: str) -> Any:

@@ -61,11 +61,16 @@ class FakeServer:
         self.data = data
         self.ranges: list[str | None] = []
         self.short = 0
+        self.answer: tuple[int, str] | None = None  # an HTTP error to answer with, e.g. (404, "Not Found")
 
     def urlopen(self, request, timeout: float = 0):  # request: urllib's Request
+        import urllib.error
+
         assert request.full_url == NAF_URL
         asked = request.get_header("Range")
         self.ranges.append(asked)
+        if self.answer is not None:
+            raise urllib.error.HTTPError(NAF_URL, self.answer[0], self.answer[1], email.message.Message(), None)
         start = int(asked.removeprefix("bytes=").rstrip("-")) if asked else 0
         body = self.data[start:]
         headers = email.message.Message()
@@ -150,11 +155,20 @@ def test_a_download_shorter_than_announced_is_refused_and_named(fake, capsys):
     fake.server.short = 10
     assert main(["--config", str(fake.config), "--no-rembg"]) == 1
     err = capsys.readouterr().err
-    assert "naf.safetensors" in err and "but the server announced" in err
+    [line] = [line for line in err.splitlines() if "error:" in line]  # one line, naming the file and what happened
+    assert "naf.safetensors" in line and "but the server announced" in line and "it was removed" in line
     assert not (fake.tmp / "cache" / "downloads" / "naf.safetensors").exists()
-    assert err.strip().splitlines()[-1].startswith("fetch everything this config needs with: pixal3d-fetch --config")
     fake.server.short = 0  # control: the same server sending everything is accepted
     assert main(["--config", str(fake.config), "--no-rembg"]) == 0
+
+
+@pytest.mark.parametrize("answer", [(404, "Not Found"), (500, "Internal Server Error")])
+def test_a_server_answering_an_error_for_the_url_file_is_one_line_naming_it(fake, capsys, answer):
+    fake.server.answer = answer
+    assert main(["--config", str(fake.config), "--no-rembg"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"pixal3d-fetch: error: {NAF_URL} answered {answer[0]} {answer[1]} for naf.safetensors") and \
+        sum("error" in line for line in err) == 1, err
 
 
 def test_a_hub_file_of_another_size_than_listed_is_refused(fake):
