@@ -96,8 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HubUnreachableError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    except (WeightsError, ConfigError, *network_errors()) as err:  # rembg's own download, a full disk
-        print(f"{PROG}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+    except (WeightsError, ConfigError) as err:  # the missing-weights list is one line per file, by design
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    except network_errors() as err:  # rembg's own download, a full disk: its first line, and what it was
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        print(f"{PROG}: error: {type(err).__name__}: {first}", file=sys.stderr)
         return 1
     print(f"{PROG}: every weight file {args.config} needs is on disk ({len(written)} downloaded now)")
     return 0
