@@ -58,6 +58,7 @@ __all__ = ["DEFAULT_CONFIG", "CommandVoice", "in_flags", "main", "parse_args"]
 PROG = "pixal3d-image-to-mesh"
 OUR_LOGGERS = ("pixal3d", "pipelines", PROG)
 FLAGS = {"memory_budget": "--memory-budget", "policy": "--memory-policy", "seed": "--seed", "fov": "--fov",
+         "num_views": "--num-views",
          "work_dir": "--work-dir", "mode": "--parallel", "pp": "--pp", "patches": "--patches", "warmup": "--warmup",
          "pp_split": "--pp-split", "data_groups": "--data-groups"}
 """The command's flag for each library setting: library messages name a setting ``name=value`` (or, for one with

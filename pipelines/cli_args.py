@@ -15,12 +15,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command's arguments (``argparse`` exits with its usage line on an error, and after ``--help``)."""
     parser = argparse.ArgumentParser(prog="pixal3d-image-to-mesh", allow_abbrev=False,
                                      description="Pixal3D image → textured 3D mesh (GLB), staged for memory.")
-    parser.add_argument("inputs", nargs="+", type=Path, help="image file(s) or folder(s) of images")
+    parser.add_argument("inputs", nargs="*", type=Path, help="image file(s) or folder(s) of images")
+    parser.add_argument("--views", nargs="+", type=Path, default=None, metavar="DIR",
+                        help="posed views instead of images: folder(s) holding a transforms.json and the view images "
+                             "(README: Several views); default config 1024_cascade_mv")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="output .glb (one input) or folder (several); default outputs/<name>.glb")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                        help="cascade config: a file, or a shipped one by name (default: 1024_cascade; "
-                             "tiny is the offline demo)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="cascade config: a file, or a shipped one by name (default: 1024_cascade, or "
+                             "1024_cascade_mv with --views; tiny and tiny_mv are the offline demos)")
     for setting in SETTINGS:  # the job's settings (pipelines/job.py), as the app and the server take them too
         parser.add_argument(setting.flag, dest=setting.name, default=None, metavar=setting.metavar,
                             type={"int": int, "float": float}.get(setting.kind, str), help=setting.help,

@@ -32,6 +32,8 @@ from pixal3d.mesh.settings import TEXTURE_FORMATS
 from pixal3d.shipped import shipped_config
 
 DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
+DEFAULT_VIEWS_CONFIG = shipped_config("1024_cascade_mv.yaml")
+"""The command's config for ``--views`` when it is given no ``--config``."""
 POLICIES = ("resident", "staged", "offload", "eager", "stream", "auto")
 """``pixal3d.staging.Policy``'s values, written out so that no torch is needed to check one (a test holds them
 equal)."""
@@ -69,6 +71,13 @@ def check_fov(fov: float | None) -> None:
 def _fov(fov: Any) -> float:
     check_fov(fov)
     return float(fov)  # 40 and 40.0 are one setting (the server groups jobs by their settings)
+
+
+def check_num_views(count: Any) -> int:
+    """``count`` views (an int >= 1), else a ``SettingError``."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise SettingError("num_views", f"number of views {count!r} is not an integer >= 1; e.g. 4")
+    return count
 
 
 def check_policy(policy: Any) -> str:
@@ -116,6 +125,8 @@ class Setting:
     check:    the value checked (``SettingError`` naming it) and as the job holds it; ``automatic``: what unset
               means, added to a refusal
     plans:    it changes the memory plan (the app redraws the plan when it changes)
+    applies:  the configs it applies to (None: every one); ``elsewhere``: why it does not, when given anyway (a job
+              refuses it; the app's form leaves it out, run.json's settings too)
     """
 
     name: str
@@ -134,6 +145,12 @@ class Setting:
     automatic: str = ""
     plans: bool = False
     suggested: tuple[Any, ...] = ()
+    applies: Callable[[CascadeConfig], bool] | None = None
+    elsewhere: str = ""
+
+    def applies_to(self, config: CascadeConfig) -> bool:
+        """Whether the setting means anything for ``config``'s cascade."""
+        return self.applies is None or self.applies(config)
 
     def types(self) -> tuple[type, ...]:
         """The JSON types a request may send for it."""
@@ -145,7 +162,15 @@ SETTINGS: tuple[Setting, ...] = (
             config=lambda config: config.seed, check=check_seed),
     Setting("fov", "float", "--fov", "fov", "field of view (degrees)",
             "horizontal field of view in degrees (default: the config's, else MoGe-2)", metavar="DEG",
-            check=_fov, automatic=", or automatic"),
+            check=_fov, automatic=", or automatic", applies=lambda config: config.views is None,
+            elsewhere="a field of view does not apply to posed views: their cameras come from their transforms.json; "
+                      "drop it"),
+    Setting("num_views", "int", "--num-views", "num_views", "views used (empty: all)",
+            "multi-view configs: use the first N frames of each views folder's transforms.json (default: all)",
+            metavar="N", check=check_num_views, automatic=", or empty for all",
+            applies=lambda config: config.views is not None,
+            elsewhere="a number of views applies to a multi-view config (one with a views section, e.g. "
+                      "1024_cascade_mv); this one takes images"),
     Setting("memory_policy", "choice", "--memory-policy", "policy", "memory policy",
             "where idle models live (default: auto, chosen from the memory plan)", choices=lambda: POLICIES,
             default="auto", check=check_policy, plans=True),
@@ -236,6 +261,7 @@ class Job:
     config: CascadeConfig
     seed: int
     fov: float | None = None
+    num_views: int | None = None
     memory_policy: str = "auto"
     memory_budget: Budget | None = None
     texture_size: int | None = None
@@ -244,7 +270,8 @@ class Job:
     device: str | None = None
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
-    inputs: tuple[Path, ...] = ()          # the command's paths as given (files or folders): ``expand_inputs``
+    inputs: tuple[Path, ...] = ()          # the command's paths as given (files or folders, or views folders on a
+                                           # multi-view config): ``expand_inputs``, ``views_inputs``
     output: Path | None = None             # -o: one .glb, or a folder
     keep_latents: Path | None = None
     trace: Path | None = None
@@ -259,13 +286,16 @@ class Job:
     def from_args(cls, args: Any, *, command: Sequence[str] = ()) -> Job:
         """The command's parsed options (``pipelines.cli_args``): the config read, every value checked
         (``SettingError`` naming the setting, ``UsageError`` for an option out of range, ``ConfigError``)."""
-        config = load_config(args.config)
+        views = tuple(args.views or ())
+        config = load_config(args.config if args.config is not None else
+                             DEFAULT_VIEWS_CONFIG if views else DEFAULT_CONFIG)
+        check_input_kind(config, images=tuple(args.inputs), views=views)
         check_options({"--pp": args.pp, "--patches": args.patches, "--warmup": args.warmup,
                        "--data-groups": args.data_groups, "--parallel-timeout": args.parallel_timeout})
         parallel = ParallelAsk(args.parallel, args.pp, parse_pp_split(args.pp_split), args.patches, args.warmup,
                                args.data_groups, args.parallel_timeout)
         return cls.build(config, {s.name: getattr(args, s.name) for s in SETTINGS}, device=args.device,
-                         parallel=parallel, inputs=tuple(args.inputs), output=args.output,
+                         parallel=parallel, inputs=views or tuple(args.inputs), output=args.output,
                          keep_latents=args.keep_latents, trace=args.trace, work_dir=args.work_dir,
                          order=args.batch_order, plan_only=args.plan, quiet=args.quiet, command=tuple(command))
 
@@ -290,8 +320,7 @@ class Job:
         try:
             return cls.build(config, raw, **fields)
         except SettingError as err:
-            raise SettingsError(f"settings: {err}{BY_NAME[err.setting].automatic if err.setting in BY_NAME else ''}"
-                                ) from None
+            raise SettingsError(f"settings{_refused(err, config, key=True)}") from None
 
     @classmethod
     def from_form(cls, values: Mapping[str, Any], config: CascadeConfig, **fields: Any) -> Job:
@@ -306,7 +335,7 @@ class Job:
         try:
             return cls.build(config, given, **fields)
         except SettingError as err:
-            raise SettingsError(f"{err}{BY_NAME[err.setting].automatic if err.setting in BY_NAME else ''}") from None
+            raise SettingsError(_refused(err, config).removeprefix(": ")) from None
 
     @classmethod
     def build(cls, config: CascadeConfig, settings: Mapping[str, Any], **fields: Any) -> Job:
@@ -315,6 +344,8 @@ class Job:
         values: dict[str, Any] = {}
         for setting in SETTINGS:
             value = settings.get(setting.name)
+            if value is not None and not setting.applies_to(config):
+                raise SettingError(setting.name, setting.elsewhere)
             if value is None:
                 value = setting.config(config) if setting.config and not setting.export else setting.default
             if value is not None and setting.check is not None:
@@ -326,7 +357,7 @@ class Job:
     def settings(self) -> dict[str, Any]:
         """Every setting under its JSON key (the budget as given): what job.json, ``GET /jobs/{id}`` and run.json's
         front-end entry show, and what ``from_request`` takes back."""
-        return {s.name: self.wire_value(s) for s in SETTINGS}
+        return {s.name: self.wire_value(s) for s in SETTINGS if s.applies_to(self.config)}
 
     def wire_value(self, setting: Setting) -> Any:
         value = getattr(self, setting.name)
@@ -349,9 +380,23 @@ class Job:
         return dataclasses.replace(self, images=tuple(images))
 
     @property
+    def takes_views(self) -> bool:
+        """The config's cascade takes posed views (views folders) instead of images."""
+        return self.config.views is not None
+
+    @property
     def several(self) -> bool:
-        """The command was given several inputs or a folder: a batch, with a summary."""
-        return len(self.inputs) > 1 or any(p.is_dir() for p in self.inputs)
+        """The command was given several inputs or a folder of images: a batch, with a summary."""
+        return len(self.inputs) > 1 or (not self.takes_views and any(p.is_dir() for p in self.inputs))
+
+
+def _refused(err: SettingError, config: CascadeConfig, *, key: bool = False) -> str:
+    """A refused setting's words after ``settings`` (a request, ``key``) or for a form: a value out of range with
+    what unset means; one that does not apply to this kind of input (``Setting.elsewhere``) by its name."""
+    setting = BY_NAME.get(err.setting)
+    if setting is not None and not setting.applies_to(config):
+        return f".{err.setting}: {err}" if key else f": {err.setting}: {err}"
+    return f": {err}{setting.automatic if setting is not None else ''}"
 
 
 def plan_key(settings: Mapping[str, Any]) -> str:
@@ -427,6 +472,39 @@ def expand_inputs(paths: Sequence[Path]) -> list[Path]:
     if duplicates:
         raise UsageError(f"several inputs are named {duplicates}; their outputs would overwrite each other")
     return found
+
+
+def views_inputs(paths: Sequence[Path]) -> list[Path]:
+    """The views folders the command was given (``--views``): each an existing folder, their names (what the outputs
+    are called) unique. (Each folder's ``transforms.json`` and frames are checked by ``read_views``.)"""
+    for path in paths:
+        if not path.is_dir():
+            raise UsageError(f"--views {path}: {'is a file, not a folder' if path.exists() else 'does not exist'}; "
+                             f"pass a folder holding transforms.json and the view images")
+    names = [p.resolve().name for p in paths]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise UsageError(f"several views folders are named {duplicates}; their outputs would overwrite each other")
+    return list(paths)
+
+
+def check_input_kind(config: CascadeConfig, *, images: Sequence[Path], views: Sequence[Path]) -> None:
+    """One kind of input, the one the config's cascade takes (``UsageError`` naming the flag): images, or views
+    folders (``--views``) on a multi-view config. (``--num-views`` and ``--fov`` go with one kind each: their
+    ``Setting.applies``.)"""
+    name = Path(config.source).name if config.source else config.name
+    if config.views is None:
+        if views:
+            raise UsageError(f"--views needs a multi-view config ({name} takes images): e.g. --config "
+                             f"1024_cascade_mv, or pass images")
+        if not images:
+            raise UsageError("no input: pass an image, a folder of images, or --views DIR")
+        return
+    if images:
+        raise UsageError(f"{name} takes posed views: pass --views DIR (a folder with a transforms.json), not images; "
+                         f"for images use a single-view config (e.g. --config 1024_cascade)")
+    if not views:
+        raise UsageError(f"{name} takes posed views: pass --views DIR (a folder with a transforms.json)")
 
 
 def parse_pp_split(text: str | None) -> str | tuple[int, ...] | None:

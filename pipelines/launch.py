@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from pixal3d.config import CascadeConfig
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import ImageError, probe_image
+from pixal3d.models.views import read_views
 from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, PeerFailedError, init_parallel
 from pixal3d.parallel.topology import Topology
 from pixal3d.staging.policy import gib
@@ -38,7 +38,7 @@ from pixal3d.staging.policy import gib
 from .batch import BatchItem, default_order
 from .data_parallel import DataJob, GroupStoppedError
 from .errors import Failure, one_line
-from .job import Job, UsageError, expand_inputs
+from .job import Job, UsageError, expand_inputs, views_inputs
 from .leftovers import clean_leftovers, cleaned_line
 from .parallel import rank_device
 from .plan import RunPlan, check_inputs, default_device, parse_device
@@ -328,14 +328,17 @@ def prepare(job: Job, held: ExitStack, parallel: ParallelSettings | ParallelRunt
     not colliding, not being written by another run: locked), the work directory, the device, the plan (from
     safetensors headers only; with a field of view given, no camera model). A data job's ranks != 0 leave the
     locks to rank 0 and open the work directory after it."""
-    inputs = everything = expand_inputs(job.inputs)
+    inputs = everything = views_inputs(job.inputs) if job.takes_views else expand_inputs(job.inputs)
     refused: list[tuple[Path, ImageError]] = []
     if job.several:
-        refused = [(path, err) for path in inputs if (err := _unusable(job.config, path)) is not None]
+        refused = [(path, err) for path in inputs if (err := _unusable(job, path)) is not None]
         if len(refused) == len(inputs):
-            raise UsageError(f"none of the {len(inputs)} inputs is a usable image; the first: "
+            what = "views folder" if job.takes_views else "image"
+            raise UsageError(f"none of the {len(inputs)} inputs is a usable {what}; the first: "
                              f"{one_line(refused[0][1])}")
         inputs = [path for path in inputs if path not in dict(refused)]
+    elif job.takes_views:  # transforms.json and every frame, before any weight is read (ViewsError: one line)
+        check_inputs(job.config, [read_views(path, job.num_views) for path in inputs])
     else:
         for path in inputs:
             probe_image(path)  # not an image, or too small: from the header, before any weight is read
@@ -368,10 +371,13 @@ def prepare(job: Job, held: ExitStack, parallel: ParallelSettings | ParallelRunt
     return Prepared(session, session.plan(job), pairs, refused, everything, job)
 
 
-def _unusable(config: CascadeConfig, path: Path) -> ImageError | None:
+def _unusable(job: Job, path: Path) -> ImageError | None:
     try:
-        probe_image(path)
-        check_inputs(config, [path])
+        if job.takes_views:
+            check_inputs(job.config, [read_views(path, job.num_views)])
+        else:
+            probe_image(path)
+            check_inputs(job.config, [path])
     except ImageError as err:
         return err
     return None

@@ -115,8 +115,10 @@ class Session:
                 on_start(plan)
             pipe = self._pipeline_for(plan, job)
             images = job.images
-            with closing(pipe.run_batch([i.source for i in images], names=[i.name for i in images],
-                                        seed=[i.seed for i in images], fov=[i.fov for i in images],
+            sources = [i.source for i in images]
+            inputs = ({"views": sources, "num_views": job.num_views} if job.takes_views else
+                      {"images": sources, "fov": [i.fov for i in images]})  # views: the cameras are the folder's
+            with closing(pipe.run_batch(**inputs, names=[i.name for i in images], seed=[i.seed for i in images],
                                         order=order or job.order, work_dir=job.work_dir,
                                         trace_meta={self.front_end: {"settings": job.settings()}}, **options)) as batch:
                 yield from batch

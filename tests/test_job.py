@@ -113,8 +113,8 @@ def test_a_request_of_the_wrong_shape_is_refused_naming_the_key(seven):
 def test_the_commands_options_are_the_table_and_numeric_options_are_checked_at_once():
     args = parse_args(["x.png", "--texture-size", "512", "--face-budget", "9", "--memory-policy", "eager"])
     assert (args.texture_size, args.face_budget, args.memory_policy) == (512, 9, "eager")
-    assert {s.flag for s in SETTINGS} <= {"--seed", "--fov", "--memory-policy", "--memory-budget", "--texture-size",
-                                          "--face-budget", "--texture-format"}
+    assert {s.flag for s in SETTINGS} <= {"--seed", "--fov", "--num-views", "--memory-policy", "--memory-budget",
+                                          "--texture-size", "--face-budget", "--texture-format"}
     for flag, value, words in [("--threads", 0, "--threads 0 is not an integer >= 1"),
                                ("--job-timeout", -5.0, "--job-timeout -5.0 is not a number >= 0"),
                                ("--parallel-timeout", 0.0, "--parallel-timeout 0.0 is not a number > 0"),
@@ -123,3 +123,20 @@ def test_the_commands_options_are_the_table_and_numeric_options_are_checked_at_o
         with pytest.raises(UsageError, match=words.replace("(", r"\(")):
             check_options({flag: value})
     check_options({"--threads": 1, "--job-timeout": 0.0, "--warmup": 0, "--pp": None})  # control: in range
+
+
+def test_a_setting_for_the_other_kind_of_input_is_refused_and_left_out_of_the_settings():
+    images, views = load_config(TINY_CONFIG), load_config("tiny_mv")
+    assert "num_views" not in Job.build(images, {}).settings() and "fov" in Job.build(images, {}).settings()
+    job = Job.from_request('{"num_views": 2}', views)
+    assert job.num_views == 2 and "fov" not in job.settings() and job.settings()["num_views"] == 2
+    fov = ("settings.fov: a field of view does not apply to posed views: their cameras come from their "
+           "transforms.json; drop it")
+    zero = "settings: number of views 0 is not an integer >= 1; e.g. 4, or empty for all"
+    for config, request, words in [(views, '{"fov": 30}', fov),
+                                   (images, '{"num_views": 2}', "settings.num_views: a number of views applies to a"),
+                                   (views, '{"num_views": 0}', zero)]:
+        with pytest.raises(SettingsError) as refused:
+            Job.from_request(request, config)
+        assert str(refused.value).startswith(words) and "automatic" not in str(refused.value)
+    assert Job.from_request('{"fov": null}', views).fov is None  # control: null is unset, not given

@@ -80,8 +80,8 @@ def test_num_views_takes_the_first_frames_and_the_digest_follows_them(folder):
 
 
 @pytest.mark.parametrize("num_views, message", [
-    (5, "5 views asked for, but .* gives 4; pass at most 4"),
-    (0, "must be an integer >= 1, got 0"),
+    (5, "num_views=5 is above the 4 frames .* gives; pass at most 4"),
+    (0, "num_views=0 is not an integer >= 1"),
 ])
 def test_num_views_out_of_range_is_refused(folder, num_views, message):
     with pytest.raises(ViewsError, match=message):

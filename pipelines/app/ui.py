@@ -47,7 +47,7 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
                                           elem_id="image", height=300))
                 gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
                 fields: dict[str, Any] = {}
-                for setting in SETTINGS:
+                for setting in (s for s in SETTINGS if s.applies_to(config)):
                     if setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
                         fov_auto, fields["fov"] = _fov_fields(config)
                     else:

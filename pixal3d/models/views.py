@@ -152,9 +152,9 @@ def read_views(folder: str | Path, num_views: int | None = None) -> ViewSet:
         raise ViewsError(f"{folder / TRANSFORMS} lists no frames (V = 0); add at least the main view")
     if num_views is not None:
         if isinstance(num_views, bool) or not isinstance(num_views, int) or num_views < 1:
-            raise ViewsError(f"the number of views must be an integer >= 1, got {num_views!r}")
+            raise ViewsError(f"num_views={num_views!r} is not an integer >= 1")
         if num_views > len(frames):
-            raise ViewsError(f"{num_views} views asked for, but {folder / TRANSFORMS} gives {len(frames)}; "
+            raise ViewsError(f"num_views={num_views} is above the {len(frames)} frames {folder / TRANSFORMS} gives; "
                              f"pass at most {len(frames)}")
     mesh_scale = _number(meta.get("mesh_scale", 1.0), f"{folder / TRANSFORMS}: mesh_scale", positive=True)
     checked = tuple(_frame(folder, meta, i, frame) for i, frame in enumerate(frames[:num_views or len(frames)]))
