@@ -165,7 +165,7 @@ SETTINGS: tuple[Setting, ...] = (
             check=_fov, automatic=", or automatic", applies=lambda config: config.views is None,
             elsewhere="a field of view does not apply to posed views: their cameras come from their transforms.json; "
                       "drop it"),
-    Setting("num_views", "int", "--num-views", "num_views", "views used (empty: all)",
+    Setting("num_views", "int", "--num-views", "num-views", "views used (empty: all)",
             "multi-view configs: use the first N frames of each views folder's transforms.json (default: all)",
             metavar="N", check=check_num_views, automatic=", or empty for all",
             applies=lambda config: config.views is not None,

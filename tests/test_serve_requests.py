@@ -88,7 +88,8 @@ def test_bad_uploads_and_settings_get_a_4xx_with_one_line_and_the_server_goes_on
                                     ('{"fov": 500}', 422, "field of view"),
                                     ('{"memory_policy": "fast"}', 422, "memory policy 'fast'"),
                                     ('{"texture_size": 3}', 422, "texture_size"),
-                                    ('{"memory_budget": "lots"}', 422, "memory budget 'lots'")]:
+                                    ('{"memory_budget": "lots"}', 422, "memory budget 'lots'"),
+                                    ('{"num_views": 2}', 422, "settings.num_views: a number of views applies")]:
         cases.append((good, settings, status, words))
     with server.client() as client:
         for image, settings, status, words in cases:
@@ -100,6 +101,8 @@ def test_bad_uploads_and_settings_get_a_4xx_with_one_line_and_the_server_goes_on
         assert "unknown form fields" in _one_line_error(
             client.post("/jobs", files={"image": ("x.png", good)}, data={"colour": "red"}), 400)
         assert "multipart" in _one_line_error(client.post("/jobs", json={"seed": 1}), 400)
+        assert "several files were sent; this server's config (tiny) takes one image" in _one_line_error(  # views
+            client.post("/jobs", files=[("views", ("a.png", good)), ("views", ("b.png", good))]), 400)
         # a body streamed without a length is cut off at the limit too
         def chunks():
             yield b"--b\r\nContent-Disposition: form-data; name=\"image\"; filename=\"x.png\"\r\n\r\n"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pixal3d.models.preprocess import ImageError
+from pixal3d.models.views import RIG_FOV_DEG, read_views, write_views
 
 from ..errors import error_line
 from ..job import Job
@@ -148,6 +149,40 @@ def run_job(session: Session, image: Any, job: Job, *, outputs: Path, name: str 
     stem = Path(name or (str(image) if isinstance(image, (str, Path)) else "image")).stem or "image"
     folder = outputs / f"{next(_job_numbers):04d}-{stem}"
     folder.mkdir(parents=True, exist_ok=True)
+    yield from _run_in(session, image, stem, folder, job, poll)
+
+
+@dataclass(frozen=True)
+class ViewsUpload:
+    """A multi-view page's inputs: the uploaded view files (paths, the main view first), their azimuths (text,
+    degrees) and field of view on the rig, or a transforms.json (a path) giving their cameras instead."""
+
+    files: tuple[str, ...]
+    azimuths: str | None = None
+    fov_deg: float | None = None
+    transforms: str | None = None
+
+
+def run_views_job(session: Session, upload: ViewsUpload, job: Job, *, outputs: Path,
+                  poll: float = 0.5) -> Iterator[JobUpdate]:
+    """Run ``job`` (a multi-view config's) on the uploaded views: their views folder is written in the job's folder
+    (``write_views``) and checked (``read_views``: a ``ViewsError`` is the error update, on one line), then run as
+    ``run_job`` runs an image."""
+    folder = outputs / f"{next(_job_numbers):04d}-views"
+    try:
+        views = write_views(folder / "views", [(Path(f).name, Path(f).read_bytes()) for f in upload.files],
+                            transforms=None if upload.transforms is None else Path(upload.transforms).read_bytes(),
+                            azimuths=None if upload.transforms is not None else upload.azimuths,
+                            fov_deg=RIG_FOV_DEG if upload.fov_deg is None else upload.fov_deg)
+        read_views(views, job.num_views)
+    except (ImageError, OSError) as err:
+        message = error_line(err)
+        yield JobUpdate(status=f"error: {message}", error=message)
+        return
+    yield from _run_in(session, views, "views", folder, job, poll)
+
+
+def _run_in(session: Session, image: Any, stem: str, folder: Path, job: Job, poll: float) -> Iterator[JobUpdate]:
     trace = folder / f"{stem}.trace.jsonl"
     tail, progress, finished = TraceTail(trace), _Progress(), {}
     job = dataclasses.replace(job, images=(job.image(image, stem),),

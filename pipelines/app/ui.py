@@ -15,6 +15,7 @@ from typing import Any
 import gradio as gr
 
 from pixal3d.config import CascadeConfig
+from pixal3d.models.views import RIG_AZIMUTHS, RIG_FOV_DEG
 from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
@@ -22,11 +23,22 @@ from ..errors import error_line
 from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
 from ..session import Session
-from .job import REFUSAL, JobUpdate, plan_or_refusal, run_job
+from .job import (
+    REFUSAL,
+    JobUpdate,
+    ViewsUpload,
+    plan_or_refusal,
+    run_job,
+    run_views_job,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
+EXAMPLE_VIEWS = Path(__file__).resolve().parents[2] / "assets" / "views_example"
 INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
          "before the run, memory per stage while it runs, and what each stage cost after.")
+VIEWS_INTRO = ("# Pixal3D, staged: several views\nPosed views in (the main view first), one textured 3D mesh (GLB) "
+               "out. Give each view's azimuth on upstream's rig (the cameras on a circle about the object, "
+               f"{RIG_FOV_DEG:g}° field of view; 0, 90, 180, 270 for four) or upload their transforms.json.")
 DEFAULT_FOV = 49.1  # the reference's fallback field of view, the slider's starting point
 NO_ESTIMATOR = ("automatic field of view: not with this config (it names no MoGe-2 weights, or it fixes "
                 "camera.fov_deg): set it on the slider")
@@ -37,18 +49,25 @@ CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines ar
 def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
     """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has one field
     per job setting (``pipelines.job.SETTINGS``), its values read back by ``Job.from_form``."""
+    takes_views = config.views is not None
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
-        gr.Markdown(INTRO)
+        gr.Markdown(VIEWS_INTRO if takes_views else INTRO)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                image = _lenient(gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath",
-                                          image_mode=None, format="png", sources=["upload", "clipboard"],
-                                          elem_id="image", height=300))
-                gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
+                if takes_views:  # several posed views: the images, and their azimuths or a transforms.json
+                    sources = _views_fields()
+                else:
+                    image = _lenient(gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath",
+                                              image_mode=None, format="png", sources=["upload", "clipboard"],
+                                              elem_id="image", height=300))
+                    gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
+                    sources = [image]
                 fields: dict[str, Any] = {}
-                for setting in (s for s in SETTINGS if s.applies_to(config)):
-                    if setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
+                for setting in SETTINGS:
+                    if not setting.applies_to(config):  # not for this kind of input: no field, always unset
+                        fields[setting.name] = gr.State(None)
+                    elif setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
                         fov_auto, fields["fov"] = _fov_fields(config)
                     else:
                         fields[setting.name] = _field(setting, config)
@@ -56,7 +75,8 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
             with gr.Column(scale=3, min_width=480):
-                status = gr.Markdown("upload an image (or pick the example), then press Generate",
+                status = gr.Markdown("upload the views (or take the example views), then press Generate"
+                                     if takes_views else "upload an image (or pick the example), then press Generate",
                                      elem_id="status")
                 plot = gr.Plot(label="memory", elem_id="memory", format="png")
                 viewer = gr.Model3D(label="model", elem_id="viewer", height=360,
@@ -76,17 +96,27 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
 
         def on_run(image_: str | None, fov_auto_: bool, progress: gr.Progress = gr.Progress(),  # noqa: B008
                    *values: Any) -> Iterator[tuple]:  # Gradio's way: its progress, then the form's fields
-            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
             form = dict(zip(names, values, strict=True))
             if fov_auto_:
                 form["fov"] = None
+            yield from stream(form, progress, lambda job: run_job(session, image_, job, outputs=outputs, poll=poll))
+
+        def on_views(views_: list[str] | None, azimuths_: str, views_fov_: float | None, transforms_: str | None,
+                     progress: gr.Progress = gr.Progress(), *values: Any) -> Iterator[tuple]:  # noqa: B008
+            form = dict(zip(names, values, strict=True))
+            upload = ViewsUpload(tuple(views_ or ()), azimuths_, views_fov_, transforms_)
+            yield from stream(form, progress, lambda job: run_views_job(session, upload, job, outputs=outputs,
+                                                                         poll=poll))
+
+        def stream(form: dict[str, Any], progress: Any, start: Any) -> Iterator[tuple]:
+            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
             try:
                 job = Job.from_form(form, config)
             except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
                 yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             drawn, drawn_at = 0, 0.0
-            for update in run_job(session, image_, job, outputs=outputs, poll=poll):
+            for update in start(job):
                 figure = gr.skip()
                 if update.records and len(update.records) != drawn and (
                         update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
@@ -104,14 +134,30 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
         for component in settings_inputs:
             component.change(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
-        fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fields["fov"], queue=False)
+        if not takes_views:
+            fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fields["fov"], queue=False)
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            on_run, [image, fov_auto, *fields.values()], [status, plot, model, files, table, plan],
-            concurrency_limit=1, concurrency_id="models", show_progress_on=[status]).then(
-            lambda path: path, model, viewer, queue=False)
+            on_views if takes_views else on_run, [*sources, *([] if takes_views else [fov_auto]), *fields.values()],
+            [status, plot, model, files, table, plan], concurrency_limit=1, concurrency_id="models",
+            show_progress_on=[status]).then(lambda path: path, model, viewer, queue=False)
     return page
+
+
+def _views_fields() -> list[Any]:
+    """The views (several images, the main view first), their azimuths and field of view on the rig, or their
+    transforms.json; a button that takes the example views."""
+    views = gr.File(label="views (images; the main view first)", file_count="multiple", file_types=["image"],
+                    type="filepath", elem_id="views", height=200)
+    azimuths = gr.Textbox(value=", ".join(f"{a:g}" for a in RIG_AZIMUTHS), elem_id="azimuths",
+                          label="azimuths (degrees, one per view, in the views' order)")
+    views_fov = gr.Number(value=RIG_FOV_DEG, label="views' field of view (degrees)", elem_id="views-fov")
+    transforms = gr.File(label="or their transforms.json (its cameras instead of the azimuths)", file_count="single",
+                         file_types=[".json"], type="filepath", elem_id="transforms", height=100)
+    example = gr.Button("take the example views", elem_id="example-views", size="sm")
+    example.click(lambda: [str(p) for p in sorted(EXAMPLE_VIEWS.glob("*.png"))], None, views, queue=False)
+    return [views, azimuths, views_fov, transforms]
 
 
 def _field(setting: Setting, config: CascadeConfig) -> Any:

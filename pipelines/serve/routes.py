@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 
 from pixal3d.config import CascadeConfig
 from pixal3d.models.preprocess import MIN_SIDE
+from pixal3d.models.views import MAX_VIEWS, RIG_FOV_DEG, ViewsError, write_views
 
 from ..job import Job, SettingsError
 from .db import ENDED, QueueFull
@@ -120,26 +121,52 @@ async def generate(request: Request) -> Any:
 
 
 # -- what they share -----------------------------------------------------------------------------------
-async def read_job(request: Request, here: Served) -> tuple[bytes, str, dict[str, Any]]:
-    """The image and settings of a ``POST /jobs`` or ``/generate``, checked."""
+@dataclass(frozen=True)
+class Upload:
+    """What a submission carries: one image (``data``, its ``suffix``), or on a multi-view config the views (file
+    names and bytes, the main view first) with their ``transforms.json`` or their azimuths and field of view
+    (``pixal3d.models.views.write_views``)."""
+
+    data: bytes = b""
+    suffix: str = ""
+    views: tuple[tuple[str, bytes], ...] = ()
+    transforms: bytes | None = None
+    azimuths: str | None = None
+    views_fov: float = RIG_FOV_DEG
+
+
+FIELDS = ("image", "settings")
+VIEW_FIELDS = ("views", "transforms", "azimuths", "views_fov", "settings")
+ONE_IMAGE = ("this server's config ({config}) takes one image in the field 'image'; posed views need a server on a "
+             "multi-view config (pixal3d-serve --config 1024_cascade_mv)")
+VIEWS_ASK = ("send each view image in a multipart field 'views' (the main view first), with 'azimuths' (degrees, "
+             "default 0,90,180,270 for four views) or a 'transforms' file (transforms.json)")
+
+
+async def read_job(request: Request, here: Served) -> tuple[Upload, dict[str, Any]]:
+    """The image (or views) and settings of a ``POST /jobs`` or ``/generate``, checked."""
+    takes_views = here.config.views is not None
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise Refused(400, "send multipart/form-data with the image in field 'image' (and JSON in 'settings')")
+        raise Refused(400, f"send multipart/form-data: {VIEWS_ASK}" if takes_views else
+                      "send multipart/form-data with the image in field 'image' (and JSON in 'settings')")
     try:
-        form = await request.form(max_files=1, max_fields=2)
+        form = await request.form(max_files=MAX_VIEWS + 1 if takes_views else 1,
+                                  max_fields=len(VIEW_FIELDS) if takes_views else 2)
     except Refused:
         raise
     except Exception as err:  # noqa: BLE001 - the multipart parser's own words, on one line
+        if not takes_views and "Too many files" in str(err):
+            raise Refused(400, f"several files were sent; {ONE_IMAGE.format(config=here.config.name)}") from None
         raise Refused(400, f"the multipart body cannot be read ({err})") from None
-    unknown = sorted(set(form.keys()) - {"image", "settings"})
+    if takes_views and "image" in form:
+        raise Refused(400, f"this server's config ({here.config.name}) takes posed views, not one image: {VIEWS_ASK}")
+    if not takes_views and "views" in form:
+        raise Refused(400, ONE_IMAGE.format(config=here.config.name))
+    allowed = VIEW_FIELDS if takes_views else FIELDS
+    unknown = sorted(set(form.keys()) - set(allowed))
     if unknown:
-        raise Refused(400, f"unknown form fields {unknown}; send 'image' (a file) and 'settings' (JSON)")
-    upload = form.get("image")
-    if not isinstance(upload, UploadFile):
-        raise Refused(400, "no image: send the image file in the multipart field 'image'")
-    data = await upload.read()
-    if len(data) > here.max_upload:
-        raise Refused(413, f"the image is {len(data)} bytes, more than {here.max_upload} (--max-upload)")
-    suffix = check_image(data, here.max_pixels)
+        raise Refused(400, f"unknown form fields {unknown}; send {', '.join(repr(f) for f in allowed)}")
+    upload = await (_read_views(form, here) if takes_views else _read_image(form, here))
     settings = form.get("settings")
     if isinstance(settings, UploadFile):
         settings = (await settings.read()).decode("utf-8", "replace")
@@ -152,14 +179,66 @@ async def read_job(request: Request, here: Served) -> tuple[bytes, str, dict[str
         values = Job.from_request(settings, here.config).settings()
     except SettingsError as err:
         raise Refused(422, str(err)) from None
-    return data, suffix, values
+    return upload, values
 
 
-def submit(here: Served, data: bytes, suffix: str, values: dict[str, Any]) -> Any:
+async def _read_image(form: Any, here: Served) -> Upload:
+    upload = form.get("image")
+    if not isinstance(upload, UploadFile):
+        raise Refused(400, "no image: send the image file in the multipart field 'image'")
+    data = await upload.read()
+    if len(data) > here.max_upload:
+        raise Refused(413, f"the image is {len(data)} bytes, more than {here.max_upload} (--max-upload)")
+    return Upload(data, check_image(data, here.max_pixels))
+
+
+async def _read_views(form: Any, here: Served) -> Upload:
+    """The views of a multi-view server's submission: every 'views' file an image (as 'image' is checked), their
+    bytes together within --max-upload; a 'transforms' file, or 'azimuths' (and 'views_fov') as text."""
+    files = form.getlist("views")
+    if not files:
+        raise Refused(400, f"no views: {VIEWS_ASK}")
+    if not all(isinstance(f, UploadFile) for f in files):
+        raise Refused(400, "each 'views' field must be a file (an image)")
+    views, total = [], 0
+    for index, file in enumerate(files):
+        data = await file.read()
+        total += len(data)
+        if total > here.max_upload:
+            raise Refused(413, f"the views are more than {here.max_upload} bytes together (--max-upload)")
+        try:
+            check_image(data, here.max_pixels)
+        except Refused as err:
+            raise Refused(err.status, f"view {index} ({(file.filename or '?')[:40]}): {err}") from None
+        views.append((file.filename or f"view{index:02d}.png", data))
+    transforms = form.get("transforms")
+    if transforms is not None and not isinstance(transforms, UploadFile):
+        transforms = transforms.encode("utf-8")  # sent as text
+    elif transforms is not None:
+        transforms = await transforms.read()
+    azimuths, fov = form.get("azimuths"), form.get("views_fov")
+    if transforms is not None and (azimuths is not None or fov is not None):
+        raise Refused(400, "send 'transforms' or 'azimuths'/'views_fov', not both: transforms.json gives the cameras")
+    if isinstance(azimuths, UploadFile) or isinstance(fov, UploadFile):
+        raise Refused(400, "'azimuths' and 'views_fov' are text fields (degrees), not files")
     try:
-        return here.jobs.submit(data, suffix, values)
+        views_fov = RIG_FOV_DEG if fov is None or not fov.strip() else float(fov)
+    except ValueError:
+        raise Refused(422, f"views_fov {fov[:40]!r} is not a number of degrees; the rig's is {RIG_FOV_DEG:g}") from None
+    return Upload(views=tuple(views), transforms=transforms, azimuths=azimuths, views_fov=views_fov)
+
+
+def submit(here: Served, upload: Upload, values: dict[str, Any]) -> Any:
+    try:
+        if not upload.views:
+            return here.jobs.submit(upload.data, upload.suffix, values)
+        return here.jobs.submit_views(lambda folder: write_views(
+            folder, upload.views, transforms=upload.transforms, azimuths=upload.azimuths, fov_deg=upload.views_fov),
+            values)
     except QueueFull as err:
         raise Refused(429, str(err)) from None
+    except ViewsError as err:
+        raise Refused(422, str(err)) from None
 
 
 def view(here: Served, job_id: str) -> dict[str, Any]:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+from pixal3d.models.views import read_views
 
 from ..job import plan_key
 from .db import JobRow, Queue, QueueUnavailable
@@ -41,7 +44,9 @@ class Jobs:
         """Write the job's image, then queue it; ``QueueFull`` when ``--queue-size`` jobs wait (nothing is kept),
         ``store.DiskFull`` when the data disk is full."""
         job_id = new_id()
-        name = self.data.write_input(job_id, image, suffix)
+        return self._queue(job_id, self.data.write_input(job_id, image, suffix), settings)
+
+    def _queue(self, job_id: str, name: str, settings: dict[str, Any]) -> JobRow:
         try:
             job = self.queue.submit(job_id, settings, plan_key(settings), name, queue_size=self.queue_size)
         except QueueUnavailable:
@@ -51,6 +56,18 @@ class Jobs:
             raise
         self.wake()
         return job
+
+    def submit_views(self, write: Callable[[Path], Path], settings: dict[str, Any]) -> JobRow:
+        """Write the job's views folder (``write(folder)``: ``views.write_views``), check it as a run will
+        (``read_views``: ``ViewsError``, nothing kept), then queue it as ``submit`` does."""
+        job_id = new_id()
+        name = self.data.write_views(job_id, write)
+        try:
+            read_views(self.data.folder(job_id) / name, settings.get("num_views"))
+        except BaseException:
+            self.data.remove(job_id)
+            raise
+        return self._queue(job_id, name, settings)
 
     def view(self, job_id: str) -> dict[str, Any] | None:
         """What ``GET /jobs/{id}`` shows (None: no such job)."""

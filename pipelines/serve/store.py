@@ -9,6 +9,7 @@ Layout::
                                   or still files only (``pixal3d-serve/1``: moved in at the first start, ``db/migrate``)
     DIR/queue.sqlite3             the queue, when it is SQLite (the default)
     DIR/jobs/<id>/input.<ext>     the uploaded image, byte for byte: written and flushed before the job's row is
+    DIR/jobs/<id>/views/          a multi-view config's upload instead: the view images and their transforms.json
     DIR/jobs/<id>/result.glb      a done job's GLB, run.json and memory trace
     DIR/work/<id>/<stage>.*       the job's stage records (``pipelines/work_dir.py``): whichever worker runs the job
                                   next resumes there
@@ -27,6 +28,7 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pixal3d.files import sync_folder, write_bytes_atomic, write_json_atomic
@@ -38,6 +40,7 @@ FORMAT = "pixal3d-serve/2"
 FILES_ONLY = "pixal3d-serve/1"
 """The format of a data folder whose jobs are files only (before the queue moved into a database)."""
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+VIEWS = "views"
 RESULTS = ("result.glb", "run.json", "trace.jsonl")
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -124,6 +127,25 @@ class DataFolder:
                                           f"under --data {self.root}") from None
             raise
         return name
+
+    def write_views(self, job_id: str, write: Callable[[Path], Path]) -> str:
+        """Write the job's views folder (``write(folder)``, each file and the folder flushed); returns its name in
+        the job's folder. ``DiskFull`` as ``write_input``; any other error leaves nothing behind either."""
+        folder = self.folder(job_id)
+        try:
+            folder.mkdir()
+            write(folder / VIEWS)
+            sync_folder(self.jobs)
+        except OSError as err:
+            shutil.rmtree(folder, ignore_errors=True)
+            if err.errno in FULL:
+                raise DiskFull(err.errno, f"the data folder's disk is full ({err.strerror}); free some space "
+                                          f"under --data {self.root}") from None
+            raise
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return VIEWS
 
     def file(self, job_id: str, name: str) -> Path | None:
         """One of the job's result files (``name`` from ``RESULTS``), when it exists."""

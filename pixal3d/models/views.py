@@ -20,6 +20,10 @@ frame whose file is missing, a matrix that is not finite or not rigid, no frames
 given) is a ``ViewsError`` of one line, raised before any pixel or weight is read. ``load_view`` decodes one
 view (``load_image``: RGB or RGBA, upright); views without transparency are matted (not cropped, not
 rescaled) by the cascade's ``views`` stage.
+
+``write_views`` makes such a folder from uploaded files (the web app and the job server): the images with the
+visitor's ``transforms.json``, or with azimuths on upstream's example rig (``RIG_*``: the cameras on a circle
+about the object's vertical axis, the first at the front pose).
 """
 from __future__ import annotations
 
@@ -27,12 +31,15 @@ import hashlib
 import json
 import logging
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
+from ..files import sync_folder, write_bytes_atomic, write_json_atomic
 from .preprocess import ImageError, load_image, probe_image
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,18 @@ FRONT_TOLERANCE = 1e-4
 RIGID_TOLERANCE = 1e-3
 """Largest deviation of ``RᵀR`` from the identity (and of ``det R`` from 1, of the last row from ``0 0 0 1``)
 a camera-to-world matrix may have: 1e-3 takes matrices written with a few decimals, refuses any scale or shear."""
+
+RIG_AZIMUTHS = (0.0, 90.0, 180.0, 270.0)
+"""Upstream's example rig (``assets/example_mv``): four views a quarter turn apart, the first the main (front)
+view."""
+RIG_FOV_DEG = 20.0
+RIG_DISTANCE = 3.1192049980163574
+"""The rig's horizontal field of view (degrees) and camera distance: a unit object fills the frame at 20 degrees."""
+MAX_VIEWS = 32
+"""The most views an upload may hold (each view's DINOv3 features are held until the average: README's memory per
+view)."""
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
 
 
 class ViewsError(ImageError):
@@ -134,6 +153,73 @@ def transforms_json(files: list[str], poses: list[tuple[tuple[float, ...], ...]]
     frames = [{"file_path": f, "name": n, "transform_matrix": [list(row) for row in pose]}
               for f, n, pose in zip(files, names, poses)]
     return {"camera_angle_x": fov, "mesh_scale": mesh_scale, "frames": frames}
+
+
+def parse_azimuths(text: str | Sequence[float] | None, count: int) -> tuple[float, ...]:
+    """The azimuths (degrees) of ``count`` uploaded views: comma- or space-separated numbers, one per view (empty:
+    the rig's 0/90/180/270 for four views); ``ViewsError`` when they do not fit."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        if count != len(RIG_AZIMUTHS):
+            raise ViewsError(f"{count} views and no azimuths: give one azimuth (degrees) per view, the first view's 0, "
+                             f"e.g. {', '.join(f'{360 * i / max(count, 1):g}' for i in range(count))}")
+        return RIG_AZIMUTHS
+    if isinstance(text, str):
+        try:
+            values = tuple(float(part) for part in re.split(r"[\s,]+", text.strip()) if part)
+        except ValueError:
+            raise ViewsError(f"azimuths {text.strip()[:60]!r} are not numbers; give degrees such as "
+                             f"0, 90, 180, 270") from None
+    else:
+        values = tuple(float(v) for v in text)
+    if not all(math.isfinite(v) for v in values):
+        raise ViewsError(f"azimuths {list(values)} are not all finite; give degrees such as 0, 90, 180, 270")
+    if len(values) != count:
+        raise ViewsError(f"{len(values)} azimuths for {count} views; give one per view, in the views' order")
+    return values
+
+
+def write_views(folder: str | Path, images: Sequence[tuple[str, bytes]], *, transforms: bytes | None = None,
+                azimuths: str | Sequence[float] | None = None, fov_deg: float = RIG_FOV_DEG,
+                distance: float = RIG_DISTANCE) -> Path:
+    """A views folder at ``folder`` (created; each file written atomically, the folder flushed) from uploaded
+    ``images`` (their file names and bytes, the main view first): with ``transforms`` (a ``transforms.json``'s
+    bytes, naming the images by their file names) written as given, else the rig's (``azimuths`` in degrees, one
+    per image, default 0/90/180/270; ``fov_deg``; ``distance``). ``ViewsError`` for an upload that cannot make
+    one (no images, too many, a file name that is not a plain name); ``read_views`` checks the folder itself."""
+    folder = Path(folder)
+    if not images:
+        raise ViewsError("no views: upload the view images (the main view first) with their azimuths or a "
+                         "transforms.json")
+    if len(images) > MAX_VIEWS:
+        raise ViewsError(f"{len(images)} views uploaded; at most {MAX_VIEWS}")
+    if transforms is None:
+        angles = parse_azimuths(azimuths, len(images))
+        if isinstance(fov_deg, bool) or not isinstance(fov_deg, (int, float)) or not 1.0 <= fov_deg <= 170.0:
+            raise ViewsError(f"the views' field of view {fov_deg!r} is not a number of degrees in [1, 170]; the "
+                             f"rig's is {RIG_FOV_DEG:g}")
+        suffixes = [Path(name).suffix.lower() for name, _ in images]  # the file's kind is read from its bytes
+        names = [f"view{i:02d}_azim{round(a) % 360:03d}{s if _SUFFIX.fullmatch(s) else '.img'}"
+                 for i, (a, s) in enumerate(zip(angles, suffixes))]
+        document = transforms_json(names, [orbit_pose(a, distance) for a in angles], math.radians(fov_deg),
+                                   names=[f"view{i:02d}" for i in range(len(names))])
+    else:
+        names = [Path(name.replace("\\", "/")).name for name, _ in images]
+        for given, name in zip(images, names):
+            if not _FILE_NAME.fullmatch(name) or name == TRANSFORMS:
+                raise ViewsError(f"view file name {given[0][:60]!r} is not a plain file name (letters, digits, . _ -); "
+                                 f"name the files as transforms.json's file_path does")
+        if len(set(names)) != len(names):
+            raise ViewsError(f"two uploaded views are named alike ({sorted({n for n in names if names.count(n) > 1})})")
+        try:
+            document = json.loads(transforms.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ViewsError(f"the uploaded {TRANSFORMS} is not valid JSON ({err})") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (_, data) in zip(names, images):
+        write_bytes_atomic(folder / name, data)
+    write_json_atomic(folder / TRANSFORMS, document)
+    sync_folder(folder)
+    return folder
 
 
 def read_views(folder: str | Path, num_views: int | None = None) -> ViewSet:
