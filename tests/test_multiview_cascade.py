@@ -117,9 +117,9 @@ def test_the_wrong_kind_of_input_is_refused_before_any_weight_is_read(fast_mv_co
         assert not [e for e in log.events if e.kind == "load"]
         items = list(pipe.run_batch(views=[opaque, tmp_path / "nowhere"]))
         assert [i.failure.kind for i in items] == ["input", "input"]  # a bad folder fails alone, in one line
-    with Pixal3D.from_config(load_config(TINY_CONFIG), policy="staged", device="cpu") as pipe:
-        with pytest.raises(ValueError, match="takes one image: views= and num_views= need a multi-view config"):
-            pipe.run(views=EXAMPLE_VIEWS)
+    with (Pixal3D.from_config(load_config(TINY_CONFIG), policy="staged", device="cpu") as pipe,
+          pytest.raises(ValueError, match="takes one image: views= and num_views= need a multi-view config")):
+        pipe.run(views=EXAMPLE_VIEWS)
 
 
 def test_the_plan_counts_the_views(tiny_cache, tmp_path):

@@ -20,7 +20,13 @@ from PIL import Image
 from pixal3d.models.camera import camera_from_fov
 from pixal3d.models.conditioning import condition, image_features, scaled_extractors
 from pixal3d.models.dinov3 import load_dinov3, prepare_image, tiny_dinov3_config
-from pixal3d.models.multiview import PosedViews, condition_views, relative_poses, view_features, view_pixels
+from pixal3d.models.multiview import (
+    PosedViews,
+    condition_views,
+    relative_poses,
+    view_features,
+    view_pixels,
+)
 from pixal3d.models.naf import NAF
 from pixal3d.models.views import front_pose, orbit_pose
 

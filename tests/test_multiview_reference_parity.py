@@ -57,7 +57,12 @@ from pipelines import Pixal3D
 from pipelines.loaders import load_naf_weights
 from pixal3d.config import load_config
 from pixal3d.models.loading import load_model
-from pixal3d.models.multiview import PosedViews, condition_views, view_features, view_pixels
+from pixal3d.models.multiview import (
+    PosedViews,
+    condition_views,
+    view_features,
+    view_pixels,
+)
 from pixal3d.models.views import load_view, read_views
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.pipeline_json import published_samplers
