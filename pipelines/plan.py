@@ -192,7 +192,10 @@ def smallest_budget(stages: Sequence[Any], sizes: Mapping[str, int], machine: Ma
             high = middle
         else:
             low = middle
-    return -(-high // step) * step, fits(low) or ""
+    on_grid = high // step * step  # the smallest multiple of step that fits: high's or the one above it
+    if on_grid <= low or fits(on_grid) is not None:
+        on_grid += step
+    return on_grid, fits(low) or ""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ in ``--cache``):
 - ``ratio``: a flow forward at real width, resident (copied) against streamed, alternating in one process.
 - ``cascade``: the whole cascade at real widths on reduced work (see ``CascadeWork``), one run, its fingerprints;
   ``cgroup`` runs it inside a new memory cgroup (v2 ``memory.max`` where mounted, else v1
-  ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and a resident run
-  outside for the fingerprints.
+  ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and outside it a
+  resident run of the same plan (the budget's stage choices, whole models kept loaded) for the fingerprints.
 
     python scripts/bench_stream.py plan --budget 4G
     python scripts/bench_stream.py stages --budget 4G --out benchmarks/stream_stages.json
@@ -586,7 +586,10 @@ def main(argv: list[str] | None = None) -> None:
             data["results"].append(report)
             logger.info("%s: rc %s (%s), cgroup %s", label, report["returncode"], report["signal"], report["cgroup"])
             _save(args.out, data)
-        resident = child("cascade", {"cache": cache, "policy": "resident", "copied": False}, args.timeout)
+        # the same plan (the budget's stage choices: NAF mode, decode tiles), whole models kept loaded, outside the
+        # cgroup: the streamed run's fingerprints must be these
+        resident = child("cascade", {"cache": cache, "policy": "resident", "budget": args.budget, "copied": False},
+                         args.timeout)
         data["resident"] = resident
         budgeted = data["results"][0].get("result") or {}
         data["fingerprints_equal"] = budgeted.get("fingerprints") == resident["fingerprints"]

@@ -40,6 +40,17 @@ def test_a_streamed_run_with_copied_weights_gives_the_eager_fingerprints(tiny, t
     assert stats.unprefetched < stats.units / 2  # most copies started while the block before computed
 
 
+def test_a_streamed_run_within_a_memory_budget_gives_the_eager_fingerprints(tiny, tiny_reference):
+    """The budget's plan (chunks, NAF mode: full here, as the reference) with every block streamed: the resident
+    reference's bits, and the plan says the smallest budget it fits."""
+    plan = Pixal3D.plan(_copied(tiny), policy="stream", device="cpu", until="decode", memory_budget="1.5G")
+    assert plan.policy is Policy.stream and plan.memory_budget == int(1.5 * 2**30)
+    assert any(r.startswith("the smallest memory budget this cascade plans within (stream)") for r in plan.reasons)
+    with Pixal3D.from_plan(plan) as pipe:
+        actual = pipe.run(EXAMPLE).fingerprints()
+    assert actual == tiny_reference, first_difference(actual, tiny_reference)
+
+
 def _nudged(name, load):
     """A loader whose texture flow's second streamed block has its largest weight one ulp off (the control)."""
     def loader():
