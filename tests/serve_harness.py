@@ -1,6 +1,7 @@
 """A real ``pixal3d-serve`` for the tests: a process on a free loopback port, its worker processes, and a client.
 
-``Server.start`` runs ``python -m pipelines.serve`` (with this checkout first on the path, the session's tiny cache
+``Server.start`` runs ``python -m pipelines.serve`` (``tests.held_serve`` when given a ``hold`` folder: see
+``Server.held``; with this checkout first on the path, the session's tiny cache
 and kernel pins inherited), waits for its ``serving`` line and for every worker to be ready (``--role worker``: for
 its ``worker NAME`` line; it has no URL). ``kill`` sends SIGKILL to the server alone and waits until its workers
 have gone, as after a crash.
@@ -14,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +39,14 @@ class Server:
     process: subprocess.Popen | None = None
     url: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    hold: Path | None = None
 
     @classmethod
     def start(cls, data: Path, *args: str, token: str | None = None, ready: bool = True, timeout: float = 180,
-              log: str | None = None) -> Server:
-        """``log``: the log's name beside ``data`` (several processes on one data folder need one each)."""
-        server = cls(data, list(args), data.parent / f"{log or data.name}.log")
+              log: str | None = None, hold: Path | None = None) -> Server:
+        """``log``: the log's name beside ``data`` (several processes on one data folder need one each); ``hold``:
+        a folder whose stage-named files hold this server's jobs at that stage (``tests/held_serve.py``)."""
+        server = cls(data, list(args), data.parent / f"{log or data.name}.log", hold=hold)
         if token is not None:
             server.headers = {"Authorization": f"Bearer {token}"}
         server.launch(ready=ready, timeout=timeout)
@@ -50,8 +55,12 @@ class Server:
     def launch(self, *, ready: bool = True, timeout: float = 180) -> None:
         seen = len(SERVING.findall(self.log.read_text(errors="replace"))) if self.log.exists() else 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        entry = "pipelines.serve"
+        if self.hold is not None:
+            self.hold.mkdir(parents=True, exist_ok=True)
+            entry, env["PIXAL3D_TEST_HOLD"] = "tests.held_serve", str(self.hold)
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "pipelines.serve", "--data", str(self.data),
+            self.process = subprocess.Popen([sys.executable, "-m", entry, "--data", str(self.data),
                                              "--port", "0", *self.args], stdout=out, stderr=subprocess.STDOUT,
                                             env=env, cwd=REPO)
         deadline = time.monotonic() + timeout
@@ -69,6 +78,17 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the workers did not start in {timeout} s:\n{self.tail()}")
             time.sleep(0.2)
+
+    @contextmanager
+    def held(self, stage: str) -> Iterator[None]:
+        """While inside, a job of this server (started with ``hold``) that reaches ``stage`` waits there."""
+        assert self.hold is not None, "start the server with hold=FOLDER"
+        gate = self.hold / stage
+        gate.touch()
+        try:
+            yield
+        finally:
+            gate.unlink(missing_ok=True)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

@@ -86,7 +86,7 @@ def test_an_image_with_alpha_passes_the_check(tmp_path, capsys, tiny_cache):
 
 # -- item 3: the CPU runs out of memory --------------------------------------------------------------------
 def test_cpu_out_of_memory_during_the_run_is_one_line_and_exit_1(tiny_cache, tmp_path, capsys, monkeypatch):
-    def allocate(self, image, **_):
+    def allocate(self, *_, **__):  # run_batch(images=... or views=..., ...)
         np.empty((2**40, 2**20), np.uint8)  # 1 EiB: numpy's _ArrayMemoryError, a MemoryError
     monkeypatch.setattr(Pixal3D, "run_batch", allocate)
     out = tmp_path / "out" / "o.glb"

@@ -39,7 +39,8 @@ class Fleet:
         common = ["--config", str(TINY_CONFIG), *queue]
         self.apis = [Server.start(self.data, *common, "--role", "api", ready=False, log=f"api{i}") for i in (1, 2)]
         self.workers = {name: Server.start(self.data, *common, "--role", "worker", "--name", name, "--devices", "cpu",
-                                           "--threads", "1", "--group-size", "1", "--lease", LEASE, log=name)
+                                           "--threads", "1", "--group-size", "1", "--lease", LEASE, log=name,
+                                           hold=folder / "hold")
                         for name in ("a", "b")}
         self.wait_ready()
 
@@ -144,12 +145,13 @@ def test_a_worker_killed_mid_job_is_taken_over_by_the_other_after_its_lease_from
 
 def test_a_cancel_sent_to_one_api_reaches_the_worker_running_the_job(fleet):
     first, second = fleet.apis
-    response = first.submit(EXAMPLE.read_bytes(), {**SETTINGS, "memory_policy": "staged", "seed": 5})
-    job = response.json()["id"]  # staged: every stage loads its models, so stages remain when the cancel comes
-    view = second.wait(job, lambda v: 1 <= v.get("stage_index", 0) <= 4, timeout=120)
-    with first.client() as client:
-        response = client.delete(f"/jobs/{job}")
-    assert response.status_code == 200 and response.json()["status"] in ("running", "cancelled")
+    with fleet.workers["a"].held("structure"):  # both workers' hold: the job waits there until the DELETE is in
+        response = first.submit(EXAMPLE.read_bytes(), {**SETTINGS, "memory_policy": "staged", "seed": 5})
+        job = response.json()["id"]
+        view = second.wait(job, lambda v: v.get("stage") == "structure", timeout=120)
+        with first.client() as client:
+            response = client.delete(f"/jobs/{job}")
+        assert response.status_code == 200 and response.json()["status"] in ("running", "cancelled")
     ended = second.wait(job, timeout=60)
     assert ended["status"] == "cancelled" and "DELETE" in ended["error"], ended
     assert fleet.attempts(job) == [("started", view["node"]), ("ended", view["node"])]

@@ -25,7 +25,8 @@ SETTINGS = {"seed": 42, "texture_size": 128, "face_budget": 2000, "memory_policy
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    server = Server.start(tmp_path_factory.mktemp("serve") / "data", "--config", str(TINY_CONFIG))
+    folder = tmp_path_factory.mktemp("serve")
+    server = Server.start(folder / "data", "--config", str(TINY_CONFIG), hold=folder / "hold")
     yield server
     server.stop()
 
@@ -107,11 +108,12 @@ def test_generate_returns_the_same_bytes_as_a_job(server, cli_run):
 
 def test_delete_stops_a_running_job_at_its_next_stage_and_the_worker_goes_on(server):
     image = EXAMPLE.read_bytes()
-    job = server.submit(image, {**SETTINGS, "seed": 5}).json()["id"]
-    server.wait(job, lambda v: v.get("stage") == "structure")
-    with server.client() as client:
-        response = client.delete(f"/jobs/{job}")
-    assert response.status_code == 200 and response.json()["status"] in ("running", "cancelled")
+    with server.held("structure"):  # a tiny stage lasts milliseconds: the job waits there until the DELETE is in
+        job = server.submit(image, {**SETTINGS, "seed": 5}).json()["id"]
+        server.wait(job, lambda v: v.get("stage") == "structure")
+        with server.client() as client:
+            response = client.delete(f"/jobs/{job}")
+        assert response.status_code == 200 and response.json()["status"] in ("running", "cancelled")
     view = server.wait(job, timeout=60)
     assert view["status"] == "cancelled" and "DELETE" in view["error"]
     gone = server.get(f"/jobs/{job}/result.glb")  # it will never come: 410, one line (it was 404 "comes when done")
@@ -120,10 +122,12 @@ def test_delete_stops_a_running_job_at_its_next_stage_and_the_worker_goes_on(ser
         again = client.delete(f"/jobs/{job}")
     assert again.status_code == 409 and "cancelled" in again.json()["error"]
     # a queued job is cancelled before it starts; the worker then serves the next job
-    busy = server.submit(image, {**SETTINGS, "seed": 6}).json()["id"]
-    queued = server.submit(image, {**SETTINGS, "seed": 7}).json()["id"]
-    with server.client() as client:
-        assert client.delete(f"/jobs/{queued}").json()["status"] == "cancelled"
+    with server.held("structure"):
+        busy = server.submit(image, {**SETTINGS, "seed": 6}).json()["id"]
+        server.wait(busy, lambda v: v.get("stage") == "structure")
+        queued = server.submit(image, {**SETTINGS, "seed": 7}).json()["id"]
+        with server.client() as client:
+            assert client.delete(f"/jobs/{queued}").json()["status"] == "cancelled"
     assert server.wait(busy)["status"] == "done"
     assert server.get(f"/jobs/{queued}").json()["status"] == "cancelled"
 
