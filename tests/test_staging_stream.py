@@ -4,6 +4,7 @@ drops its blocks; the plan's layout of a header matches what loading streams."""
 from __future__ import annotations
 
 import functools
+import platform
 
 import pytest
 import torch
@@ -178,3 +179,45 @@ def test_a_released_streamed_model_is_gone_like_any_other(toy):
     with pytest.raises(RuntimeError, match="released"):
         model(_x())
     stream.close()
+
+
+def test_a_cpu_stream_gives_the_freed_heap_back_each_time_it_lets_a_unit_go(toy, monkeypatch):
+    """The freed activations' pages go back to the OS once per unit let go (the heap is the CPU's device memory)."""
+    import pixal3d.staging.stream as stream_module
+
+    calls: list[int] = []
+    stream = WeightStream("cpu", copy=True)
+    streamed = load_streamed(toy, stream)
+    monkeypatch.setattr(stream_module, "release_freed_heap",
+                        lambda: calls.append(sum(u.resident for u in streamed_units(streamed))) or True)
+    with torch.no_grad():
+        for _ in range(3):
+            streamed(_x())
+    assert len(calls) == stream.stats.units == 3 * 4  # every unit let go, each forward's last one included
+    assert max(calls) < IN_FLIGHT  # after the unit went: it is not counted among the resident ones
+    stream.close()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_release_freed_heap_returns_the_pages_malloc_keeps():
+    """Control first: 128 MiB of small freed tensors below a live one stay in the process (glibc keeps them);
+    ``release_freed_heap`` gives them back."""
+    from pixal3d.staging.stream import release_freed_heap
+
+    release_freed_heap()
+    before = _rss_anon()
+    chunks = [torch.ones(16 * 1024) for _ in range(2048)]  # 64 KiB each: below malloc's mmap threshold, on the heap
+    chunks.append(torch.ones(16 * 1024))  # alive above the others: the heap's top is not freed with them
+    held = _rss_anon()
+    del chunks[:-1]
+    kept = _rss_anon()
+    assert held - before > 100 * 2**20
+    assert kept - before > 100 * 2**20  # the control: freed, but still the process's
+    assert release_freed_heap()
+    assert _rss_anon() - before < 32 * 2**20
+    del chunks
