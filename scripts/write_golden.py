@@ -3,13 +3,16 @@
     python scripts/write_golden.py                 # this machine's pins (tests/conftest.py's): write or check
     python scripts/write_golden.py --pins compat   # another kernel family (CI's second level)
     python scripts/write_golden.py --check         # compare only, write nothing
+    python scripts/write_golden.py --cascade tiny_mv   # the multi-view tiny cascade's (assets/views_example)
 
 The golden of a platform is ``tests/golden/tiny_<key>.json`` (``pixal3d.kernels.key()``: the architecture
 and the pinned kernel family, e.g. ``x86_64-avx2pin``). It holds the per-stage fingerprints of an eager run
 of configs/tiny.yaml on assets/example.png (seed 42, CPU, 2 threads, up to the decode: what the tests
 compare) and ``verified_on``: the kinds of CPU (``pixal3d.kernels.cpu_kind()``: vendor, capability, AMX)
 whose runs gave exactly these bits. The tests compare against it only on those kinds and skip elsewhere,
-naming this command.
+naming this command. ``--cascade tiny_mv`` does the same for the multi-view tiny cascade (configs/tiny_mv.yaml
+on the four views of assets/views_example), in files of its own: ``tests/golden/tiny_mv_<key>.json`` and its
+kinds' variants.
 
 With no golden for the key, it is written. With one verified on this kind of CPU, the run is compared:
 different, nothing is written and the first differing stage is printed (exit 1), unless ``--force``
@@ -42,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                              "recommended ones unless PIXAL3D_KERNEL_PINS=none, as the tests do)")
     parser.add_argument("--check", action="store_true", help="compare with the golden, write nothing")
     parser.add_argument("--force", action="store_true", help="rewrite a golden that differs")
+    parser.add_argument("--cascade", choices=goldens_cascades(), default="tiny",
+                        help="tiny (configs/tiny.yaml on assets/example.png) or tiny_mv (configs/tiny_mv.yaml on "
+                             "assets/views_example); default tiny")
     parser.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, help=f"default {GOLDEN_DIR.relative_to(REPO)}")
     args = parser.parse_args(argv)
     try:
@@ -66,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.backends.cpu.get_cpu_capability()}: nothing written")
         return 2
     torch.set_num_threads(THREADS)
-    prints, extra = _run_tiny()
+    prints, extra = _run_tiny(args.cascade)
     described = kernels.describe()
     key, kind = described["key"], described["kind"]
     here = {"kind": kind, "hardware": described["hardware"], "cpu": described["cpu"]}
     print(f"kernels: {key} (pins {described['pins'] or 'none'}; CPU {described['cpu']}, {kind}; torch uses "
           f"{described['cpu_capability']})")
-    mine = goldens.verified_for(key, kind, args.golden_dir)
+    mine = goldens.verified_for(key, kind, args.golden_dir, args.cascade)
     if mine is not None:  # the golden of this kind: a regression check
         path, golden = mine
         differing = first_difference(prints, golden["stages"])
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(path, {**golden, **extra, "verified_on": [here], "stages": prints})
         print(f"rewrote {_shown(path)} (verified on {kind} only now)")
         return 0
-    others = [(path, goldens.load(path)) for path in goldens.paths(key, args.golden_dir)]
+    others = [(path, goldens.load(path)) for path in goldens.paths(key, args.golden_dir, args.cascade)]
     for path, golden in others:  # a kind not listed yet: do the pins make it agree with one?
         if not first_difference(prints, golden["stages"]):
             if args.check:
@@ -99,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     for path, golden in others:
         print(f"{_shown(path)} (verified on {', '.join(goldens.kinds(golden))}): this run differs: "
               f"{first_difference(prints, golden['stages'])}")
-    path = goldens.path_for_new(key, kind, args.golden_dir)
+    path = goldens.path_for_new(key, kind, args.golden_dir, args.cascade)
     if args.check:
         print(f"no golden of {key} verified on {kind}; run without --check to write {_shown(path)}")
         return 1
     _write(path, {
-        "about": "per-stage sha256 fingerprints of an eager run of configs/tiny.yaml on assets/example.png, seed 42, "
-                 "CPU, 2 threads, up to the decode, with the kernels named by 'key' and 'pins'; written by "
-                 "python scripts/write_golden.py, compared by the tests only on the kinds of CPU in 'verified_on'",
+        "about": f"per-stage sha256 fingerprints of an eager run of {RUNS[args.cascade][2]}, seed 42, CPU, 2 threads, "
+                 f"up to the decode, with the kernels named by 'key' and 'pins'; written by python "
+                 f"scripts/write_golden.py{'' if args.cascade == 'tiny' else ' --cascade ' + args.cascade}, compared "
+                 f"by the tests only on the kinds of CPU in 'verified_on'",
         "key": key, "pins": described["pins"], "threads": THREADS,
         "verified_on": [here], **extra, "stages": prints})
     print(f"wrote {_shown(path)}" + (f": {kind} gives other bits than every golden of {key} under these pins"
@@ -114,8 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_tiny() -> tuple[dict[str, dict[str, str]], dict]:
-    """The eager tiny run the tests compare (tests/cascade_fixtures.py: tiny_reference)."""
+RUNS = {"tiny": ("tiny.yaml", {"image": REPO / "assets" / "example.png"}, "configs/tiny.yaml on assets/example.png"),
+        "tiny_mv": ("tiny_mv.yaml", {"views": REPO / "assets" / "views_example"},
+                    "configs/tiny_mv.yaml on the views of assets/views_example")}
+"""Each cascade's golden run: its config, its input, and the words for them."""
+
+
+def goldens_cascades() -> tuple[str, ...]:
+    """The cascades this script runs (``tests/goldens.py``'s ``CASCADES``: their files' prefixes)."""
+    return tuple(RUNS)
+
+
+def _run_tiny(cascade: str = "tiny") -> tuple[dict[str, dict[str, str]], dict]:
+    """The eager tiny run the tests compare (tests/cascade_fixtures.py: tiny_reference; tests/views_fixtures.py:
+    mv_reference)."""
     import transformers
 
     from pipelines import Pixal3D
@@ -123,8 +142,9 @@ def _run_tiny() -> tuple[dict[str, dict[str, str]], dict]:
 
     transformers.logging.disable_progress_bar()  # this script prints its own lines
 
-    with Pixal3D.from_config(REPO / "configs" / "tiny.yaml", policy="eager", device="cpu", until="decode") as pipe:
-        result = pipe.run(REPO / "assets" / "example.png")
+    config, given, _ = RUNS[cascade]
+    with Pixal3D.from_config(REPO / "configs" / config, policy="eager", device="cpu", until="decode") as pipe:
+        result = pipe.run(**given)
     state = result.state
     return result.fingerprints(), {"versions": versions(), "choices": result.choices,
                                    "tokens": {"lr": len(state.coords_lr), "hr": len(state.coords_hr)}}

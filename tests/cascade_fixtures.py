@@ -36,31 +36,33 @@ EXAMPLE = REPO / "assets" / "example.png"
 WRITE_GOLDEN = "python scripts/write_golden.py"
 
 
-def golden_path(key: str | None = None) -> Path | None:
+def golden_path(key: str | None = None, cascade: str = "tiny") -> Path | None:
     """The golden of the kernels ``key`` (default: this session's, ``pixal3d.kernels.key()``) verified on this
     kind of CPU, or None."""
-    found = goldens.verified_for(key or kernels.key(), kernels.cpu_kind())
+    found = goldens.verified_for(key or kernels.key(), kernels.cpu_kind(), cascade=cascade)
     return found[0] if found is not None else None
 
 
-def golden_or_skip() -> dict[str, dict[str, str]]:
-    """This session's golden stages, or a skip that says why none applies here and what to run."""
+def golden_or_skip(cascade: str = "tiny") -> dict[str, dict[str, str]]:
+    """This session's golden stages (of ``cascade``: ``tests/goldens.py``), or a skip that says why none applies
+    here and what to run."""
     key, kind = kernels.key(), kernels.cpu_kind()
-    found = goldens.verified_for(key, kind)
+    write = WRITE_GOLDEN if cascade == "tiny" else f"{WRITE_GOLDEN} --cascade {cascade}"
+    found = goldens.verified_for(key, kind, cascade=cascade)
     if found is None:
-        others = {path.name: goldens.kinds(goldens.load(path)) for path in goldens.paths(key)}
+        others = {path.name: goldens.kinds(goldens.load(path)) for path in goldens.paths(key, cascade=cascade)}
         if not others:
             pytest.skip(f"no golden for kernels {key} (pins {kernels.pins() or 'none'}, CPU {kind}): the relative "
-                        f"checks run all the same; `{WRITE_GOLDEN}` writes one")
+                        f"checks run all the same; `{write}` writes one")
         listed = "; ".join(f"{name} on {', '.join(k)}" for name, k in others.items())
-        pytest.skip(f"no golden of kernels {key} is verified on {kind} CPUs ({listed}): `{WRITE_GOLDEN}` "
+        pytest.skip(f"no golden of kernels {key} is verified on {kind} CPUs ({listed}): `{write}` "
                     f"compares and records this kind, or writes its own")
     path, golden = found
     if golden["threads"] != torch.get_num_threads():
         pytest.skip(f"{path.name} holds for {golden['threads']} threads, this session runs {torch.get_num_threads()}")
     if golden["versions"]["torch"] != torch.__version__:
         pytest.skip(f"{path.name} was written with torch {golden['versions']['torch']}, this is "
-                    f"{torch.__version__}: `{WRITE_GOLDEN}` writes one for it")
+                    f"{torch.__version__}: `{write}` writes one for it")
     return golden["stages"]
 
 

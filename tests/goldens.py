@@ -1,7 +1,9 @@
-"""The golden files of the tiny cascade, by kernel key and kind of CPU (read by the tests and written by
-``scripts/write_golden.py``; imports no torch, so the writer can pin the kernels first).
+"""The golden files of the tiny cascades (``tiny``: one image; ``tiny_mv``: the example views), by kernel key and kind
+of CPU (read by the tests and written by ``scripts/write_golden.py``; imports no torch, so the writer can pin the
+kernels first).
 
-A kernel key (``pixal3d.kernels.key()``: architecture and pinned family) has one golden,
+Each cascade's files are its own, named by its prefix (``tiny_mv_<key>.json`` for the multi-view one; below, the
+single-view names). A kernel key (``pixal3d.kernels.key()``: architecture and pinned family) has one golden,
 ``tiny_<key>.json``, listing the kinds of CPU whose runs gave exactly its bits (``verified_on``, each entry's
 ``kind`` from ``pixal3d.kernels.cpu_kind()``). The pins do not make every kind agree (an Intel AVX-512 CPU with
 AMX does not give an AMD AVX2 CPU's bits under ``avx2pin``), so a kind whose run differs from every golden of
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+CASCADES = ("tiny", "tiny_mv")
+"""The cascades with goldens: each its own files, ``<cascade>_<key>.json`` (``tiny``: configs/tiny.yaml on
+assets/example.png; ``tiny_mv``: configs/tiny_mv.yaml on assets/views_example)."""
 
 
 def slug(kind: str) -> str:
@@ -22,10 +27,10 @@ def slug(kind: str) -> str:
     return "-".join(kind.lower().split())
 
 
-def paths(key: str, folder: Path = GOLDEN_DIR) -> list[Path]:
+def paths(key: str, folder: Path = GOLDEN_DIR, cascade: str = "tiny") -> list[Path]:
     """The goldens of ``key`` in ``folder``: the first one written, then the kinds' variants by name."""
-    first = folder / f"tiny_{key}.json"
-    return ([first] if first.exists() else []) + sorted(folder.glob(f"tiny_{key}.*.json"))
+    first = folder / f"{cascade}_{key}.json"
+    return ([first] if first.exists() else []) + sorted(folder.glob(f"{cascade}_{key}.*.json"))
 
 
 def kinds(golden: dict[str, Any]) -> list[str]:
@@ -37,16 +42,19 @@ def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def verified_for(key: str, kind: str, folder: Path = GOLDEN_DIR) -> tuple[Path, dict[str, Any]] | None:
+def verified_for(key: str, kind: str, folder: Path = GOLDEN_DIR,
+                 cascade: str = "tiny") -> tuple[Path, dict[str, Any]] | None:
     """The golden of ``key`` verified on ``kind`` (path and contents), or None."""
-    for path in paths(key, folder):
+    for path in paths(key, folder, cascade):
         golden = load(path)
         if kind in kinds(golden):
             return path, golden
     return None
 
 
-def path_for_new(key: str, kind: str, folder: Path = GOLDEN_DIR) -> Path:
-    """Where a golden of ``key`` first written on ``kind`` goes: ``tiny_<key>.json`` when the key has none yet,
-    else that kind's variant."""
-    return folder / f"tiny_{key}.{slug(kind)}.json" if paths(key, folder) else folder / f"tiny_{key}.json"
+def path_for_new(key: str, kind: str, folder: Path = GOLDEN_DIR, cascade: str = "tiny") -> Path:
+    """Where a golden of ``key`` first written on ``kind`` goes: ``<cascade>_<key>.json`` when the key has none
+    yet, else that kind's variant."""
+    if paths(key, folder, cascade):
+        return folder / f"{cascade}_{key}.{slug(kind)}.json"
+    return folder / f"{cascade}_{key}.json"

@@ -74,14 +74,17 @@ def test_the_sessions_pins_reached_torch():
 
 
 def test_each_golden_holds_its_own_key_and_pins_and_two_families_differ():
-    found = {path.name: json.loads(path.read_text()) for path in sorted(GOLDEN_DIR.glob("tiny_*.json"))}
+    found = {path.name: json.loads(path.read_text()) for path in sorted(GOLDEN_DIR.glob("*.json"))}
     assert found, "no golden at all"
     for name, golden in found.items():
         kinds = goldens.kinds(golden)
-        assert name in (f"tiny_{golden['key']}.json", f"tiny_{golden['key']}.{goldens.slug(kinds[0])}.json")
+        cascades = [c for c in goldens.CASCADES
+                    if name in (f"{c}_{golden['key']}.json", f"{c}_{golden['key']}.{goldens.slug(kinds[0])}.json")]
+        assert len(cascades) == 1, name  # one cascade's golden, named by its key (and a variant by its kind)
         assert golden["key"].endswith(kernels.family(golden["pins"]))
         assert kinds and golden["threads"] == 2 and golden["stages"]
-        assert goldens.verified_for(golden["key"], kinds[0], GOLDEN_DIR)[0].name == name  # one golden per kind
+        # one golden per kind and cascade
+        assert goldens.verified_for(golden["key"], kinds[0], GOLDEN_DIR, cascades[0])[0].name == name
     pinned = found.get("tiny_x86_64-avx2pin.json"), found.get("tiny_x86_64-compat.json")
     if None in pinned:
         pytest.skip("the two x86-64 goldens are not both here")
@@ -95,6 +98,35 @@ def test_no_golden_for_the_kernels_is_a_skip_that_names_the_writer(monkeypatch):
     monkeypatch.setenv("MKL_CBWR", "AVX512")  # a family nobody wrote a golden for
     with pytest.raises(pytest.skip.Exception, match=r"no golden for kernels .*custom.*scripts/write_golden\.py"):
         golden_or_skip()
+
+
+def test_the_multiview_goldens_of_two_families_differ_past_the_views():
+    """The multi-view cascade's goldens under avx2strict and compat: the views read alike (no kernel of the
+    families in them), the conditions and latents do not (so a run never passes against the other's)."""
+    pinned = [GOLDEN_DIR / f"tiny_mv_x86_64-{family}.json" for family in ("avx2strict", "compat")]
+    if not all(path.exists() for path in pinned):
+        pytest.skip("the two x86-64 multi-view goldens are not both here")
+    strict, compat = (json.loads(path.read_text())["stages"] for path in pinned)
+    assert strict["views"] == compat["views"]
+    assert strict["structure"]["cond.proj"] != compat["structure"]["cond.proj"]
+    assert strict["structure"]["ss_latent"] != compat["structure"]["ss_latent"]
+
+
+def test_the_cascades_goldens_are_apart_and_a_missing_one_is_a_skip_naming_its_cascade(monkeypatch, tmp_path):
+    """Each cascade has its own files (``<cascade>_<key>.json``, then its kinds' variants): one cascade's golden
+    is neither found nor counted for the other; a missing multi-view golden's skip names ``--cascade tiny_mv``."""
+    key, kind = "x86_64-example", "Example Kind"
+    assert goldens.path_for_new(key, kind, tmp_path, "tiny_mv") == tmp_path / f"tiny_mv_{key}.json"
+    (tmp_path / f"tiny_{key}.json").write_text(json.dumps({"verified_on": [{"kind": kind}]}))
+    assert goldens.paths(key, tmp_path, "tiny_mv") == [] and goldens.verified_for(key, kind, tmp_path, "tiny_mv") is None
+    assert goldens.path_for_new(key, kind, tmp_path, "tiny_mv") == tmp_path / f"tiny_mv_{key}.json"
+    (tmp_path / f"tiny_mv_{key}.json").write_text(json.dumps({"verified_on": [{"kind": kind}]}))
+    assert goldens.paths(key, tmp_path) == [tmp_path / f"tiny_{key}.json"]
+    assert goldens.verified_for(key, kind, tmp_path, "tiny_mv")[0] == tmp_path / f"tiny_mv_{key}.json"
+    assert goldens.path_for_new(key, "Other", tmp_path, "tiny_mv") == tmp_path / f"tiny_mv_{key}.other.json"
+    monkeypatch.setenv("MKL_CBWR", "AVX512")  # a family nobody wrote a golden for
+    with pytest.raises(pytest.skip.Exception, match=r"no golden for kernels .*scripts/write_golden\.py --cascade tiny_mv`"):
+        golden_or_skip("tiny_mv")
 
 
 def test_pins_are_spelled_as_their_libraries_read_them_and_an_unknown_aten_level_is_refused():
@@ -139,12 +171,13 @@ def test_write_golden_spells_an_upper_case_pin_for_torch(tmp_path, tiny_cache):
     assert proc.returncode == 1 and "run without --check to write" in proc.stdout  # an empty folder: no golden
 
 
-def test_a_golden_not_verified_on_this_kind_of_cpu_is_a_skip(monkeypatch):
-    if golden_path() is None:
-        pytest.skip(f"no golden of kernels {kernels.key()} verified on {kernels.cpu_kind()}")
+@pytest.mark.parametrize("cascade", goldens.CASCADES)
+def test_a_golden_not_verified_on_this_kind_of_cpu_is_a_skip(monkeypatch, cascade):
+    if golden_path(cascade=cascade) is None:
+        pytest.skip(f"no {cascade} golden of kernels {kernels.key()} verified on {kernels.cpu_kind()}")
     monkeypatch.setattr(kernels, "cpu_kind", lambda: "arm64-but-x86")
-    with pytest.raises(pytest.skip.Exception, match=r"verified on arm64-but-x86 CPUs \(tiny_"):
-        golden_or_skip()
+    with pytest.raises(pytest.skip.Exception, match=rf"verified on arm64-but-x86 CPUs \({cascade}_{kernels.key()}"):
+        golden_or_skip(cascade)
 
 
 def test_the_kind_of_cpu_names_the_vendor_and_capability(monkeypatch):
@@ -195,3 +228,20 @@ def test_write_golden_writes_records_a_new_kind_of_cpu_and_refuses_a_different_r
     assert goldens.kinds(json.loads(variant.read_text())) == [third] and path.read_text() == before
     assert goldens.verified_for(kernels.key(), third, tmp_path)[0] == variant
     assert main(folder) == 0 and "this run agrees" in capsys.readouterr().out  # compared with its own from now on
+
+
+@pytest.mark.usefixtures("tiny_cache")
+def test_write_golden_cascade_tiny_mv_writes_the_views_run_apart_from_the_single_view_golden(tmp_path, capsys):
+    """``--cascade tiny_mv`` writes ``tiny_mv_<key>.json`` (the views stage first, the command to rewrite it in
+    'about'), then agrees with it; the single-view cascade finds no golden of its own in that folder."""
+    script = runpy.run_path(str(REPO / "scripts" / "write_golden.py"))
+    assert tuple(script["RUNS"]) == goldens.CASCADES  # the writer runs each cascade the tests read goldens of
+    main = script["main"]
+    folder = ["--golden-dir", str(tmp_path), "--cascade", "tiny_mv"]
+    assert main(folder) == 0
+    written = json.loads((tmp_path / f"tiny_mv_{kernels.key()}.json").read_text())
+    assert list(written["stages"])[:2] == ["views", "structure"] and "--cascade tiny_mv" in written["about"]
+    assert [path.name for path in tmp_path.iterdir()] == [f"tiny_mv_{kernels.key()}.json"]
+    assert main([*folder, "--check"]) == 0 and "this run agrees" in capsys.readouterr().out
+    assert main(["--golden-dir", str(tmp_path), "--check"]) == 1
+    assert f"run without --check to write {tmp_path / f'tiny_{kernels.key()}.json'}" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Shared by the multi-view tests: a fast tiny multi-view config (one sampler step, a small export), views folders
-(the example, and the example with its views' colours swapped), and the 1-view folder of the degenerate case."""
+(the example, and the example with its views' colours swapped), the 1-view folder of the degenerate case, and the
+eager run of configs/tiny_mv.yaml on the example views that the multi-view golden holds (``mv_reference``)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from pipelines import Pixal3D
 from pixal3d.models.camera import camera_from_fov
 from pixal3d.models.views import front_pose, transforms_json
 from tests.cascade_fixtures import REPO
@@ -81,3 +83,11 @@ def views_folders(tmp_path_factory) -> list[Path]:
     example = root / "example"
     shutil.copytree(EXAMPLE_VIEWS, example)
     return [example, swapped_views(root / "swapped")]
+
+
+@pytest.fixture(scope="session")
+def mv_reference(tiny_cache) -> dict[str, dict[str, str]]:
+    """Fingerprints of an eager run of configs/tiny_mv.yaml on assets/views_example up to the decode, the config's
+    seed (what ``scripts/write_golden.py --cascade tiny_mv`` writes)."""
+    with Pixal3D.from_config(TINY_MV_CONFIG, policy="eager", device="cpu", until="decode") as pipe:
+        return pipe.run(views=EXAMPLE_VIEWS).fingerprints()
