@@ -24,6 +24,7 @@ from pixal3d.models.sparse_unet_vae import SparseUnetVaeDecoder
 from pixal3d.nn.attention import check_route, set_attention_route
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import WeightStream
+from pixal3d.weight_sources import MODEL_SOURCES
 
 STREAM_UNITS: dict[str, str] = {
     "sparse_structure_flow_model": FlowTransformer.stream_unit,
@@ -46,6 +47,24 @@ def load_naf_weights(path: Path, device: torch.device) -> nn.Module:
     return load_naf(path, device=device)
 
 
+def _load_dinov3(folder: Path, device: torch.device) -> nn.Module:
+    from pixal3d.models.dinov3 import load_dinov3
+
+    return load_dinov3(folder, device)
+
+
+def _load_moge(folder: Path, device: torch.device) -> nn.Module:
+    from pixal3d.models.moge import MOGE_FILE, load_moge
+
+    return load_moge(folder / MOGE_FILE, device)
+
+
+LOADERS: dict[str, Callable[[Path, torch.device], nn.Module]] = {
+    "dinov3": _load_dinov3, "naf": load_naf_weights, "moge": _load_moge}
+"""Each row of ``pixal3d.weight_sources.MODEL_SOURCES``: its loader, given what its source located (DINOv3's and
+MoGe-2's folders, NAF's file)."""
+
+
 def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool = False,
                   remover: Callable[[], nn.Module] | None = None, stream: WeightStream | None = None,
                   streamed: Collection[str] = (), pin: bool = False,
@@ -53,21 +72,15 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     """Every loader a cascade can use: the seven checkpoints, DINOv3, NAF, optionally MoGe-2 and rembg. The models
     in ``streamed`` stream their blocks through ``stream`` (from pinned host copies with ``pin``); ``copied`` (the
     CPU only: ``runtime.cpu_weights``) copies every other model into process memory once loaded."""
-    from pixal3d.models.dinov3 import load_dinov3
-
     loaders = {name: functools.partial(load_model, stem, device=device) for name, stem in weights.checkpoints.items()}
     for name in streamed:
         if stream is None or name not in weights.checkpoints:
             raise ValueError(f"{name} cannot stream: it needs a WeightStream and a checkpoint of its own")
         loaders[name] = functools.partial(load_streamed, weights.checkpoints[name], stream, pin=pin)
-    if weights.dinov3 is not None:
-        loaders["dinov3"] = functools.partial(load_dinov3, weights.dinov3, device)
-    if weights.naf is not None:
-        loaders["naf"] = functools.partial(load_naf_weights, weights.naf, device)
-    if moge and weights.moge is not None:
-        from pixal3d.models.moge import MOGE_FILE, load_moge
-
-        loaders["moge"] = functools.partial(load_moge, weights.moge / MOGE_FILE, device)
+    for row in MODEL_SOURCES:  # DINOv3, NAF, MoGe-2 (asked for with ``moge``): the models with a source of their own
+        path = weights.path(row.name)
+        if path is not None and (moge or not row.on_demand):
+            loaders[row.name] = functools.partial(LOADERS[row.name], path, device)
     if copied and device.type == "cpu":
         loaders = {name: (load if name in streamed else functools.partial(_copied, load))
                    for name, load in loaders.items()}

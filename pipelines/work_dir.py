@@ -443,6 +443,6 @@ def weights_digests(weights: Any) -> dict[str, str]:
             parts.append(stat(config))
         out[name] = ";".join(parts)
     out["rembg"] = f"rembg:{weights.rembg}"
-    if weights.moge is not None:
-        out["moge"] = str(weights.moge)
+    for name, path in weights.sources.items():  # a source's files that are not safetensors: where they are
+        out.setdefault(name, str(path))
     return out

@@ -507,9 +507,9 @@ def _convert(hint: Any, value: Any, *, where: str, key: str) -> Any:
 
 def _check_config(config: CascadeConfig, where: str) -> None:
     """Rules that span several keys."""
-    for name in ("pixal3d", "dinov3", "naf", "moge"):
+    for name in (f.name for f in dataclasses.fields(WeightsConfig)):  # every source, whatever it serves
         src = getattr(config.weights, name)
-        if src is None:
+        if not isinstance(src, WeightSource):
             continue
         set_ = [k for k in ("repo", "local", "url", "generate") if getattr(src, k) is not None]
         if len(set_) != 1:

@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, ConfigError, WeightsConfig
-from pixal3d.models.moge import MOGE_FILE, checkpoint_bytes
+from pixal3d.weight_sources import BY_NAME, MODEL_SOURCES
 
 from .hub import (
     CorruptWeightsError,
     Fetcher,
     MissingWeightsError,
     TensorSelector,
-    cache_root,
     hub_offline,
     verify_safetensors,
 )
@@ -82,25 +81,30 @@ class ResolvedWeights:
     """Local paths for every model of a run, plus what ``pipeline.json`` says.
 
     checkpoints: registry name → checkpoint stem (``<stem>.json`` + ``<stem>.safetensors``)
+    sources:     the models with a source of their own (``pixal3d.weight_sources``) this run reads → their folder or
+                 file (a parallel job's follower rank has no DINOv3 and no NAF; MoGe-2 only without a field of view)
     """
 
     pipeline_dir: Path
     checkpoints: dict[str, Path]
     shape_normalization: Normalization
     tex_normalization: Normalization
-    dinov3: Path | None  # None: the run needs no DINOv3 (a parallel job's follower rank)
-    naf: Path | None
-    rembg: str
-    moge: Path | None = None
+    rembg: str | None
+    sources: Mapping[str, Path] = field(default_factory=dict)
     pipeline: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def path(self, name: str) -> Path | None:
+        """The folder or file of the model ``name`` with a source of its own, or None when this run has none."""
+        return self.sources.get(name)
 
     def safetensors(self) -> dict[str, Path]:
         """Registry name → the safetensors file it loads from (for memory planning)."""
         files = {name: stem.with_suffix(".safetensors") for name, stem in self.checkpoints.items()}
-        if self.dinov3 is not None:
-            files["dinov3"] = self.dinov3 / "model.safetensors"
-        if self.naf is not None and self.naf.suffix == ".safetensors":
-            files["naf"] = self.naf
+        for row in MODEL_SOURCES:
+            path = self.sources.get(row.name)
+            tensors = None if path is None else row.safetensors(path)
+            if tensors is not None:
+                files[row.name] = tensors
         return files
 
 
@@ -118,21 +122,22 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     ``pixal3d-fetch`` command.
     """
     offline = hub_offline() if offline is None else offline
-    models = [*PIPELINE_MODELS, "dinov3", "naf"] if models is None else list(models)
+    models = [*PIPELINE_MODELS, *(r.name for r in MODEL_SOURCES if not r.on_demand)] if models is None else \
+        list(models)
     fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
 
-    pipe_dir, pipeline, checkpoints, dinov3, naf, moge = _locate(fetch, weights, models, need_moge)
+    pipe_dir, pipeline, checkpoints, sources = _locate(fetch, weights, models, need_moge)
     fetch.raise_missing()  # everything missing, from every source, in one error
 
     # 3. every safetensors file the run will read must be whole
     resolved = ResolvedWeights(
-        pipeline_dir=pipe_dir, checkpoints=checkpoints, dinov3=dinov3, naf=naf, rembg=weights.rembg, moge=moge,
+        pipeline_dir=pipe_dir, checkpoints=checkpoints, rembg=weights.rembg, sources=sources,
         shape_normalization=read_normalization(pipeline, "shape_slat_normalization", pipe_dir / weights.pipeline_json),
         tex_normalization=read_normalization(pipeline, "tex_slat_normalization", pipe_dir / weights.pipeline_json),
         pipeline=pipeline)
-    sources = {"dinov3": weights.dinov3, "naf": weights.naf}
     for name, path in resolved.safetensors().items():
-        verify_safetensors(path, source=sources.get(name, weights.pixal3d))
+        row = BY_NAME.get(name)
+        verify_safetensors(path, source=weights.pixal3d if row is None else row.source(weights))
     return resolved
 
 
@@ -153,17 +158,18 @@ def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge
     else:
         expect_pinned_checkpoints(fetch, weights, wanted)
 
-    # 2. the helpers: DINOv3 folder, NAF file, optional MoGe
-    dinov3 = fetch.folder(weights.dinov3, list(weights.dinov3.files) or ["config.json", "model.safetensors"],
-                          label="weights.dinov3") if "dinov3" in models else None
-    naf = fetch.file(weights.naf, label="weights.naf") if "naf" in models else None
-    moge = None
-    if need_moge:
-        if weights.moge is None:
-            raise MissingWeightsError("no MoGe-2 source is configured (weights.moge) and no field of view was "
-                                      "given; pass fov=DEG or add weights.moge to the config")
-        moge = fetch.folder(weights.moge, list(weights.moge.files) or [MOGE_FILE], label="weights.moge")
-    return pipe_dir, pipeline, checkpoints, dinov3, naf, moge
+    # 2. the models with a source of their own (pixal3d.weight_sources): DINOv3, NAF, MoGe-2 when asked for
+    sources: dict[str, Path] = {}
+    for row in MODEL_SOURCES:
+        if not (need_moge if row.on_demand else row.name in models):
+            continue
+        source = row.source(weights)
+        if source is None:
+            raise MissingWeightsError(row.absent or f"the config names no source for {row.label}")
+        path = row.locate(fetch, source)
+        if path is not None:
+            sources[row.name] = path
+    return pipe_dir, pipeline, checkpoints, sources
 
 
 def missing_files(weights: WeightsConfig, *, include_moge: bool, config_file: str | None = None) -> Fetcher:
@@ -171,7 +177,8 @@ def missing_files(weights: WeightsConfig, *, include_moge: bool, config_file: st
     checkpoints of a ``pipeline.json`` not downloaded yet from ``PINNED_CHECKPOINTS``), found without the network:
     the one list ``pixal3d-fetch`` downloads and a missing-weights error names."""
     fetch = Fetcher(offline=True, generate=None, config_file=config_file)
-    _locate(fetch, weights, [*PIPELINE_MODELS, "dinov3", "naf"], include_moge and weights.moge is not None)
+    on_demand = include_moge and all(r.source(weights) is not None for r in MODEL_SOURCES if r.on_demand)
+    _locate(fetch, weights, [*PIPELINE_MODELS, *(r.name for r in MODEL_SOURCES if not r.on_demand)], on_demand)
     return fetch
 
 
@@ -217,24 +224,14 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
                                               select=select.get(name))
     else:
         expect_pinned_checkpoints(fetch, weights, [m for m in wanted if m in PIPELINE_MODELS])
-    if "dinov3" in wanted:  # on disk: its header; else the Hub's header (nothing of DINOv3 is downloaded)
-        path = fetch.cached_file(weights.dinov3, "model.safetensors", label="weights.dinov3")
-        sizes["dinov3"] = fetch.planned_bytes(weights.dinov3, None if path is None else path.parent,
-                                              "model.safetensors", label="weights.dinov3")
-    if "naf" in wanted:
-        if weights.naf.url is not None:
-            target = cache_root() / "downloads" / str(weights.naf.filename)
-            sizes["naf"] = target.stat().st_size if target.is_file() else 0
-            if not target.is_file():
-                notes.append("naf: not downloaded yet, size unknown (about 3 MB)")
-        else:
-            naf = fetch.file(weights.naf, label="weights.naf")
-            sizes["naf"] = naf.stat().st_size if naf is not None else 0
+    rows = [row for row in MODEL_SOURCES if row.name in wanted and row.source(weights) is not None]
+    for row in rows:  # headers and sizes, nothing of the weights downloaded
+        if not row.sized_late:
+            sizes[row.name] = row.planned_bytes(fetch, row.source(weights), notes)
     _raise_everything_missing(fetch, weights, config_file)
-    if "moge" in wanted and weights.moge is not None:  # tensor bytes from model.pt's index, else the Hub's file size
-        path = fetch.cached_file(weights.moge, MOGE_FILE, label="weights.moge")
-        sizes["moge"] = (checkpoint_bytes(path) if path is not None
-                         else fetch.repo_file_size(weights.moge, MOGE_FILE, notes=notes))
+    for row in rows:
+        if row.sized_late:
+            sizes[row.name] = row.planned_bytes(fetch, row.source(weights), notes)
     if "rembg" in wanted:
         sizes["rembg"] = 0
         notes.append("rembg: its ONNX model size is not counted")

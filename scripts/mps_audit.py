@@ -86,7 +86,7 @@ def run_cascade(audit: MpsAudit, config: CascadeConfig, weights: ResolvedWeights
     whose forward runs under ``pixal3d.audit.autocast`` (their float16 autocast on mps)."""
     stages = build_stages(config)
     loaders = {name: _on_standin(loader, autocast=name in autocast)
-               for name, loader in model_loaders(weights, torch.device("cpu"), moge=weights.moge is not None).items()}
+               for name, loader in model_loaders(weights, torch.device("cpu"), moge="moge" in weights.sources).items()}
     runner = StageRunner(stages, loaders, provides=PROVIDED, state_type=RunState, policy=policy)
     state = RunState(input_image=load_image(EXAMPLE), generator=torch.Generator().manual_seed(config.seed),
                      device=STANDIN, shape_normalization=weights.shape_normalization,

@@ -134,8 +134,8 @@ def test_fetch_downloads_everything_the_config_needs_at_its_revision_then_it_res
     assert fake.rembg == ["birefnet-general"]
     assert "is on disk" in capsys.readouterr().out
     resolved = resolve_weights(load_config(fake.config).weights, offline=True, need_moge=True)
-    assert resolved.naf == fake.tmp / "cache" / "downloads" / "naf.safetensors"
-    assert resolved.naf.read_bytes() == fake.server.data
+    assert resolved.path("naf") == fake.tmp / "cache" / "downloads" / "naf.safetensors"
+    assert resolved.path("naf").read_bytes() == fake.server.data
     fake.hub.downloads.clear()
     assert main(["--config", str(fake.config), "--no-rembg"]) == 0 and fake.hub.downloads == []  # nothing twice
 

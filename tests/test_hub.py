@@ -43,7 +43,7 @@ def test_local_folder_resolves_every_checkpoint_and_reads_normalization_from_pip
     assert sorted(resolved.checkpoints) == sorted(PIPELINE_MODELS)
     assert all(stem.with_suffix(".safetensors").is_file() for stem in resolved.checkpoints.values())
     assert resolved.shape_normalization.mean[0] == 1.25
-    assert resolved.naf == local_copy / "naf" / "naf.safetensors"
+    assert resolved.path("naf") == local_copy / "naf" / "naf.safetensors"
 
 
 def test_missing_checkpoint_names_the_file_the_folder_and_what_to_do(local_copy):
@@ -126,7 +126,7 @@ def test_url_source_offline_and_checksum(tmp_path, monkeypatch, local_copy):
     target = tmp_path / "cache" / "downloads" / "naf_release.pth"
     target.parent.mkdir(parents=True)
     target.write_bytes(b"weights")
-    assert resolve_weights(weights, offline=True).naf == target
+    assert resolve_weights(weights, offline=True).path("naf") == target
     pinned = WeightsConfig(pixal3d=weights.pixal3d, dinov3=weights.dinov3, rembg=None,
                            naf=WeightSource(url=url.url, filename=url.filename, sha256="0" * 64))
     with pytest.raises(CorruptWeightsError, match="sha256"):
@@ -134,7 +134,7 @@ def test_url_source_offline_and_checksum(tmp_path, monkeypatch, local_copy):
     good = hashlib.sha256(b"weights").hexdigest()
     pinned = WeightsConfig(pixal3d=weights.pixal3d, dinov3=weights.dinov3, rembg=None,
                            naf=WeightSource(url=url.url, filename=url.filename, sha256=good))
-    assert resolve_weights(pinned, offline=True).naf == target
+    assert resolve_weights(pinned, offline=True).path("naf") == target
 
 
 def test_truncated_safetensors_is_a_clear_error_before_loading(local_copy):

@@ -175,7 +175,7 @@ def test_standin_model_matches_its_cpu_run_to_rounding(tiny):
 
     from pixal3d.models.dinov3 import load_dinov3
 
-    model = load_dinov3(resolve_weights(tiny.weights, offline=True).dinov3, torch.device("cpu"))
+    model = load_dinov3(resolve_weights(tiny.weights, offline=True).path("dinov3"), torch.device("cpu"))
     pixels = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(pixels).last_hidden_state

@@ -1,0 +1,89 @@
+"""The models whose weights come from a source of their own, as one table: DINOv3, NAF, MoGe-2.
+
+Pixal3D's own checkpoints come from ``weights.pixal3d`` through the pipeline file (``pipeline_json``); every other
+model has a key of its own under ``weights:`` in a config (a ``WeightSource``: repo, local, url or generate) and a
+row here saying what that source must hold, where its tensors are, and how the memory plan sizes it. Locating,
+checking, sizing, digesting (``pipelines/work_dir.py``) and loading (``pipelines/loaders.py: LOADERS``) go over this
+table, so a new model of this kind is a field in ``WeightsConfig``, a row here and a loader, not a branch in each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pixal3d.config import WeightsConfig, WeightSource
+from pixal3d.hub import Fetcher, cache_root
+from pixal3d.models.moge import MOGE_FILE, checkpoint_bytes
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model with a source of its own.
+
+    name:      the registry name, and the key under ``weights:`` (``WeightsConfig``'s field)
+    files:     what a folder source holds by default (a source's own ``files:`` replace them); ``()``: the source is
+               one file (a URL's download, a local file, the generated file)
+    tensors:   the file in that folder the weights are read from; for a one-file source, the file itself
+    on_demand: located only when a run asks for it (MoGe-2: only without a field of view), and then an error when
+               the config names no source: ``absent`` is that error's text
+    sized_late: the plan reads its size only once every file is known to be there (a Hub listing: one request
+               more, never made when the error about missing files comes first)
+    """
+
+    name: str
+    files: tuple[str, ...] = ()
+    tensors: str | None = None
+    on_demand: bool = False
+    absent: str = ""
+    sized_late: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"weights.{self.name}"
+
+    def source(self, weights: WeightsConfig) -> WeightSource | None:
+        return getattr(weights, self.name)
+
+    def locate(self, fetch: Fetcher, source: WeightSource) -> Path | None:
+        """The folder (or the one file) on disk, fetched unless offline; what is missing is recorded in ``fetch``."""
+        if not self.files:
+            return fetch.file(source, label=self.label)
+        return fetch.folder(source, list(source.files) or list(self.files), label=self.label)
+
+    def tensor_file(self, path: Path) -> Path:
+        """The file the weights are read from, given what ``locate`` returned."""
+        return path / self.tensors if self.files and self.tensors else path
+
+    def safetensors(self, path: Path) -> Path | None:
+        """The safetensors file to verify and to plan from its header, or None (another format)."""
+        tensors = self.tensor_file(path)
+        return tensors if tensors.suffix == ".safetensors" else None
+
+    def planned_bytes(self, fetch: Fetcher, source: WeightSource, notes: list[str]) -> int:
+        """Its bytes for the memory plan without downloading it: the header (on disk or the Hub's) of a
+        safetensors file, a ``.pt``'s tensor index or the Hub's listing, a one-file source's size on disk."""
+        if not self.files:
+            if source.url is not None:  # a URL's file: its size once downloaded, else unknown
+                target = cache_root() / "downloads" / str(source.filename)
+                if not target.is_file():
+                    notes.append(f"{self.name}: not downloaded yet, size unknown (about 3 MB)")
+                return target.stat().st_size if target.is_file() else 0
+            path = fetch.file(source, label=self.label)
+            return path.stat().st_size if path is not None else 0
+        tensors = str(self.tensors)
+        path = fetch.cached_file(source, tensors, label=self.label)
+        if tensors.endswith(".safetensors"):  # on disk: its header; else the Hub's header (nothing downloaded)
+            return fetch.planned_bytes(source, None if path is None else path.parent, tensors, label=self.label)
+        return checkpoint_bytes(path) if path is not None else fetch.repo_file_size(source, tensors, notes=notes)
+
+
+MODEL_SOURCES: tuple[ModelSource, ...] = (
+    ModelSource("dinov3", files=("config.json", "model.safetensors"), tensors="model.safetensors"),
+    ModelSource("naf"),
+    ModelSource("moge", files=(MOGE_FILE,), tensors=MOGE_FILE, on_demand=True, sized_late=True,
+                absent="no MoGe-2 source is configured (weights.moge) and no field of view was given; pass fov=DEG "
+                       "or add weights.moge to the config"),
+)
+"""Every model with a source of its own, in the order files are located and named in a missing-weights error."""
+
+BY_NAME: dict[str, ModelSource] = {row.name: row for row in MODEL_SOURCES}
