@@ -19,7 +19,8 @@ in ``--cache``):
 - ``cascade``: the whole cascade at real widths on reduced work (see ``CascadeWork``), one run, its fingerprints;
   ``cgroup`` runs it inside a new memory cgroup (v2 ``memory.max`` where mounted, else v1
   ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and outside it a
-  resident run of the same plan (the budget's stage choices, whole models kept loaded) for the fingerprints.
+  resident run of the budget's stage choices (NAF mode, decode tiles, chunks; whole models kept loaded, no budget)
+  for the fingerprints.
 
     python scripts/bench_stream.py plan --budget 4G
     python scripts/bench_stream.py stages --budget 4G --out benchmarks/stream_stages.json
@@ -421,8 +422,12 @@ def cascade_child(params: dict[str, Any]) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     work = CascadeWork(**params.get("work", {}))
     config = bench_config(Path(params["cache"]), steps=work.steps, guidance=False, copied=params["copied"])
+    stages = cascade_stages(config, work)
+    if params.get("choices_of"):  # the stages as that budget fits them (NAF mode, tiles, chunks), planned without it
+        fitted = Pixal3D.plan(config, device="cpu", memory_budget=params["choices_of"], replace=stages)
+        stages = {s.name: s for s in fitted.stages}
     plan = Pixal3D.plan(config, device="cpu", policy=params["policy"], memory_budget=params.get("budget"),
-                        replace=cascade_stages(config, work))
+                        replace=stages)
     logger.info("plan:\n%s", plan.table())
     start = time.perf_counter()
     with AnonPeak() as anon, Pixal3D.from_plan(plan) as pipe:
@@ -432,7 +437,7 @@ def cascade_child(params: dict[str, Any]) -> dict[str, Any]:
             "peak_anon": anon.peak, "peak_hwm": _status()["VmHWM"], "fingerprints": result.fingerprints(),
             "stages": [{"stage": r.stage, "seconds": round(r.seconds, 1), "peak": r.peak_process_bytes,
                         "used": r.used} for r in result.stages],
-            "glb_bytes": len(result.mesh.glb), "stream": stats, "work": work.describe(),
+            "glb_bytes": len(result.mesh.glb), "stream": stats, "work": work.describe(), "choices": plan.choices(),
             "threads": torch.get_num_threads()}
 
 
@@ -586,12 +591,13 @@ def main(argv: list[str] | None = None) -> None:
             data["results"].append(report)
             logger.info("%s: rc %s (%s), cgroup %s", label, report["returncode"], report["signal"], report["cgroup"])
             _save(args.out, data)
-        # the same plan (the budget's stage choices: NAF mode, decode tiles), whole models kept loaded, outside the
-        # cgroup: the streamed run's fingerprints must be these
-        resident = child("cascade", {"cache": cache, "policy": "resident", "budget": args.budget, "copied": False},
+        # the budget's stage choices (NAF mode, decode tiles, chunks) with whole models kept loaded and no budget
+        # (a resident plan within 4G is refused), outside the cgroup: the streamed run's fingerprints must be these
+        resident = child("cascade", {"cache": cache, "policy": "resident", "choices_of": args.budget, "copied": False},
                          args.timeout)
         data["resident"] = resident
         budgeted = data["results"][0].get("result") or {}
+        data["choices_equal"] = budgeted.get("choices") == resident["choices"]
         data["fingerprints_equal"] = budgeted.get("fingerprints") == resident["fingerprints"]
         _save(args.out, data)
         logger.info("fingerprints of the budgeted (streamed) run equal the resident run's: %s",
