@@ -7,22 +7,10 @@ import shutil
 
 import pytest
 
-from pipelines import Pixal3D, cli
+from pipelines import Pixal3D
 from tests.cascade_fixtures import TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.test_cli import _one_error_line, _run
 from tests.views_fixtures import EXAMPLE_VIEWS, fast_mv_config, swapped_views  # noqa: F401
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pixal3d-image-to-mesh: error: ")
-    return lines[0].removeprefix("pixal3d-image-to-mesh: error: ")
 
 
 def _prints(record: dict) -> dict:

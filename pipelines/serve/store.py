@@ -114,27 +114,21 @@ class DataFolder:
     def write_input(self, job_id: str, image: bytes, suffix: str) -> str:
         """Write the job's image durably (file and folder flushed); returns its name in the job's folder.
         ``DiskFull`` when the disk is full, with nothing left behind."""
-        folder = self.folder(job_id)
         name = f"input{suffix}"
-        try:
-            folder.mkdir()
-            write_bytes_atomic(folder / name, image)
-            sync_folder(self.jobs)
-        except OSError as err:
-            shutil.rmtree(folder, ignore_errors=True)
-            if err.errno in FULL:
-                raise DiskFull(err.errno, f"the data folder's disk is full ({err.strerror}); free some space "
-                                          f"under --data {self.root}") from None
-            raise
-        return name
+        return self._new_folder(job_id, lambda folder: write_bytes_atomic(folder / name, image), name)
 
     def write_views(self, job_id: str, write: Callable[[Path], Path]) -> str:
         """Write the job's views folder (``write(folder)``, each file and the folder flushed); returns its name in
         the job's folder. ``DiskFull`` as ``write_input``; any other error leaves nothing behind either."""
+        return self._new_folder(job_id, lambda folder: write(folder / VIEWS), VIEWS)
+
+    def _new_folder(self, job_id: str, write: Callable[[Path], object], name: str) -> str:
+        """The job's folder made, ``write(folder)`` into it, the folder flushed; returns ``name``. On any error
+        nothing is left behind; a full disk is ``DiskFull``, one line naming --data."""
         folder = self.folder(job_id)
         try:
             folder.mkdir()
-            write(folder / VIEWS)
+            write(folder)
             sync_folder(self.jobs)
         except OSError as err:
             shutil.rmtree(folder, ignore_errors=True)
@@ -145,7 +139,7 @@ class DataFolder:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return VIEWS
+        return name
 
     def file(self, job_id: str, name: str) -> Path | None:
         """One of the job's result files (``name`` from ``RESULTS``), when it exists."""
