@@ -1,5 +1,6 @@
 """The real multi-view cascade planned from headers (as ``--plan`` does): pipeline_mv.json is the only download,
-the ``*_mv`` flows are read at their real sizes, and 4 views fit an 8 GiB memory budget, the 8 GB issue's.
+the ``*_mv`` flows are read at their real sizes, and 4 views fit an 8 GiB memory budget and the 4 GiB one of the
+8 GB issue (``--memory-budget 4G``).
 
 The ``*_mv`` checkpoints have the single-view ones' tensors (public ports list the same byte sizes), so the fake
 Hub serves assets/checkpoints.json's headers under the ``_mv`` names."""
@@ -70,6 +71,15 @@ def test_the_real_multiview_cascade_is_planned_from_headers_and_4_views_fit_8_gi
     assert downloads == [("snapshot_download", "TencentARC/Pixal3D", ("pipeline_mv.json",), False)]
     assert {c[2] for c in hub.calls if c[0] == "header"} == set(hub.headers)
     assert plan.memory.staged_peak <= 8 * 2**30  # the largest stage, its weights and its work, 4 views counted
+    by_stage = {s.name: s.working_bytes for s in plan.memory.stages}
+    assert by_stage["features"] > 0 and by_stage["texture"] > 0
+
+
+def test_4_views_plan_within_the_4_gib_that_the_1024_cascade_needs_on_an_8_gb_machine(hub):
+    """The 8 GB issue's budget is 4 GiB a stage (``--memory-budget 4G``): the multi-view cascade with its 4 views
+    (DINOv3 on all of them as one batch, NAF one view at a time) plans within it too."""
+    plan = Pixal3D.plan(MV, device="cpu", memory_budget="4G")
+    assert plan.memory.staged_peak <= 4 * 2**30
     by_stage = {s.name: s.working_bytes for s in plan.memory.stages}
     assert by_stage["features"] > 0 and by_stage["texture"] > 0
 
