@@ -22,8 +22,8 @@ At most two units are on the device at once (the one in use and the one being co
 a streamed model computes the same bits.
 
 On the CPU the process's heap is the device's memory, and glibc's ``malloc`` keeps the pages of freed activations
-(a block's are freed between the ~25-100 MB tensors of the next, so the heap fragments: measured at real width,
-4096 tokens, ~25 MB more kept per block, 0.65 GiB over a 30-block forward, beyond what the plan counts). So a CPU
+(its heap fragments across the blocks' ~25-100 MB allocations: measured at real width, 4096 tokens, ~25 MB more
+kept per block, 0.65 GiB over a 30-block forward, beyond what the plan counts). So a CPU
 stream gives the freed pages back (``malloc_trim``) each time it lets a unit go, as a device allocator's freed
 block is reused by the next: the process then holds what is live, two blocks and one block's work.
 """
