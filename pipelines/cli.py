@@ -64,8 +64,8 @@ FLAGS = {"memory_budget": "--memory-budget", "policy": "--memory-policy", "seed"
 """The command's flag for each library setting: library messages name a setting ``name=value`` (or, for one with
 an underscore, by its name), an error about one setting carries it (``SettingError.setting``; a job setting's
 flag is its row's in ``pipelines.job.SETTINGS``)."""
-_VALUED = re.compile(r"\b(%s)=([^\s,;:)]*)" % "|".join(FLAGS))
-_NAMED = re.compile(r"\b(%s)\b(?!=)" % "|".join(name for name in FLAGS if "_" in name))
+_VALUED = re.compile(rf"\b({'|'.join(FLAGS)})=([^\s,;:)]*)")
+_NAMED = re.compile(rf"\b({'|'.join(name for name in FLAGS if '_' in name)})\b(?!=)")
 _log_handler: logging.Handler | None = None
 
 

@@ -31,7 +31,13 @@ from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
 from pixal3d.models.preprocess import ImageError, probe_image
 from pixal3d.models.views import read_views
-from pixal3d.parallel import ParallelConfigError, ParallelRuntime, ParallelSettings, PeerFailedError, init_parallel
+from pixal3d.parallel import (
+    ParallelConfigError,
+    ParallelRuntime,
+    ParallelSettings,
+    PeerFailedError,
+    init_parallel,
+)
 from pixal3d.parallel.topology import Topology
 from pixal3d.staging.policy import gib
 

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from pixal3d import kernels  # noqa: E402  (imports no torch: the pins are set below, before torch)
+from pixal3d import kernels  # imports no torch: the pins are set below, before torch
 
 GOLDEN_DIR = REPO / "tests" / "golden"
 THREADS = 2  # tests/conftest.py's
