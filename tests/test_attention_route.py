@@ -94,7 +94,10 @@ def test_fp32_chunked_equals_one_shot_fp32_and_fp64_at_20k_keys():
     assert chunked.dtype == torch.float32
     scores = (q.float() * (1.0 / math.sqrt(128))) @ k.float().transpose(-1, -2)  # all 48 queries at once
     one_shot = torch.softmax(scores, dim=-1) @ v.float()
-    assert float((chunked - one_shot).abs().max()) <= 1e-6 * float(one_shot.abs().max())  # fp32 rounding
+    # fp32 rounding of a 20k-term sum, sqrt(n) ulps: the two agree bit for bit under the AVX2 kernels, and by 5e-6
+    # of the largest value under the compat family (ATen's default level, MKL COMPATIBLE), whose GEMM adds the keys
+    # in another order for 7 queries than for 48
+    assert float((chunked - one_shot).abs().max()) <= math.sqrt(20_000) * 2**-24 * float(one_shot.abs().max())
     ref = reference(q, k, v)
     error = float((chunked.double() - ref).abs().max() / ref.abs().max())
     assert error < 1e-5
