@@ -55,8 +55,8 @@ def run_unpinned(nodeid: str) -> None:
     if proc.returncode == 0 and " passed" in summary:
         return
     if proc.returncode == 0 and " skipped" in summary:
-        reasons = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-        pytest.skip(f"unpinned too: {reasons[-1] if reasons else summary}")
+        reasons = [line.split("] ", 1)[-1] for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+        pytest.skip(f"unpinned too, {reasons[-1]}" if reasons else f"unpinned too: {summary}")
     pytest.fail(f"{nodeid} on unpinned kernels: {summary}\n{proc.stdout[-3000:]}")
 
 

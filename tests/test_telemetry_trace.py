@@ -236,3 +236,21 @@ def test_report_cli_an_unwritable_json_path_is_one_line(tmp_path, capsys):
     blocker.write_text("x")
     assert cli.main(["report", str(trace), "--json", str(blocker / "x.json")]) == 1
     assert str(blocker) in _one_error(capsys)
+
+
+def test_a_trace_without_samples_plots_without_a_legend_or_a_warning(tmp_path):
+    """A run that ended before the meter's first sample (a tiny job) has nothing to label: the plot has no legend and
+    matplotlib says nothing (it warned "No artists with labels found" in the app's log). Control: a trace with
+    samples gets its legend."""
+    import warnings
+
+    pytest.importorskip("matplotlib")
+    from pixal3d.telemetry.plot import trace_figure
+
+    bare = [{"type": "start", "time": 1000.0, "interval": 0.25, "mode": "staged"},
+            event(0.1, "stage", stage="structure"), {"type": "end", "t": 0.2}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = trace_figure([("bare", bare)])
+    assert figure.axes[0].get_legend() is None
+    assert trace_figure([("staged", staged_trace())]).axes[0].get_legend() is not None

@@ -39,7 +39,8 @@ def draw_trace(axes: Any, records: list[dict[str, Any]], title: str) -> None:
     axes.set_ylabel("GiB")
     axes.set_ylim(bottom=0)
     axes.set_title(title, fontsize=9, pad=28)
-    axes.legend(loc="upper left", fontsize=7)
+    if axes.get_legend_handles_labels()[0]:  # a trace without samples (a run that ended at once) has no lines
+        axes.legend(loc="upper left", fontsize=7)
 
 
 def trace_figure(traces: list[tuple[str, list[dict[str, Any]]]], *, width: float = 11.0,
