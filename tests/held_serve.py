@@ -3,7 +3,7 @@ that must act while a job runs (cancel it, kill its worker) without racing a tin
 
 ``PIXAL3D_TEST_HOLD`` names a folder: while a file named after a stage (``structure``) exists in it, a job that
 reaches that stage reports it (its status then says ``"stage": "structure"``) and waits, before its first step,
-until the file is removed. The worker processes are spawned, and ``multiprocessing``'s spawn runs this module
+until the file is removed; a file ``structure.<job id>`` holds that job only. The worker processes are spawned, and ``multiprocessing``'s spawn runs this module
 again in each of them (as ``__mp_main__``), so the hold is installed there too. Nothing is held without the
 variable or without a file.
 """
@@ -27,8 +27,8 @@ def _install(folder: Path) -> None:
         if callback is not None:
             def held(report: dict[str, Any]) -> None:
                 callback(report)
-                gate = folder / str(report.get("stage"))
-                while report.get("kind") == "stage" and gate.exists():
+                gates = (folder / str(report.get("stage")), folder / f"{report.get('stage')}.{report.get('image')}")
+                while report.get("kind") == "stage" and any(gate.exists() for gate in gates):
                     time.sleep(0.05)
 
             options["callback"] = held

@@ -80,10 +80,11 @@ class Server:
             time.sleep(0.2)
 
     @contextmanager
-    def held(self, stage: str) -> Iterator[None]:
-        """While inside, a job of this server (started with ``hold``) that reaches ``stage`` waits there."""
+    def held(self, stage: str, job: str | None = None) -> Iterator[None]:
+        """While inside, a job of this server (started with ``hold``) that reaches ``stage`` waits there (only the job
+        ``job`` when given)."""
         assert self.hold is not None, "start the server with hold=FOLDER"
-        gate = self.hold / stage
+        gate = self.hold / (stage if job is None else f"{stage}.{job}")
         gate.touch()
         try:
             yield

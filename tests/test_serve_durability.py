@@ -47,17 +47,19 @@ def _status(server: Server, job_id: str) -> str:
 
 def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_twice(tiny_cache, tiny_reference,
                                                                                      tmp_path):
-    server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), "--group-size", "1")
+    server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), "--group-size", "1", hold=tmp_path / "hold")
     try:
         image = EXAMPLE.read_bytes()
         ids = [server.submit(image, {**SETTINGS, "seed": seed}).json()["id"] for seed in (1, 42, 3)]
         first, middle, last = ids
-        # 1. the first finishes; kill the server once the second has recorded a few stages
-        assert server.wait(first)["status"] == "done"
-        server.wait(middle, lambda v: v.get("stage_index", 0) >= 4, timeout=120)
-        glb = server.data / "jobs" / first / "result.glb"
-        before = (glb.stat().st_mtime_ns, glb.stat().st_ino)
-        server.kill()
+        # 1. the first finishes; kill the server once the second has recorded a few stages (held at the texture,
+        #    so that the kill cannot come after it ended: a tiny job lasts two seconds)
+        with server.held("texture", job=middle):
+            assert server.wait(first)["status"] == "done"
+            server.wait(middle, lambda v: v.get("stage") == "texture", timeout=120)
+            glb = server.data / "jobs" / first / "result.glb"
+            before = (glb.stat().st_mtime_ns, glb.stat().st_ino)
+            server.kill()
         recorded = sorted((p.stem for p in (server.data / "work" / middle).glob("*.json")), key=ORDER.index)
         assert len(recorded) >= 4 and recorded == ORDER[:len(recorded)], recorded
         assert _status(server, middle) == "running" and _status(server, last) == "queued"  # as the kill left them
@@ -85,8 +87,9 @@ def test_a_server_killed_mid_job_resumes_it_from_its_records_and_runs_nothing_tw
         # 5. a worker killed alone is replaced; its job goes back to the queue and resumes from its records
         [worker] = server.get("/health").json()["workers"]
         job = server.submit(image, {**SETTINGS, "seed": 4}).json()["id"]
-        server.wait(job, lambda v: v.get("stage_index", 0) >= 4, timeout=120)
-        os.kill(worker["pid"], signal.SIGKILL)
+        with server.held("texture", job=job):
+            server.wait(job, lambda v: v.get("stage") == "texture", timeout=120)
+            os.kill(worker["pid"], signal.SIGKILL)
         view = server.wait(job)
         assert view["status"] == "done" and len(view["resumed"]) >= 4, view
         assert _attempts(server, job) == ["started", "started", "ended"]
