@@ -23,20 +23,21 @@ SETTINGS = {"seed": 42, "texture_size": 128, "face_budget": 2000, "memory_policy
 def test_two_workers_on_two_cpu_devices_run_two_jobs_at_once(tiny_cache, tmp_path):
     pytest.importorskip("fastapi")
     server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), "--devices", "cpu,cpu", "--threads", "1",
-                          "--group-size", "1")
+                          "--group-size", "1", hold=tmp_path / "hold")
     try:
         health = server.get("/health").json()
         assert health["devices"] == ["cpu", "cpu"] and len({w["pid"] for w in health["workers"]}) == 2
-        ids = [server.submit(EXAMPLE.read_bytes(), SETTINGS).json()["id"] for _ in range(2)]
-        deadline = time.monotonic() + 120
-        while True:  # both running at one moment, one on each worker
-            views = [server.get(f"/jobs/{i}").json() for i in ids]
-            if all(v["status"] == "running" for v in views):
-                break
-            assert time.monotonic() < deadline and not any(v["status"] == "done" for v in views), views
-            time.sleep(0.1)
-        assert sorted(v["worker"] for v in views) == [0, 1]
-        assert sorted(len(w["jobs"]) for w in server.get("/health").json()["workers"]) == [1, 1]
+        with server.held("structure"):  # each job waits there: both running at one moment, whatever the timing
+            ids = [server.submit(EXAMPLE.read_bytes(), SETTINGS).json()["id"] for _ in range(2)]
+            deadline = time.monotonic() + 120
+            while True:  # one on each worker (one worker would hold the second job in its queue, never both here)
+                views = [server.get(f"/jobs/{i}").json() for i in ids]
+                if all(v["status"] == "running" and v.get("stage") == "structure" for v in views):
+                    break
+                assert time.monotonic() < deadline and not any(v["status"] == "done" for v in views), views
+                time.sleep(0.1)
+            assert sorted(v["worker"] for v in views) == [0, 1]
+            assert sorted(len(w["jobs"]) for w in server.get("/health").json()["workers"]) == [1, 1]
         assert [server.wait(i)["status"] for i in ids] == ["done", "done"]
         glbs = [server.get(f"/jobs/{i}/result.glb").content for i in ids]
         assert hashlib.sha256(glbs[0]).digest() == hashlib.sha256(glbs[1]).digest()  # same settings, same bits
