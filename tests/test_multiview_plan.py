@@ -15,7 +15,13 @@ import yaml
 from pipelines import Pixal3D
 from pixal3d.memory_budget import MemoryBudgetError
 from pixal3d.pipeline_json import PINNED_CHECKPOINTS
-from tests.test_plan_headers import CHECKPOINTS, DINOV3_BYTES, REPO, _header
+from tests.test_plan_headers import (
+    CHECKPOINTS,
+    DINOV3_BYTES,
+    REPO,
+    _header,
+    install_hub,
+)
 from tests.test_plan_headers import FakeHub as SingleViewHub
 
 MV = REPO / "configs" / "1024_cascade_mv.yaml"
@@ -49,15 +55,7 @@ class FakeHub(SingleViewHub):
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    fake = FakeHub(tmp_path)
-    monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path / "pixal3d"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    for name in ("snapshot_download", "get_hf_file_metadata", "parse_safetensors_file_metadata", "hf_hub_download"):
-        monkeypatch.setattr(huggingface_hub, name, getattr(fake, name))
-    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", fake.get_paths_info)
-    return fake
+    return install_hub(FakeHub(tmp_path), tmp_path, monkeypatch)
 
 
 def test_the_real_multiview_cascade_is_planned_from_headers_and_4_views_fit_8_gib(hub):
@@ -80,8 +78,6 @@ def test_4_views_plan_within_the_4_gib_that_the_1024_cascade_needs_on_an_8_gb_ma
     (DINOv3 on all of them as one batch, NAF one view at a time) plans within it too."""
     plan = Pixal3D.plan(MV, device="cpu", memory_budget="4G")
     assert plan.memory.staged_peak <= 4 * 2**30
-    by_stage = {s.name: s.working_bytes for s in plan.memory.stages}
-    assert by_stage["features"] > 0 and by_stage["texture"] > 0
 
 
 def test_views_beyond_the_budget_are_refused_naming_the_features_stage(hub, tmp_path):

@@ -80,17 +80,21 @@ class FakeHub:
         raise AssertionError(f"the plan downloaded a file: {args} {kwargs}")
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
+def install_hub(fake: FakeHub, tmp_path, monkeypatch) -> FakeHub:
+    """``fake`` in place of huggingface_hub's functions the plan calls, with an empty cache and the network allowed."""
     import huggingface_hub
 
-    fake = FakeHub(tmp_path)
     monkeypatch.setenv("PIXAL3D_CACHE", str(tmp_path / "pixal3d"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     for name in ("snapshot_download", "get_hf_file_metadata", "parse_safetensors_file_metadata", "hf_hub_download"):
         monkeypatch.setattr(huggingface_hub, name, getattr(fake, name))
     monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", fake.get_paths_info)
     return fake
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    return install_hub(FakeHub(tmp_path), tmp_path, monkeypatch)
 
 
 def test_the_real_cascade_is_planned_from_headers_without_downloading_any_weight(hub):
