@@ -50,6 +50,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 from torch import nn
 
+from scripts.bench_memory import _status
+
 logger = logging.getLogger("bench_stream")
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -60,16 +62,6 @@ LR_TOKENS, HR_TOKENS, GROWTH = 4000, 20_000, 4.6
 
 
 # -- memory ----------------------------------------------------------------------------------------
-
-def _status() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values
-
 
 class AnonPeak:
     """The largest ``RssAnon`` (anonymous memory: what a device would hold) seen every ``interval`` seconds."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
+import math
 import os
 import re
 import time
@@ -97,14 +98,11 @@ class FileSlice:
     shape: tuple[int, ...]
 
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel() * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel() * self.dtype.itemsize
 
     def read_into(self, out: torch.Tensor) -> None:
         """Fill ``out`` (a contiguous CPU tensor of this dtype and shape) with the file's bytes."""
