@@ -35,6 +35,11 @@ class Kind:
     half_default:   a model whose precision is ``auto`` runs under float16 autocast (not on the CPU, whose float16
                     kernels are emulated)
     memory_limit:   an allocator limit that can let memory swap, checked and lowered by the plan (MPS)
+    wire_tensors:   its backend carries tensors on this device (NCCL: CUDA tensors); else they travel through host
+                    memory (gloo carries CPU tensors only)
+    threaded_waits: its backend's works are waited for in a thread, with the job's timeout (gloo's); NCCL's are
+                    waited for on the stream
+    live_context:   whether this process holds a live context of it, which a forked child cannot use (CUDA's)
     """
 
     name: str
@@ -47,11 +52,15 @@ class Kind:
     array_bytes: int | None = None
     half_default: bool = True
     memory_limit: bool = False
+    wire_tensors: bool = False
+    threaded_waits: bool = True
+    live_context: Callable[[], bool] = lambda: False
 
 
 KINDS: dict[str, Kind] = {
     "cuda": Kind("cuda", lambda: torch.cuda.is_available(), "asks for CUDA, which this torch build or machine does "
-                 "not have; use cpu", indexed=True, backend="nccl", fused_attention=True),
+                 "not have; use cpu", indexed=True, backend="nccl", fused_attention=True, wire_tensors=True,
+                 threaded_waits=False, live_context=lambda: torch.cuda.is_available() and torch.cuda.is_initialized()),
     "mps": Kind("mps", lambda: torch.backends.mps.is_available(), "asks for Apple MPS, which is not available here; "
                 "use cpu", fp32_attention=True, array_bytes=MPSGRAPH_ARRAY_BYTES, memory_limit=True),
     "cpu": Kind("cpu", lambda: True, half_default=False),
@@ -59,6 +68,11 @@ KINDS: dict[str, Kind] = {
 """The kinds of device a run may use, in the order a process prefers them (``default_device``)."""
 OTHER = Kind("other", lambda: False)
 """Any other device type (``meta``, the audit's stand-in): what the code assumes of a device it does not know."""
+
+
+def forks_safely() -> bool:
+    """Whether this process can fork a child that uses torch: no kind of device holds a live context here."""
+    return not any(k.live_context() for k in KINDS.values())
 
 
 def kind(device: torch.device | str) -> Kind:

@@ -19,8 +19,13 @@ from tests.cascade_fixtures import REPO
 ALLOWED = {
     "pipelines/loaders.py": "copied weights: whether the bytes are the process's own (a CPU tensor), not a kind's fact",
     "pipelines/state_codec.py": "where one stored tensor lives (the CPU or the run's device)",
+    "pixal3d/telemetry/device.py": "which torch API reads a device's memory counters: pixal3d.telemetry, like "
+                                   "pixal3d.staging, imports nothing from the rest of the package",
 }
-"""Modules whose ``.type`` comparison is about where a tensor is, not what its kind of device does."""
+"""Modules whose device-kind comparison is about where a tensor is, or that must not import ``pixal3d.devices``."""
+BACKENDS = {"nccl", "gloo"}
+DEVICE_PROBES = {"is_available", "is_initialized", "device_count"}
+"""``torch.cuda.is_available()`` and its kin: which devices exist, or hold a context, is ``devices.py``'s to say."""
 
 
 @pytest.mark.parametrize("name, route, array, half, backend, limit", [
@@ -60,9 +65,11 @@ def test_which_devices_exist_and_which_one_a_process_or_a_rank_takes():
 
 
 def device_type_branches(root) -> list[str]:
-    """``path:line`` of every comparison of a ``.type`` attribute with a device type's name outside
-    ``pixal3d/devices.py``, ``pixal3d/staging/`` and ``pixal3d/audit/`` (the stand-in device's own code)."""
-    names = set(devices.KINDS) | {"meta"}
+    """``path:line`` of every branch on a kind of device outside ``pixal3d/devices.py``, ``pixal3d/staging/`` and
+    ``pixal3d/audit/`` (the stand-in device's own code): a comparison of anything (``device.type``, a variable
+    holding it, a backend) with a device type's or a distributed backend's name, a ``startswith`` of one, and a
+    probe of which devices exist (``torch.cuda.is_available()``)."""
+    names = set(devices.KINDS) | {"meta"} | BACKENDS
     found = []
     for package in ("pixal3d", "pipelines"):
         for path in sorted((root / package).rglob("*.py")):
@@ -71,13 +78,22 @@ def device_type_branches(root) -> list[str]:
                     relative in ALLOWED:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "type":
-                    values = [c for c in node.comparators if isinstance(c, ast.Constant)] + \
-                        [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set))
-                         for e in c.elts if isinstance(e, ast.Constant)]
-                    if any(v.value in names for v in values):
-                        found.append(f"{relative}:{node.lineno}")
+                if _branches_on_a_kind(node, names):
+                    found.append(f"{relative}:{node.lineno}")
     return found
+
+
+def _branches_on_a_kind(node: ast.AST, names: set[str]) -> bool:
+    values: list[ast.expr] = []
+    if isinstance(node, ast.Compare):
+        for side in (node.left, *node.comparators):
+            values += side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "startswith":
+            values = list(node.args)
+        elif node.func.attr in DEVICE_PROBES:  # torch.cuda.is_available(), torch.backends.mps.is_available(), ...
+            return any(f".{name}." in ast.unparse(node.func) for name in devices.KINDS)
+    return any(isinstance(v, ast.Constant) and v.value in names for v in values)
 
 
 def test_no_device_type_branch_is_left_outside_the_devices_module():
@@ -89,5 +105,12 @@ def test_control_a_device_type_branch_added_back_is_found(tmp_path):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     camera = tmp_path / "pipelines" / "camera.py"
     camera.write_text(camera.read_text() + "\n\ndef _late(device):\n    return device.type in ('mps', 'cuda')\n")
-    [found] = device_type_branches(tmp_path)
-    assert found.startswith("pipelines/camera.py:")
+    telemetry = tmp_path / "pixal3d" / "telemetry" / "meter.py"  # the forms the old test missed (issue 47)
+    telemetry.write_text(telemetry.read_text() + "\n\ndef _late(kind):\n    return kind == 'cuda'\n")
+    runtime = tmp_path / "pixal3d" / "parallel" / "runtime.py"
+    runtime.write_text(runtime.read_text() + "\n\ndef _late(backend):\n    return backend == 'nccl'\n")
+    mesh = tmp_path / "pixal3d" / "mesh" / "isolated.py"
+    mesh.write_text(mesh.read_text() + "\n\ndef _late():\n    return torch.cuda.is_available()\n")
+    found = device_type_branches(tmp_path)
+    assert sorted(f.split(":")[0] for f in found) == ["pipelines/camera.py", "pixal3d/mesh/isolated.py",
+                                                      "pixal3d/parallel/runtime.py", "pixal3d/telemetry/meter.py"]

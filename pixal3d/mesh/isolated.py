@@ -30,8 +30,11 @@ def can_isolate() -> bool:
     """Whether steps can run in a forked child here (Linux, no live CUDA context)."""
     if not sys.platform.startswith("linux"):
         return False
-    torch = sys.modules.get("torch")
-    return torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    if "torch" not in sys.modules:
+        return True
+    from pixal3d.devices import forks_safely
+
+    return forks_safely()
 
 
 def run_isolated(step: Callable[..., T], *args: Any, isolate: bool = True) -> T:

@@ -45,7 +45,7 @@ class Wire:
 
     @property
     def threaded(self) -> bool:
-        return kind(self.device).backend == "gloo"  # gloo's works are waited for in a thread
+        return kind(self.device).threaded_waits
 
     def wait(self, work: Any, what: str, peer: int) -> None:
         wait_work(work, board=self.board, timeout_s=self.timeout_s, what=what, peer=peer, threaded=self.threaded)

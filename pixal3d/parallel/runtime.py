@@ -61,7 +61,7 @@ class ParallelRuntime:
     @property
     def wire_device(self) -> torch.device:
         """Where tensors must be to travel: the CUDA device for NCCL, the CPU for gloo."""
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        return self.device if kind(self.device).wire_tensors else torch.device("cpu")
 
     def begin_request(self) -> Wire:
         """A new request: a fresh failure board (keys of earlier requests are never read again)."""
