@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,7 +23,7 @@ from pixal3d.models.sparse_unet_vae import SparseUnetVaeDecoder
 from pixal3d.nn.attention import check_route, set_attention_route
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import WeightStream
-from pixal3d.weight_sources import MODEL_SOURCES
+from pixal3d.weight_sources import MODEL_SOURCES, load_naf_weights  # noqa: F401 -- re-exported
 
 STREAM_UNITS: dict[str, str] = {
     "sparse_structure_flow_model": FlowTransformer.stream_unit,
@@ -36,33 +35,6 @@ STREAM_UNITS: dict[str, str] = {
 }
 """The models the ``stream`` policy streams, and the header names of one block (a regular expression): the flows'
 30 blocks, the decoders' blocks stage by stage. The sparse-structure decoder (0.15 GB) loads whole."""
-
-
-def load_naf_weights(path: Path, device: torch.device) -> nn.Module:
-    """NAF from the release ``.pth`` (published defaults) or from a ``<stem>.json`` + safetensors pair."""
-    from pixal3d.models.naf import load_naf
-
-    if path.with_suffix(".json").is_file() and path.suffix == ".safetensors":
-        return load_model(path.with_suffix(""), device=device)
-    return load_naf(path, device=device)
-
-
-def _load_dinov3(folder: Path, device: torch.device) -> nn.Module:
-    from pixal3d.models.dinov3 import load_dinov3
-
-    return load_dinov3(folder, device)
-
-
-def _load_moge(folder: Path, device: torch.device) -> nn.Module:
-    from pixal3d.models.moge import MOGE_FILE, load_moge
-
-    return load_moge(folder / MOGE_FILE, device)
-
-
-LOADERS: dict[str, Callable[[Path, torch.device], nn.Module]] = {
-    "dinov3": _load_dinov3, "naf": load_naf_weights, "moge": _load_moge}
-"""Each row of ``pixal3d.weight_sources.MODEL_SOURCES``: its loader, given what its source located (DINOv3's and
-MoGe-2's folders, NAF's file)."""
 
 
 def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool = False,
@@ -80,7 +52,7 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     for row in MODEL_SOURCES:  # DINOv3, NAF, MoGe-2 (asked for with ``moge``): the models with a source of their own
         path = weights.path(row.name)
         if path is not None and (moge or not row.on_demand):
-            loaders[row.name] = functools.partial(LOADERS[row.name], path, device)
+            loaders[row.name] = functools.partial(row.load, path, device)
     if copied and device.type == "cpu":
         loaders = {name: (load if name in streamed else functools.partial(_copied, load))
                    for name, load in loaders.items()}

@@ -34,6 +34,9 @@ PIPELINE_MODELS = (
     "sparse_structure_flow_model", "sparse_structure_decoder", "shape_slat_flow_model_512",
     "shape_slat_flow_model_1024", "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder",
 )
+STANDING_MODELS = (*PIPELINE_MODELS, *(row.name for row in MODEL_SOURCES if not row.on_demand))
+"""Every model a cascade may need whatever its run: Pixal3D's checkpoints and the sources of their own located every
+time (``weight_sources``; MoGe-2 is located only when a run asks for it)."""
 
 _PUBLISHED_DECODERS = {
     "sparse_structure_decoder": "ckpts/ss_dec_conv3d_16l8_fp16",
@@ -122,7 +125,7 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     ``pixal3d-fetch`` command.
     """
     offline = hub_offline() if offline is None else offline
-    models = [*PIPELINE_MODELS, *(r.name for r in MODEL_SOURCES if not r.on_demand)] if models is None else \
+    models = list(STANDING_MODELS) if models is None else \
         list(models)
     fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
 
@@ -178,7 +181,7 @@ def missing_files(weights: WeightsConfig, *, include_moge: bool, config_file: st
     the one list ``pixal3d-fetch`` downloads and a missing-weights error names."""
     fetch = Fetcher(offline=True, generate=None, config_file=config_file)
     on_demand = include_moge and all(r.source(weights) is not None for r in MODEL_SOURCES if r.on_demand)
-    _locate(fetch, weights, [*PIPELINE_MODELS, *(r.name for r in MODEL_SOURCES if not r.on_demand)], on_demand)
+    _locate(fetch, weights, list(STANDING_MODELS), on_demand)
     return fetch
 
 

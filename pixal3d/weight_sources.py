@@ -3,13 +3,15 @@
 Pixal3D's own checkpoints come from ``weights.pixal3d`` through the pipeline file (``pipeline_json``); every other
 model has a key of its own under ``weights:`` in a config (a ``WeightSource``: repo, local, url or generate) and a
 row here saying what that source must hold, where its tensors are, and how the memory plan sizes it. Locating,
-checking, sizing, digesting (``pipelines/work_dir.py``) and loading (``pipelines/loaders.py: LOADERS``) go over this
-table, so a new model of this kind is a field in ``WeightsConfig``, a row here and a loader, not a branch in each.
+checking, sizing, digesting (``pipelines/work_dir.py``) and loading (``pipelines/loaders.py``: each row's ``load``) go
+over this table, so a new model of this kind is a field in ``WeightsConfig`` and a row here, not a branch in each.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pixal3d.config import WeightsConfig, WeightSource
 from pixal3d.hub import Fetcher, cache_root
@@ -28,9 +30,11 @@ class ModelSource:
                the config names no source: ``absent`` is that error's text
     sized_late: the plan reads its size only once every file is known to be there (a Hub listing: one request
                more, never made when the error about missing files comes first)
+    load:      ``load(path, device)``: the network, given what ``locate`` returned (the folder, or the one file)
     """
 
     name: str
+    load: Callable[[Path, Any], Any]
     files: tuple[str, ...] = ()
     tensors: str | None = None
     on_demand: bool = False
@@ -77,10 +81,32 @@ class ModelSource:
         return checkpoint_bytes(path) if path is not None else fetch.repo_file_size(source, tensors, notes=notes)
 
 
+def load_dinov3_folder(folder: Path, device: Any) -> Any:
+    from pixal3d.models.dinov3 import load_dinov3
+
+    return load_dinov3(folder, device)
+
+
+def load_naf_weights(path: Path, device: Any) -> Any:
+    """NAF from the release ``.pth`` (published defaults) or from a ``<stem>.json`` + safetensors pair."""
+    from pixal3d.models.loading import load_model
+    from pixal3d.models.naf import load_naf
+
+    if path.with_suffix(".json").is_file() and path.suffix == ".safetensors":
+        return load_model(path.with_suffix(""), device=device)
+    return load_naf(path, device=device)
+
+
+def load_moge_folder(folder: Path, device: Any) -> Any:
+    from pixal3d.models.moge import load_moge
+
+    return load_moge(folder / MOGE_FILE, device)
+
+
 MODEL_SOURCES: tuple[ModelSource, ...] = (
-    ModelSource("dinov3", files=("config.json", "model.safetensors"), tensors="model.safetensors"),
-    ModelSource("naf"),
-    ModelSource("moge", files=(MOGE_FILE,), tensors=MOGE_FILE, on_demand=True, sized_late=True,
+    ModelSource("dinov3", load_dinov3_folder, files=("config.json", "model.safetensors"), tensors="model.safetensors"),
+    ModelSource("naf", load_naf_weights),
+    ModelSource("moge", load_moge_folder, files=(MOGE_FILE,), tensors=MOGE_FILE, on_demand=True, sized_late=True,
                 absent="no MoGe-2 source is configured (weights.moge) and no field of view was given; pass fov=DEG "
                        "or add weights.moge to the config"),
 )
