@@ -3,8 +3,9 @@ a value of the wrong type is a ``TypeError`` and an unusable value a ``ValueErro
 and what it takes, raised before anything is planned or read — not an ``AttributeError`` from deep inside (issue
 30: ``from_config(None)`` failed in the plan with ``'NoneType' object has no attribute 'weights'``).
 
-What the values mean is checked where it is decided (a seed's range: ``state.check_seed``; a field of view:
-``state.check_fov``; a memory budget's spelling: ``memory_budget.parse_budget``); this module checks what they are.
+What the values mean is checked where it is decided (a seed's range: ``config.check_seed``; a field of view:
+``config.check_fov``; a memory budget's spelling: ``memory_budget.parse_budget``; an input, by its kind:
+``pipelines.inputs``); this module checks what they are.
 """
 from __future__ import annotations
 
@@ -12,15 +13,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from pixal3d.config import CascadeConfig
 from pixal3d.memory_budget import parse_budget
 from pixal3d.staging import Policy, PolicyError
-
-READABLE_IMAGES = "a path, a PIL image or a uint8 numpy array"
 
 
 def _kind(value: Any) -> str:
@@ -38,61 +35,6 @@ def check_device(device: Any) -> None:
     """``device`` is None, a ``torch.device`` or its name."""
     if device is not None and not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a name such as 'cpu', 'cuda:1' or 'mps', not {_kind(device)}")
-
-
-def check_image(image: Any, argument: str = "image") -> None:
-    """``image`` is something a run can read: a path, an open PIL image, or a uint8 array."""
-    if isinstance(image, (str, Path)):
-        return
-    if isinstance(image, Image.Image):
-        try:  # without loading it: a huge image is refused later from its header, before its pixels are read
-            image.im  # noqa: B018  (once closed, Pillow raises "Operation on closed image" on this access)
-        except ValueError:
-            raise ValueError(f"{argument} is a closed PIL image (its file was closed before the run); call run "
-                             f"before closing it, or pass its path") from None
-        except AssertionError:  # opened lazily and not loaded yet (Pillow asserts it has pixels): still open
-            pass
-        return
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8:
-            raise ValueError(f"{argument} is a {image.dtype} array; pass uint8 pixels (H x W x 3 or 4)")
-        return
-    raise TypeError(f"{argument} must be {READABLE_IMAGES}, not {_kind(image)}")
-
-
-def check_views(views: Any, argument: str = "views") -> None:
-    """``views`` is a views folder (a path) or a checked ``ViewSet``."""
-    from pixal3d.models.views import ViewSet
-
-    if not isinstance(views, (str, Path, ViewSet)):
-        raise TypeError(f"{argument} must be a views folder (a path to a folder with a transforms.json) or a ViewSet, "
-                        f"not {_kind(views)}")
-
-
-def check_input_kind(config: CascadeConfig, *, image: Any, views: Any, num_views: Any, fov: Any) -> None:
-    """One input of the kind the config's cascade takes: an image, or posed views (a config with ``views``);
-    ``num_views`` and no ``fov`` go with views only."""
-    name = config.source or config.name
-    if config.views is not None:
-        if image is not None or views is None:
-            raise ValueError(f"{name} is a multi-view cascade: pass views=FOLDER (a folder with a transforms.json), "
-                             f"not an image; for one image use a single-view config such as 1024_cascade.yaml")
-        if fov is not None and not (isinstance(fov, Sequence) and all(f is None for f in fov)):
-            raise ValueError("the views' cameras come from their transforms.json: drop fov")
-        if num_views is not None and (isinstance(num_views, bool) or not isinstance(num_views, int) or num_views < 1):
-            raise ValueError(f"num_views must be an integer >= 1 or None, not {num_views!r}")
-    elif views is not None or num_views is not None:
-        raise ValueError(f"{name} takes one image: views= and num_views= need a multi-view config (one with a "
-                         f"'views' section, e.g. 1024_cascade_mv.yaml)")
-
-
-def check_images(images: Any) -> None:
-    """``images`` is a sequence of images (not one image, whose characters or rows would become images)."""
-    if isinstance(images, (str, Path, Image.Image, np.ndarray)) or not isinstance(images, Sequence):
-        raise TypeError(f"images must be a list of images ({READABLE_IMAGES} each), not {_kind(images)}; "
-                        f"for one image call run(image)")
-    for index, image in enumerate(images):
-        check_image(image, f"images[{index}]")
 
 
 def check_sequence(values: Any, argument: str) -> None:
@@ -138,15 +80,14 @@ def check_state_budget(value: Any) -> None:
 
 
 def check_plan_arguments(config: Any, *, policy: Any, device: Any, replace: Any, until: Any,
-                         memory_budget: Any) -> None:
+                         memory_budget: Any) -> int | str | None:
     """What ``Pixal3D.plan`` takes, before it reads anything (an unknown policy name and a budget that is not a
-    size included)."""
+    size included); returns the budget parsed, once (bytes, ``"auto"`` or None)."""
     check_config(config)
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, str, type(None))):
         raise TypeError(f"memory_budget must be a size such as '8G', a number of bytes, 'auto' or None, not "
                         f"{_kind(memory_budget)}")
-    if memory_budget not in (None, "auto"):
-        parse_budget(memory_budget)
+    budget = memory_budget if memory_budget in (None, "auto") else parse_budget(memory_budget)
     if not isinstance(policy, (Policy, str)):
         raise TypeError(f"policy must be a Policy or one of {[p.value for p in Policy]}, not {_kind(policy)}")
     try:
@@ -157,6 +98,7 @@ def check_plan_arguments(config: Any, *, policy: Any, device: Any, replace: Any,
     check_optional(until, "until", (str,), "a stage name")
     if replace is not None and not isinstance(replace, Mapping):
         raise TypeError(f"replace must map stage names to stages, not {_kind(replace)}")
+    return budget
 
 
 def check_run_arguments(*, events: Any, progress: Any, callback: Any, trace: Any) -> None:

@@ -38,12 +38,12 @@ from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
+from pixal3d.config import check_fov, check_seed
 from pixal3d.staging import Event, Policy, StagedModels
 from pixal3d.staging.executor import Hook, Item
 from pixal3d.telemetry import MemoryMeter
 
 from .errors import Failure, classify
-from .state import check_fov, check_seed
 from .work_dir import StageKey
 
 BatchOrder = Literal["image", "stage"]

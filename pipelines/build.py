@@ -1,12 +1,12 @@
 """The cascade's stages, in run order, built once from a config; any of them can be replaced by name.
 
-A config with a ``views`` section builds the multi-view cascade: the ``views`` stage in place of preprocess and
-camera, the features and flow stages reading the views instead of the image and its camera
-(``flow_stage.on_views``), the rest unchanged.
+The kind of input (``pipelines.inputs``) chooses the cascade and how its shared stages read that input: a config
+with a ``views`` section takes posed views, whose ``views`` stage takes the place of preprocess and camera, the
+features and flow stages reading the views instead of the image and its camera (``flow_stage.on_views``).
 
-A stage on existing models is added by writing its file (a ``CascadeStage``), adding its class to
-``CASCADE_STAGES`` and, if it writes new fields, declaring them on ``RunState``. A benchmark replaces a
-stage without editing anything::
+A stage on existing models is added by writing its file (a ``CascadeStage``), adding its class to its kind's
+``stage_classes`` (``pipelines/inputs/``) and, if it writes new fields, declaring them on ``RunState``. A benchmark
+replaces a stage without editing anything::
 
     Pixal3D.from_config(config, replace={"structure": SyntheticStructure(config.structure)})
 """
@@ -16,45 +16,27 @@ from collections.abc import Mapping
 
 from pixal3d.config import CascadeConfig
 
-from .camera import CameraStage
-from .decode import DecodeStage
-from .export import ExportStage
-from .features import FeaturesStage
-from .flow_stage import IMAGE_SOURCE, on_views
-from .preprocess import PreprocessStage
-from .shape_512 import Shape512Stage
-from .shape_1024 import Shape1024Stage
+from .inputs import IMAGE, VIEWS, InputKind, kind_for
 from .stage import CascadeStage
-from .structure import StructureStage
-from .texture import TextureStage
-from .upsample import UpsampleStage
-from .views import ViewsStage
 
-CASCADE_STAGES: tuple[type[CascadeStage], ...] = (
-    PreprocessStage, CameraStage, FeaturesStage, StructureStage, Shape512Stage, UpsampleStage, Shape1024Stage, TextureStage,
-    DecodeStage, ExportStage,
-)
-VIEWS_CASCADE_STAGES: tuple[type[CascadeStage], ...] = (
-    ViewsStage, FeaturesStage, StructureStage, Shape512Stage, UpsampleStage, Shape1024Stage, TextureStage,
-    DecodeStage, ExportStage,
-)
+CASCADE_STAGES: tuple[type[CascadeStage], ...] = IMAGE.stage_classes(None)
+"""The single-view cascade (each kind of input names its stages: ``pipelines.inputs``)."""
+VIEWS_CASCADE_STAGES: tuple[type[CascadeStage], ...] = VIEWS.stage_classes(None)
 """The multi-view cascade (a config with ``views``)."""
 
 
-def build_stages(config: CascadeConfig, *, replace: Mapping[str, CascadeStage] | None = None,
-                 until: str | None = None) -> list[CascadeStage]:
-    """The stages of ``config``'s cascade in run order; ``replace`` swaps stages by name, ``until`` stops
-    after the named stage (a run that ends at, say, ``decode``)."""
+def build_stages(config: CascadeConfig, *, kind: InputKind | None = None,
+                 replace: Mapping[str, CascadeStage] | None = None, until: str | None = None) -> list[CascadeStage]:
+    """The stages of ``config``'s cascade for ``kind`` of input (default: the one the config takes) in run order;
+    ``replace`` swaps stages by name, ``until`` stops after the named stage (a run that ends at, say, ``decode``)."""
+    kind = kind or kind_for(config)
     replace = dict(replace or {})
     stages = []
-    for cls in VIEWS_CASCADE_STAGES if config.views is not None else CASCADE_STAGES:
+    for cls in kind.stage_classes(config):
         if cls.name in replace:
             stages.append(replace.pop(cls.name))
         else:
-            stage = cls.from_config(config)
-            if config.views is not None and any(f in stage.inputs for f in IMAGE_SOURCE):
-                stage = on_views(stage, config.views.plan_views)
-            stages.append(stage)
+            stages.append(kind.adapt(cls.from_config(config), config))
         if stages[-1].name == until:
             break
     names = [s.name for s in stages]

@@ -9,9 +9,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pixal3d.config import MOGE_PRECISIONS, CascadeConfig
+from pixal3d.config import MOGE_PRECISIONS, CascadeConfig, check_fov
 from pixal3d.devices import kind
-from pixal3d.memory_budget import CAMERA_FLOAT16_BYTES, CAMERA_FLOAT32_BYTES, CAMERA_MEASURED_WEIGHT_BYTES
+from pixal3d.memory_budget import (
+    CAMERA_FLOAT16_BYTES,
+    CAMERA_FLOAT32_BYTES,
+    CAMERA_MEASURED_WEIGHT_BYTES,
+)
 from pixal3d.models.camera import camera_from_fov, estimate_camera
 from pixal3d.staging import preserved_rng
 
@@ -29,8 +33,7 @@ class CameraStage(CascadeStage):
     outputs = ("camera",)
 
     def __init__(self, fov_deg: float | None, *, use_moge: bool, precision: str = "auto"):
-        if fov_deg is not None and not 0.0 < fov_deg < 180.0:
-            raise ValueError(f"field of view {fov_deg} degrees is not in (0, 180); pass e.g. fov=49")
+        check_fov(fov_deg)
         if precision not in MOGE_PRECISIONS:
             raise ValueError(f"MoGe-2 precision {precision!r} is not one of {', '.join(MOGE_PRECISIONS)}")
         self.fov_deg = fov_deg

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pixal3d.config import ConfigError, SettingError
+from pixal3d.config import ConfigError, SettingError, UsageError
 from pixal3d.devices import DeviceError
 from pixal3d.hub import MissingWeightsError, WeightsError
 from pixal3d.interrupts import Terminated
@@ -27,7 +27,6 @@ from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
 from pixal3d.staging import PolicyError, StageGraphError
 from pixal3d.staging.mps_memory import MpsMemoryLimitError
 
-from .job import UsageError
 from .structure import EmptyStructureError
 from .work_dir import WorkDirError
 

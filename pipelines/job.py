@@ -26,26 +26,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pixal3d.config import SEED, CascadeConfig, Range, SettingError, load_config
+from pixal3d.config import (  # noqa: F401 -- FOV, check_fov, check_seed, UsageError: re-exported for the front ends
+    FOV,
+    CascadeConfig,
+    Range,
+    SettingError,
+    UsageError,
+    check_fov,
+    check_seed,
+    load_config,
+)
 from pixal3d.memory_budget import parse_budget
 from pixal3d.mesh.settings import TEXTURE_FORMATS
 from pixal3d.shipped import shipped_config
 
-DEFAULT_CONFIG = shipped_config("1024_cascade.yaml")
-DEFAULT_VIEWS_CONFIG = shipped_config("1024_cascade_mv.yaml")
-"""The command's config for ``--views`` when it is given no ``--config``."""
+from . import inputs
+from .inputs import InputKind
+
+DEFAULT_CONFIG = shipped_config(inputs.IMAGE.default_config)
+"""The command's config for images when it is given no ``--config`` (each kind of input names its own)."""
 POLICIES = ("resident", "staged", "offload", "eager", "stream", "auto")
 """``pixal3d.staging.Policy``'s values, written out so that no torch is needed to check one (a test holds them
 equal)."""
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-FOV = Range(0, 180, low_open=True, high_open=True)
-"""A field of view in degrees."""
 TEXTURE_SIZES = (256, 512, 1024, 2048, 4096)
 """The texture sizes the web app offers (any size the export takes is accepted)."""
-
-
-class UsageError(ValueError):
-    """Bad inputs, outputs or options on the command line (or in a batch or web request)."""
 
 
 class SettingsError(UsageError):
@@ -53,21 +57,6 @@ class SettingsError(UsageError):
 
 
 # -- the ranges of a run's own values -------------------------------------------------------------
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int a ``torch.Generator`` accepts, or a ``SettingError`` saying the range (``config.SEED``)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
-        raise SettingError("seed", f"seed {seed!r} is not {SEED.describe()}; use e.g. 42")
-    return seed
-
-
-def check_fov(fov: float | None) -> None:
-    """A ``SettingError`` unless ``fov`` is None or a field of view in (0, 180) degrees (``FOV``): the one check of
-    a run's field of view (the library, the command, the web app and the job server all ask it)."""
-    if fov is not None and not (isinstance(fov, (int, float)) and not isinstance(fov, bool) and math.isfinite(fov)
-                                and FOV.contains(fov)):
-        raise SettingError("fov", f"field of view {fov} is not in (0, 180) degrees; use e.g. 49")
-
-
 def _fov(fov: Any) -> float:
     check_fov(fov)
     return float(fov)  # 40 and 40.0 are one setting (the server groups jobs by their settings)
@@ -125,8 +114,9 @@ class Setting:
     check:    the value checked (``SettingError`` naming it) and as the job holds it; ``automatic``: what unset
               means, added to a refusal
     plans:    it changes the memory plan (the app redraws the plan when it changes)
-    applies:  the configs it applies to (None: every one); ``elsewhere``: why it does not, when given anyway (a job
-              refuses it; the app's form leaves it out, run.json's settings too)
+    per_kind: it applies only to the kinds of input that list it (``InputKind.options``); given for another kind,
+              a job refuses it in that kind's words (``InputKind.refuse_setting``), the app's form leaves it out,
+              run.json's settings too
     """
 
     name: str
@@ -145,12 +135,11 @@ class Setting:
     automatic: str = ""
     plans: bool = False
     suggested: tuple[Any, ...] = ()
-    applies: Callable[[CascadeConfig], bool] | None = None
-    elsewhere: str = ""
+    per_kind: bool = False
 
-    def applies_to(self, config: CascadeConfig) -> bool:
-        """Whether the setting means anything for ``config``'s cascade."""
-        return self.applies is None or self.applies(config)
+    def applies_to(self, kind: InputKind) -> bool:
+        """Whether the setting means anything for ``kind`` of input."""
+        return not self.per_kind or self.name in kind.options
 
     def types(self) -> tuple[type, ...]:
         """The JSON types a request may send for it."""
@@ -162,15 +151,10 @@ SETTINGS: tuple[Setting, ...] = (
             config=lambda config: config.seed, check=check_seed),
     Setting("fov", "float", "--fov", "fov", "field of view (degrees)",
             "horizontal field of view in degrees (default: the config's, else MoGe-2)", metavar="DEG",
-            check=_fov, automatic=", or automatic", applies=lambda config: config.views is None,
-            elsewhere="a field of view does not apply to posed views: their cameras come from their transforms.json; "
-                      "drop it"),
+            check=_fov, automatic=", or automatic", per_kind=True),
     Setting("num_views", "int", "--num-views", "num-views", "views used (empty: all)",
             "multi-view configs: use the first N frames of each views folder's transforms.json (default: all)",
-            metavar="N", check=check_num_views, automatic=", or empty for all",
-            applies=lambda config: config.views is not None,
-            elsewhere="a number of views applies to a multi-view config (one with a views section, e.g. "
-                      "1024_cascade_mv); this one takes images"),
+            metavar="N", check=check_num_views, automatic=", or empty for all", per_kind=True),
     Setting("memory_policy", "choice", "--memory-policy", "policy", "memory policy",
             "where idle models live (default: auto, chosen from the memory plan)", choices=lambda: POLICIES,
             default="auto", check=check_policy, plans=True),
@@ -271,7 +255,8 @@ class Job:
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
     inputs: tuple[Path, ...] = ()          # the command's paths as given (files or folders, or views folders on a
-                                           # multi-view config): ``expand_inputs``, ``views_inputs``
+                                           # multi-view config): their kind's ``expand``
+    input_kind: str | None = None          # the kind of input (``pipelines.inputs``; None: the one the config takes)
     output: Path | None = None             # -o: one .glb, or a folder
     keep_latents: Path | None = None
     trace: Path | None = None
@@ -286,16 +271,17 @@ class Job:
     def from_args(cls, args: Any, *, command: Sequence[str] = ()) -> Job:
         """The command's parsed options (``pipelines.cli_args``): the config read, every value checked
         (``SettingError`` naming the setting, ``UsageError`` for an option out of range, ``ConfigError``)."""
-        views = tuple(args.views or ())
+        given = {kind.name: tuple(getattr(args, kind.name) or ()) for kind in inputs.flagged()}
+        given["image"] = tuple(args.inputs)
         config = load_config(args.config if args.config is not None else
-                             DEFAULT_VIEWS_CONFIG if views else DEFAULT_CONFIG)
-        check_input_kind(config, images=tuple(args.inputs), views=views)
+                             shipped_config(inputs.given_kind(given).default_config))
+        kind = inputs.command_kind(config, given)
         check_options({"--pp": args.pp, "--patches": args.patches, "--warmup": args.warmup,
                        "--data-groups": args.data_groups, "--parallel-timeout": args.parallel_timeout})
         parallel = ParallelAsk(args.parallel, args.pp, parse_pp_split(args.pp_split), args.patches, args.warmup,
                                args.data_groups, args.parallel_timeout)
         return cls.build(config, {s.name: getattr(args, s.name) for s in SETTINGS}, device=args.device,
-                         parallel=parallel, inputs=views or tuple(args.inputs), output=args.output,
+                         parallel=parallel, inputs=given[kind.name], input_kind=kind.name, output=args.output,
                          keep_latents=args.keep_latents, trace=args.trace, work_dir=args.work_dir,
                          order=args.batch_order, plan_only=args.plan, quiet=args.quiet, command=tuple(command))
 
@@ -341,11 +327,12 @@ class Job:
     def build(cls, config: CascadeConfig, settings: Mapping[str, Any], **fields: Any) -> Job:
         """The job for ``settings`` (name → value; absent or None: the default) over ``config``: each value checked
         (``SettingError``), the export settings applied to the config (checked by ``ExportSettings``)."""
+        kind = inputs.kind_named(config, fields.get("input_kind"))
         values: dict[str, Any] = {}
         for setting in SETTINGS:
             value = settings.get(setting.name)
-            if value is not None and not setting.applies_to(config):
-                raise SettingError(setting.name, setting.elsewhere)
+            if value is not None and not setting.applies_to(kind):
+                raise SettingError(setting.name, kind.refuse_setting(setting.name))
             if value is None:
                 value = setting.config(config) if setting.config and not setting.export else setting.default
             if value is not None and setting.check is not None:
@@ -357,7 +344,7 @@ class Job:
     def settings(self) -> dict[str, Any]:
         """Every setting under its JSON key (the budget as given): what job.json, ``GET /jobs/{id}`` and run.json's
         front-end entry show, and what ``from_request`` takes back."""
-        return {s.name: self.wire_value(s) for s in SETTINGS if s.applies_to(self.config)}
+        return {s.name: self.wire_value(s) for s in SETTINGS if s.applies_to(self.kind)}
 
     def wire_value(self, setting: Setting) -> Any:
         value = getattr(self, setting.name)
@@ -380,21 +367,21 @@ class Job:
         return dataclasses.replace(self, images=tuple(images))
 
     @property
-    def takes_views(self) -> bool:
-        """The config's cascade takes posed views (views folders) instead of images."""
-        return self.config.views is not None
+    def kind(self) -> InputKind:
+        """The kind of input the job runs (``pipelines.inputs``)."""
+        return inputs.kind_named(self.config, self.input_kind)
 
     @property
     def several(self) -> bool:
         """The command was given several inputs or a folder of images: a batch, with a summary."""
-        return len(self.inputs) > 1 or (not self.takes_views and any(p.is_dir() for p in self.inputs))
+        return self.kind.several(self.inputs)
 
 
 def _refused(err: SettingError, config: CascadeConfig, *, key: bool = False) -> str:
     """A refused setting's words after ``settings`` (a request, ``key``) or for a form: a value out of range with
-    what unset means; one that does not apply to this kind of input (``Setting.elsewhere``) by its name."""
+    what unset means; one that does not apply to this kind of input (``InputKind.refuse_setting``) by its name."""
     setting = BY_NAME.get(err.setting)
-    if setting is not None and not setting.applies_to(config):
+    if setting is not None and not setting.applies_to(inputs.kind_for(config)):
         return f".{err.setting}: {err}" if key else f": {err.setting}: {err}"
     return f": {err}{setting.automatic if setting is not None else ''}"
 
@@ -450,63 +437,7 @@ def _form_value(setting: Setting, value: Any) -> Any:
     return value.strip() if isinstance(value, str) else value
 
 
-# -- the command's inputs ---------------------------------------------------------------------------
-def expand_inputs(paths: Sequence[Path]) -> list[Path]:
-    """Image files named directly, plus the images inside named folders (sorted; hidden files such as macOS's
-    ``._cup.png`` AppleDouble companions and ``.DS_Store`` are not images and are skipped); checked to exist.
-    (Whether each is a usable image is checked from its header by the caller.)"""
-    found: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            images = sorted(p for p in path.iterdir()
-                            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
-            if not images:
-                raise UsageError(f"folder {path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-            found += images
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise UsageError(f"input {path} does not exist")
-    stems = [p.stem for p in found]
-    duplicates = sorted({s for s in stems if stems.count(s) > 1})
-    if duplicates:
-        raise UsageError(f"several inputs are named {duplicates}; their outputs would overwrite each other")
-    return found
-
-
-def views_inputs(paths: Sequence[Path]) -> list[Path]:
-    """The views folders the command was given (``--views``): each an existing folder, their names (what the outputs
-    are called) unique. (Each folder's ``transforms.json`` and frames are checked by ``read_views``.)"""
-    for path in paths:
-        if not path.is_dir():
-            raise UsageError(f"--views {path}: {'is a file, not a folder' if path.exists() else 'does not exist'}; "
-                             f"pass a folder holding transforms.json and the view images")
-    names = [p.resolve().name for p in paths]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise UsageError(f"several views folders are named {duplicates}; their outputs would overwrite each other")
-    return list(paths)
-
-
-def check_input_kind(config: CascadeConfig, *, images: Sequence[Path], views: Sequence[Path]) -> None:
-    """One kind of input, the one the config's cascade takes (``UsageError`` naming the flag): images, or views
-    folders (``--views``) on a multi-view config. (``--num-views`` and ``--fov`` go with one kind each: their
-    ``Setting.applies``.)"""
-    name = Path(config.source).name if config.source else config.name
-    if config.views is None:
-        if views:
-            raise UsageError(f"--views needs a multi-view config ({name} takes images): e.g. --config "
-                             f"1024_cascade_mv, or pass images")
-        if not images:
-            raise UsageError("no input: pass an image, a folder of images, or --views DIR")
-        return
-    if images:
-        raise UsageError(f"{name} takes posed views: pass --views DIR (a folder with a transforms.json), not images; "
-                         f"for images use a single-view config (e.g. --config 1024_cascade)")
-    if not views:
-        raise UsageError(f"{name} takes posed views: pass --views DIR (a folder with a transforms.json)")
-
-
+# -- the command's parallel layout -----------------------------------------------------------------
 def parse_pp_split(text: str | None) -> str | tuple[int, ...] | None:
     """``--pp-split``: ``auto`` or comma-separated block counts (``1,3``)."""
     if text is None or text == "auto":

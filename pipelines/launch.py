@@ -27,10 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from pixal3d.interrupts import terminate_as_exception
 from pixal3d.locks import exclusive_lock
-from pixal3d.models.preprocess import ImageError, probe_image
-from pixal3d.models.views import read_views
+from pixal3d.models.preprocess import ImageError
 from pixal3d.parallel import (
     ParallelConfigError,
     ParallelRuntime,
@@ -44,10 +45,11 @@ from pixal3d.staging.policy import gib
 from .batch import BatchItem, default_order
 from .data_parallel import DataJob, GroupStoppedError
 from .errors import Failure, one_line
-from .job import Job, UsageError, expand_inputs, views_inputs
+from .job import Job, UsageError
 from .leftovers import clean_leftovers, cleaned_line
-from .parallel import rank_device
+from .parallel import rank_device, rank_of
 from .plan import RunPlan, check_inputs, default_device, parse_device
+from .ranks import Rank
 from .result import Result, run_json_path
 from .session import Session, batch_rows, check_outputs, plan_outputs, write_summary
 from .work_dir import LOCK as WORK_DIR_LOCK
@@ -104,7 +106,7 @@ def launch(job: Job, voice: Voice, env: Mapping[str, str] | None = None) -> int:
     except (UsageError, ParallelConfigError) as err:  # the same on every rank: said once
         return refused(err, voice, env)
     try:
-        return leader(job, voice, runtime) if topology.rank == 0 else follower(job, voice, runtime)
+        return leader(job, voice, runtime) if topology.rank == 0 else follower(job, voice, rank_of(runtime, device))
     except BaseException as err:  # an unforeseen error: the other ranks stop too, then the traceback
         runtime.fail(err)
         raise
@@ -197,7 +199,7 @@ def parallel_settings(job: Job, env: Mapping[str, str] | None = None) -> Paralle
 # -- the roles ----------------------------------------------------------------------------------------------
 def alone(job: Job, voice: Voice, parallel: ParallelSettings | None = None) -> int:
     """One process: the whole job (``parallel``: the settings a rank plans with alone, for ``--plan``)."""
-    return command(job, voice, parallel)
+    return command(job, voice, rank_of(parallel, _device(job)) if parallel is not None else Rank())
 
 
 def data_group(job: Job, voice: Voice, settings: ParallelSettings) -> int:
@@ -206,7 +208,7 @@ def data_group(job: Job, voice: Voice, settings: ParallelSettings) -> int:
         return alone(job, voice, settings) if launch_rank() == 0 else 0
     share = DataJob.join(settings)
     try:
-        return command(job, voice, settings, share=share)
+        return command(job, voice, replace(rank_of(settings, _device(job)), share=share))
     finally:
         share.close()
 
@@ -216,16 +218,17 @@ def leader(job: Job, voice: Voice, runtime: ParallelRuntime) -> int:
     leaders): the whole job, image by image, the other ranks following."""
     share = DataJob.join(runtime.settings) if runtime.topology.data_groups > 1 and not job.plan_only else None
     try:
-        return command(job, voice, runtime, share=share)
+        return command(job, voice, replace(rank_of(runtime, runtime.device), share=share))
     finally:
         if share is not None:
             share.close()
 
 
-def follower(job: Job, voice: Voice, runtime: ParallelRuntime) -> int:
+def follower(job: Job, voice: Voice, rank: Rank) -> int:
     """A rank ≠ 0: plan, fetch and check only the flow models' weights, then follow rank 0 (``--plan``: plan
     only, taking part in gathering the ranks' memory for ``--pp-split auto``)."""
-    session = Session(voice.name, device=runtime.device, parallel=runtime)
+    runtime = rank.runtime
+    session = Session(voice.name, device=runtime.device, rank=rank)
     try:
         plan = session.plan(job)
         if job.plan_only:
@@ -280,17 +283,14 @@ class Prepared:
         return dict(self.pairs)
 
 
-def command(job: Job, voice: Voice, parallel: ParallelSettings | ParallelRuntime | None = None, *,
-            share: DataJob | None = None) -> int:
-    """Everything a process that runs images does (alone, a data group, a leader; ``parallel``: the job's
-    settings, or the runtime a leader joined): check, plan, run, write, sum up; a failure is one line
-    (``voice``) and the exit code."""
-    runtime = parallel if isinstance(parallel, ParallelRuntime) else None
-    lead = leads(runtime, share)  # says what every rank would say alike
-    started = False
+def command(job: Job, voice: Voice, rank: Rank | None = None) -> int:
+    """Everything a process that runs images does (alone, a data group, a leader; ``rank``: this process's, built
+    for its role): check, plan, run, write, sum up; a failure is one line (``voice``) and the exit code."""
+    rank = rank if rank is not None else Rank()
+    lead, started = rank.speaks, False  # says what every rank would say alike
     try:
         with terminate_as_exception(), ExitStack() as held:
-            prepared = prepare(job, held, parallel, share=share, lead=lead, voice=voice)
+            prepared = prepare(job, held, rank, voice=voice)
             session = prepared.session
             for path, err in prepared.refused if lead else ():
                 voice.note(f"skipped {path.name}: {voice.words(one_line(err))}")
@@ -303,11 +303,12 @@ def command(job: Job, voice: Voice, parallel: ParallelSettings | ParallelRuntime
             held.enter_context(session)
             session.prepare(prepared.job, prepared.plan)  # fetches and verifies the weights
             started = True
-            return run(session, prepared, voice, share)
+            return run(session, prepared, voice, rank.share)
     except BaseException as err:  # the voice's classify decides; anything it does not know is re-raised
         failure = voice.failure(err, started=started)
         if failure is None:
             raise
+        runtime, share = rank.runtime, rank.share
         if runtime is not None:
             runtime.fail(err)  # the other ranks stop too (nothing happens if they already know)
             if failure.kind == "interrupted":  # torchrun's agent stops every rank when one dies: say which
@@ -321,36 +322,27 @@ def command(job: Job, voice: Voice, parallel: ParallelSettings | ParallelRuntime
         return failure.exit_code
 
 
-def leads(runtime: ParallelRuntime | None, share: DataJob | None) -> bool:
-    """Whether this process says what every group's leader would say alike (the plan, skipped inputs) and holds
-    the locks against other runs: rank 0 of the job."""
-    return (share is None or share.rank == 0) and (runtime is None or runtime.topology.global_rank == 0)
-
-
-def prepare(job: Job, held: ExitStack, parallel: ParallelSettings | ParallelRuntime | None = None, *,
-            share: DataJob | None, lead: bool, voice: Voice) -> Prepared:
-    """Everything that can be checked before a weight is read, in this order: the inputs (images Pillow can open,
-    usable by this config's stages; in a batch a bad one costs only itself), the outputs (not folders, writable,
-    not colliding, not being written by another run: locked), the work directory, the device, the plan (from
-    safetensors headers only; with a field of view given, no camera model). A data job's ranks != 0 leave the
-    locks to rank 0 and open the work directory after it."""
-    inputs = everything = views_inputs(job.inputs) if job.takes_views else expand_inputs(job.inputs)
+def prepare(job: Job, held: ExitStack, rank: Rank, *, voice: Voice) -> Prepared:
+    """Everything that can be checked before a weight is read, in this order: the inputs (of the job's kind: images
+    Pillow can open, views folders whose transforms.json and frames check, usable by this config's stages; in a
+    batch a bad one costs only itself), the outputs (not folders, writable, not colliding, not being written by
+    another run: locked), the work directory, the device (this rank's), the plan (from safetensors headers only;
+    with a field of view given, no camera model). A data job's ranks != 0 leave the locks to rank 0
+    and open the work directory after it."""
+    kind, options = job.kind, {"num_views": job.num_views}
+    inputs = everything = kind.expand(job.inputs)
     refused: list[tuple[Path, ImageError]] = []
     if job.several:
         refused = [(path, err) for path in inputs if (err := _unusable(job, path)) is not None]
         if len(refused) == len(inputs):
-            what = "views folder" if job.takes_views else "image"
-            raise UsageError(f"none of the {len(inputs)} inputs is a usable {what}; the first: "
+            raise UsageError(f"none of the {len(inputs)} inputs is a usable {kind.noun}; the first: "
                              f"{one_line(refused[0][1])}")
         inputs = [path for path in inputs if path not in dict(refused)]
-    elif job.takes_views:  # transforms.json and every frame, before any weight is read (ViewsError: one line)
-        check_inputs(job.config, [read_views(path, job.num_views) for path in inputs])
-    else:
-        for path in inputs:
-            probe_image(path)  # not an image, or too small: from the header, before any weight is read
-        check_inputs(job.config, inputs)
+    else:  # from the headers (a views folder: transforms.json and every frame), before any weight is read
+        check_inputs(job.config, [kind.probe(path, options) for path in inputs], kind=kind)
     pairs = list(zip(inputs, plan_outputs(inputs, job.output)))
     check_outputs(pairs, job)
+    share, lead = rank.share, rank.speaks
     if job.work_dir is not None:  # a folder that is not a work directory is refused before any weight is read
         if share is not None:
             share.in_turn(lambda: WorkDir(job.work_dir))  # rank 0 makes it, then the others find it made
@@ -371,19 +363,18 @@ def prepare(job: Job, held: ExitStack, parallel: ParallelSettings | ParallelRunt
         if removed:
             voice.note(cleaned_line(removed))
     job = job.with_images([job.image(path, path.stem) for path, _ in pairs])
-    device = parallel.device if isinstance(parallel, ParallelRuntime) else \
-        parse_device(job.device) if job.device else default_device()
-    session = Session(voice.name, device=device, parallel=parallel, lean=True)
+    session = Session(voice.name, device=rank.place(_device(job)), rank=rank, lean=True)
     return Prepared(session, session.plan(job), pairs, refused, everything, job)
+
+
+def _device(job: Job) -> torch.device:
+    """The job's ``--device``, else the default one (CUDA, else MPS, else CPU)."""
+    return parse_device(job.device) if job.device else default_device()
 
 
 def _unusable(job: Job, path: Path) -> ImageError | None:
     try:
-        if job.takes_views:
-            check_inputs(job.config, [read_views(path, job.num_views)])
-        else:
-            probe_image(path)
-            check_inputs(job.config, [path])
+        check_inputs(job.config, [job.kind.probe(path, {"num_views": job.num_views})], kind=job.kind)
     except ImageError as err:
         return err
     return None
@@ -396,8 +387,7 @@ def run(session: Session, prepared: Prepared, voice: Voice, share: DataJob | Non
     job, outputs = prepared.job, prepared.outputs
     order = batch_order(prepared.plan, job)
     items: list[BatchItem] = []
-    with closing(session.run(job, plan=prepared.plan, order=order, progress=not job.quiet, trace=job.trace,
-                             share=share)) as batch:
+    with closing(session.run(job, plan=prepared.plan, order=order, progress=not job.quiet, trace=job.trace)) as batch:
         for item in batch:
             items.append(item)
             if item.ok:
@@ -453,7 +443,7 @@ def shared_summary(share: DataJob, items: Sequence[BatchItem], prepared: Prepare
 def batch_order(plan: RunPlan, job: Job) -> str:
     """``--batch-order``, else the policy's default; image by image under ``--parallel`` (the other ranks follow;
     a data group runs its images as one process would)."""
-    if plan.parallel is not None and not plan.parallel.independent:
+    if plan.role.shares_flows:
         return "image"
     return job.order or default_order(plan.policy)
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pixal3d import devices
+from pixal3d.config import CascadeConfig
 from pixal3d.models.loading import read_spec
 from pixal3d.parallel import (
     ParallelConfigError,
@@ -48,10 +49,12 @@ from pixal3d.parallel.session import announce, exchange, receive
 from pixal3d.parallel.shard import shard_tensor_names
 from pixal3d.parallel.split import describe_split, model_split
 from pixal3d.parallel.topology import Topology
-from pixal3d.pipeline_json import ResolvedWeights
+from pixal3d.pipeline_json import ResolvedWeights, planned_sizes
 from pixal3d.staging import Machine, Stage
 from pixal3d.staging.executor import Executor, Hook, Item, Store
+from pixal3d.staging.policy import usable
 
+from .ranks import Rank, Sized
 from .state import PROVIDED, RunState
 
 FOLLOWER_PROVIDED = ("parallel",)
@@ -133,9 +136,10 @@ class Skipping(Store):
 
 # -- the plan of one rank ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RankPlan:
+class RankPlan(Rank):
     """This rank's part of a parallel job, decided with the plan: the settings, where this rank sits, its
-    device, and the job's runtime when the caller joined it before planning (else ``join`` joins it)."""
+    device, and the job's runtime when the caller joined it before planning (else ``join`` joins it); ``share``:
+    a data group's part of the job's images (``data_parallel.DataJob``, held by the group's leader)."""
 
     settings: ParallelSettings
     topology: Topology
@@ -144,11 +148,28 @@ class RankPlan:
     owns_runtime: bool = False                  # joined while planning (pp_split auto): this pipeline closes it
     capacities: tuple[int, ...] | None = None   # pp_split auto: each pipeline stage's usable memory, in bytes
     splits: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # flow model -> blocks/rank
+    share: Any = None
+
+    streams = False  # the flow models are a pipeline rank's shards: the plan counts them whole, never streamed
 
     @property
     def follower(self) -> bool:
         """Whether this rank only joins rank 0's flow stages (``Pixal3D.follow``); never in data mode."""
         return self.topology.rank != 0 and not self.independent
+
+    @property
+    def number(self) -> int:
+        return self.topology.rank
+
+    @property
+    def speaks(self) -> bool:
+        """Rank 0 of the job: of its data groups (``share``) and of the group's ranks."""
+        return ((self.share is None or self.share.rank == 0)
+                and (self.runtime is None or self.runtime.topology.global_rank == 0))
+
+    @property
+    def shares_flows(self) -> bool:
+        return not self.independent
 
     @property
     def independent(self) -> bool:
@@ -175,6 +196,9 @@ class RankPlan:
                        for k in range(topo.pp_degree))
         return dataclasses.replace(plan, capacities=stages)
 
+    def place(self, device: torch.device) -> torch.device:
+        return self.device
+
     def stages(self, stages: Sequence[Stage]) -> tuple[Stage, ...]:
         """The stages this rank runs: all of them on rank 0, the flow stages' shards elsewhere; the warmup is
         checked against the cascade's samplers first."""
@@ -195,21 +219,152 @@ class RankPlan:
         return {s.flow_model: shard_selector(s.flow_model, self.topology, self.split, stage)
                 for s in flow_stages(stages)}
 
-    def join(self) -> tuple[ParallelRuntime | None, bool]:
-        """The job's runtime, and whether it was joined here (and is this pipeline's to close); data mode: none
-        (each rank runs its images alone; ``pipelines.data_parallel`` holds the job together)."""
+    def sized(self, config: CascadeConfig, stages: Sequence[Stage], models: Sequence[str],
+              machine: Machine) -> Sized:
+        """The other models' sizes first: ``pp_split`` auto gathers every rank's memory for flow blocks (usable, less
+        the other models its largest flow stage holds), then a pipeline rank counts its shard of each flow model.
+        Ranks on one machine share it."""
+        flows = {s.flow_model for s in flow_stages(stages)}
+        source = config.source or None
+        sizes, notes = planned_sizes(config.weights, models=[m for m in models if m not in flows], config_file=source)
+        machine, shared = machine_share(machine, self.topology)
+        beside = max((sum(sizes.get(m, 0) for m in s.needs if m not in flows) for s in flow_stages(stages)),
+                     default=0)
+        rank = self.with_memory(max(0, usable(machine.device_available) - beside))
+        flow_sizes, flow_notes = planned_sizes(config.weights, models=[m for m in models if m in flows],
+                                               select=rank.shards(stages), config_file=source)
+        rank, split_notes = plan_splits(rank, stages, lambda select: planned_sizes(
+            config.weights, models=list(select), select=select)[0])
+        return Sized(rank, machine, {**sizes, **flow_sizes},
+                     [*notes, *flow_notes, describe_parallel(rank.settings, rank.topology), *split_notes],
+                     [shared] if shared else [])
+
+    def check_weights(self, weights: ResolvedWeights, stages: Sequence[Stage]) -> None:
+        """Every pipeline rank needs a block of every flow: N <= blocks."""
+        check_blocks(self.settings, weights, [s.flow_model for s in flow_stages(stages)])
+
+    def join(self) -> JoinedRank:
+        """This rank in its job: the runtime (joined here unless the caller or the plan did; data mode: none, each
+        rank runs its images alone and ``pipelines.data_parallel`` holds the job together)."""
         if self.independent:
-            return None, False
+            return JoinedRank(self, None, False)
         if self.runtime is not None:
-            return self.runtime, self.owns_runtime
-        return init_parallel(self.settings, device=self.device), True
+            return JoinedRank(self, self.runtime, self.owns_runtime)
+        return JoinedRank(self, init_parallel(self.settings, device=self.device), True)
+
+    def describe(self) -> str:
+        return describe_parallel(self.settings, self.topology)
 
 
-def rank_plan(parallel: ParallelSettings | ParallelRuntime | None, device: torch.device) -> RankPlan | None:
-    """``parallel`` (settings under torchrun, or a runtime from ``init_parallel``) as this rank's plan; None
-    for one process (no settings, or mode ``none``: today's path exactly)."""
+class JoinedRank(Rank):
+    """A planned ``RankPlan`` joined to its job: the runtime (None in data mode), rank 0's ``Leader`` once the
+    executor's hooks are made, and the data group's share of the images."""
+
+    def __init__(self, plan: RankPlan, runtime: ParallelRuntime | None, owned: bool):
+        self.plan, self.runtime, self._owned = plan, runtime, owned
+        self._leader: Leader | None = None
+
+    @property
+    def follower(self) -> bool:
+        return self.plan.follower
+
+    @property
+    def number(self) -> int:
+        return self.plan.number
+
+    def state(self) -> tuple[tuple[str, ...], type]:
+        return self.plan.state()
+
+    def loaders(self, loaders: Mapping[str, Callable[[], nn.Module]], weights: ResolvedWeights,
+                stages: Sequence[Stage]) -> dict[str, Callable[[], nn.Module]]:
+        """The flow models as this rank's shards."""
+        if self.runtime is None:
+            return dict(loaders)
+        return shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(stages)], self.runtime,
+                             split=self.plan.split)
+
+    def hooks(self, stages: Sequence[Stage]) -> list[Hook]:
+        """Rank 0's ``Leader`` (none on a follower, whose executor ``follow`` makes, and none in data mode)."""
+        if self.runtime is None or self.follower:
+            return []
+        self._leader = Leader(self.runtime, stages, self.plan.splits)
+        return [self._leader]
+
+    def check_batch(self, order: str, work_dir: Any) -> None:
+        if self.runtime is None:
+            return
+        if order == "stage":
+            raise ValueError("under torchrun the other ranks follow rank 0 image by image: a parallel batch runs in "
+                             "image order")
+        if work_dir is not None and self.plan.share is None:
+            raise ValueError("under torchrun a work directory is for data groups (the groups claim images in it): "
+                             "plan with a data group's rank (pipelines.launch), or run without work_dir")
+
+    def drive(self, executor: Executor, items: Sequence[Item], order: str, work: Any) -> Iterator[Item]:
+        """A data group's images (claimed in ``work``, or i mod K); every image without one."""
+        if self.plan.share is not None:
+            return self.plan.share.feed(items, executor, order, work)
+        return executor.drive(items, order)
+
+    def report(self, item: Item, rows: Sequence[Any]) -> dict[str, Any] | None:
+        """Every rank's report of ``item``: run.json's ``parallel`` entry (rank 0)."""
+        return self._leader.gather(item, rows) if self._leader is not None else None
+
+    @property
+    def stopped(self) -> str | None:
+        """Why this parallel job can run no more images (an error after its followers joined an image)."""
+        return self._leader.stopped if self._leader is not None else None
+
+    def follow(self, runner: Any, relay: Any) -> int:
+        """On ranks != 0: rank 0's images through this rank's executor (``follow``)."""
+        if not self.follower:
+            return super().follow(runner, relay)
+        from .batch import Meter
+
+        meter = Meter(relay, lambda: runner.registry, device=self.runtime.device,
+                      meta={"rank": self.runtime.topology.rank})
+        executor = Executor(runner, lambda item, k: FollowerState(parallel=self.runtime), hooks=[meter],
+                            store=Skipping())
+        return follow(self.runtime, executor, meter)
+
+    def abort(self, err: BaseException) -> None:
+        """The other ranks stop too, rather than wait."""
+        if self._leader is not None:
+            self._leader.abort(err)
+        elif self.runtime is not None:
+            self.runtime.fail(err)
+
+    def close(self, release: Callable[[], None] = lambda: None) -> None:
+        """Rank 0 tells the followers the job is over, ``release()`` lets the models go, and the job's process groups
+        are torn down when this rank made them."""
+        try:
+            if self._leader is not None:
+                self._leader.close()
+        finally:
+            try:
+                release()
+            finally:
+                if self._owned:
+                    self.runtime.close()
+
+    def fail_and_close(self, err: BaseException) -> None:
+        """A pipeline that could not be built after joining: the other ranks stop too."""
+        if self._owned:
+            self.runtime.fail(err)
+            self.runtime.close()
+
+    def describe(self) -> str:
+        return self.plan.describe()
+
+
+def rank_of(parallel: Rank | ParallelSettings | ParallelRuntime | None, device: torch.device) -> Rank:
+    """The library's ``parallel=`` as this process's rank: a rank (``pipelines.launch`` builds one per process
+    role) as it is; settings under torchrun, or a runtime from ``init_parallel``, as this rank's plan; one process
+    (``Rank()``) for None or mode ``none``: today's path exactly."""
+    if isinstance(parallel, Rank):
+        return parallel
     if parallel is None or (isinstance(parallel, ParallelSettings) and parallel.mode == "none"):
-        return None
+        return Rank()
     if isinstance(parallel, ParallelRuntime):
         return RankPlan(parallel.settings, parallel.topology, parallel.device, parallel)
     topology = Topology.from_env(parallel)

@@ -11,11 +11,12 @@ prints the plan in between, and ``--plan`` stops there). Models load when their 
 them; the policy decides where they live between stages and between runs. ``close()`` releases them.
 
 Every run goes through one executor (``pixal3d.staging.executor``): ``run`` is a batch of one, ``run_batch``
-takes several images stage by stage (each model loaded once per batch) or image by image and can resume from
-a work directory (``batch.py``, ``work_dir.py``). Under torchrun, ``parallel=ParallelSettings(...)`` (or a
-runtime from ``init_parallel``) spreads the flow stages over the job's ranks (``parallel.py``): rank 0 runs
-images, every other rank calls ``follow()``. With ``ParallelSettings(mode="data")`` every rank is a pipeline of
-its own and ``run_batch(share=DataJob)`` runs only this rank's share of the images (``data_parallel.py``).
+takes several inputs stage by stage (each model loaded once per batch) or one by one and can resume from
+a work directory (``batch.py``, ``work_dir.py``). What an input is (an image, posed views) is its kind's
+(``pipelines.inputs``). Under torchrun the process's rank (``pipelines.ranks``: built per role by
+``pipelines.launch``, or from ``parallel=ParallelSettings(...)``) is consulted at the plan, the loaders, the hooks,
+the sampler and the drive: with CFG / PipeFusion rank 0 runs images and every other rank calls ``follow()``; a data
+group (``--parallel data``) runs its share of the images whole.
 """
 from __future__ import annotations
 
@@ -29,41 +30,49 @@ from torch import nn
 
 import pixal3d
 from pixal3d.config import CascadeConfig, load_config
-from pixal3d.devices import kind
-from pixal3d.memory_budget import parse_budget
-from pixal3d.models.preprocess import ImageError, as_image, probe_image
-from pixal3d.models.views import ViewSet, read_views, view_name
-from pixal3d.nn.attention import describe_route, resolve_route
-from pixal3d.parallel import ParallelRuntime, ParallelSettings
-from pixal3d.pipeline_json import (
-    PIPELINE_MODELS,
-    ResolvedWeights,
-    planned_pipeline_json,
-    planned_sizes,
-    resolve_samplers,
-    resolve_weights,
-)
-from pixal3d.staging import Event, Policy, StageRunner, WeightStream, check_stages, detect_machine, measure_copy_bandwidth
+from pixal3d.models.preprocess import ImageError
+from pixal3d.nn.attention import resolve_route
+from pixal3d.pipeline_json import ResolvedWeights, resolve_weights
+from pixal3d.staging import Event, Policy, StageRunner, WeightStream, detect_machine
 from pixal3d.staging.executor import Executor
-from pixal3d.staging.mps_memory import apply_mps_memory_limit, check_mps_memory_limit
-from pixal3d.staging.policy import gib, usable
+from pixal3d.staging.mps_memory import apply_mps_memory_limit
 from pixal3d.telemetry import MemoryMeter
 
-from . import arguments, state_codec
-from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
-from .build import build_stages
-from .data_parallel import DataJob
+from . import arguments, inputs, state_codec
+from .batch import (
+    IMAGE_KINDS,
+    BatchItem,
+    BatchOrder,
+    Meter,
+    Progress,
+    Relay,
+    default_order,
+    image_items,
+)
 from .errors import classify
+from .inputs import InputKind
 from .loaders import model_loaders, with_attention_route
-from .parallel import (FollowerState, Leader, Skipping, check_blocks, describe_parallel, flow_stages, follow,
-                       machine_share, plan_splits, rank_plan, shard_loaders)
-from .plan import (RunPlan, check_device, check_memory, default_device, describe_fit, describe_stream, fit_policy,
-                   smallest_budget, stream_layouts, stream_pinned, with_attention_route_of, with_sampler_of)
+from .parallel import rank_of
+from .plan import (
+    RunPlan,
+    check_device,
+    check_memory,
+    default_device,
+    fit_policy,
+    plan_budget,
+    plan_mps_limit,
+    plan_reasons,
+    planned_config,
+    planned_stages,
+    stream_layouts,
+    with_attention_route_of,
+)
 from .preprocess import rembg_loader
+from .ranks import Rank
 from .result import Result
 from .stage import CascadeStage
-from .state import PROVIDED, RunState
-from .work_dir import StateStore, WorkDir, input_digest, stage_keys, weights_digests
+from .state import RunState
+from .work_dir import StateStore, WorkDir, stage_keys, weights_digests
 
 logger = logging.getLogger(__name__)
 
@@ -71,45 +80,39 @@ Loader = Callable[[], nn.Module]
 
 
 class Pixal3D:
-    """The cascade ready to run: stages, resolved weights, a policy and a model registry."""
+    """The cascade ready to run: stages, resolved weights, a policy, a model registry and this process's rank."""
 
     def __init__(self, plan: RunPlan, weights: ResolvedWeights, *, strict: bool = False, preserve_rng: bool = True,
-                 wrap_loader: Callable[[str, Loader], Loader] | None = None, runtime: ParallelRuntime | None = None,
-                 owns_runtime: bool = False):
+                 wrap_loader: Callable[[str, Loader], Loader] | None = None, rank: Rank | None = None):
         self.run_plan = plan
         self.config = plan.config
         self.device = plan.device
         self.weights = weights
         self._relay = Relay()  # the registry's events go to the running span's listeners
-        self._runtime, self._owns_runtime = runtime, owns_runtime
-        if plan.parallel is not None and not plan.parallel.independent and runtime is None:
-            raise ValueError("a parallel plan needs the job's runtime: build the pipeline with Pixal3D.from_plan")
+        self._rank = rank if rank is not None else plan.role.join()
         if plan.mps_limit is not None:
             apply_mps_memory_limit(plan.mps_limit)
-        remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         copied = self.config.runtime.cpu_weights == "copied"
         self._stream = WeightStream(plan.device, copy=copied) if plan.policy is Policy.stream else None
+        remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
         loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover,
                                 stream=self._stream, streamed=tuple(plan.memory.streamed), pin=plan.stream_pinned,
                                 copied=copied)
-        if runtime is not None:  # flow models load as this rank's shards
-            loaders = shard_loaders(loaders, weights, [s.flow_model for s in flow_stages(plan.stages)], runtime,
-                                    split=plan.parallel.split)
-        loaders = with_attention_route(loaders, self.config.runtime.attention)
+        loaders = with_attention_route(self._rank.loaders(loaders, weights, plan.stages),
+                                       self.config.runtime.attention)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
-        provides, state_type = plan.parallel.state() if runtime is not None else (PROVIDED, RunState)
+        provides, state_type = self._rank.state()
         self._runner = StageRunner(plan.stages, loaders, provides=provides, state_type=state_type,
                                    policy=plan.policy, events=self._relay, strict=strict, preserve_rng=preserve_rng)
-        self._leader = (Leader(runtime, plan.stages, plan.parallel.splits) if runtime is not None and not plan.follower
-                        else None)
+        self._hooks = self._rank.hooks(plan.stages)
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
     def plan(config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
              device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-             until: str | None = None, parallel: ParallelSettings | ParallelRuntime | None = None,
-             memory_budget: int | str | None = None) -> RunPlan:
+             until: str | None = None, parallel: Any = None, memory_budget: int | str | None = None,
+             input_kind: str | None = None) -> RunPlan:
         """The memory plan and the resolved policy; reads only ``pipeline.json`` and safetensors headers.
 
         ``replace`` swaps stages by name, ``until`` ends the cascade after the named stage. Raises
@@ -119,80 +122,41 @@ class Pixal3D:
         mode; ``StageBudget``): ``memory_budget`` (bytes, a size such as ``"8G"``, or ``"auto"``: the memory
         available now less 15 %) bounds every stage's work to it — tiles for the decode, smaller chunks for
         the flow stages — and a config that cannot fit raises ``MemoryBudgetError`` naming the stage.
-        ``parallel``: ``ParallelSettings`` (or a runtime from ``init_parallel``) under torchrun; checked here
-        against torchrun's environment and the config (``ParallelConfigError``). Ranks != 0 plan only their
-        part: the flow stages, on shards of the flow models (the plan counts each rank's shard).
+        ``parallel``: this process's rank (``pipelines.ranks``), or ``ParallelSettings`` / a runtime from
+        ``init_parallel`` under torchrun; checked here against torchrun's environment and the config
+        (``ParallelConfigError``). Ranks != 0 plan only their part: the flow stages, on shards of the flow models.
+        ``input_kind``: the kind of input the runs take (``pipelines.inputs``; default: the one the config takes).
         """
-        # 1. config and device; this rank's part of a parallel job (its device: cuda:<local rank>)
-        arguments.check_plan_arguments(config, policy=policy, device=device, replace=replace, until=until,
-                                       memory_budget=memory_budget)
+        # 1. the arguments, the budget parsed once; config, device and this rank's part of the job
+        budget = arguments.check_plan_arguments(config, policy=policy, device=device, replace=replace, until=until,
+                                                memory_budget=memory_budget)
         config = load_config(config) if isinstance(config, (str, Path)) else config
+        kind = inputs.kind_named(config, input_kind)
         device = check_device(torch.device(device)) if device is not None else default_device()
-        rank = rank_plan(parallel, device)
-        device = rank.device if rank is not None else device
-        # 2. the samplers' settings the config leaves to pipeline.json
-        pipeline = planned_pipeline_json(config.weights)
-        if pipeline is None:  # not on disk, not reachable: one error naming it and every other missing file
-            planned_sizes(config.weights, models=(*PIPELINE_MODELS, "dinov3", "naf"), config_file=config.source or None)
-        config = resolve_samplers(config, pipeline)
-        # 3. stages, this rank's part of them, their declarations checked before anything is read
-        stages = tuple(with_sampler_of(s, config) for s in build_stages(config, replace=replace, until=until))
-        stages = rank.stages(stages) if rank is not None else stages
-        provides, state_type = rank.state() if rank is not None else (PROVIDED, RunState)
-        check_stages(stages, provides=provides, state_type=state_type, storable=state_codec.storable(state_type))
-        # 4. the machine (ranks on one machine share it); weight sizes from safetensors headers, the other models
-        #    first: pp_split auto gathers every rank's memory for flow blocks (usable, less the other models its
-        #    largest flow stage holds), then a pipeline rank counts its shard of each flow model
-        machine, shared = detect_machine(device), None
-        needs = {s.name: tuple(s.needs) for s in stages}
-        models = list(dict.fromkeys(m for ms in needs.values() for m in ms))  # cascade order: errors name the first
-        flows = {s.flow_model for s in flow_stages(stages)} if rank is not None else set()
-        sizes, notes = planned_sizes(config.weights, models=[m for m in models if m not in flows],
-                                     config_file=config.source or None)
-        split_notes: list[str] = []
-        if rank is not None:
-            machine, shared = machine_share(machine, rank.topology)
-            beside = max((sum(sizes.get(m, 0) for m in s.needs if m not in flows) for s in flow_stages(stages)),
-                         default=0)
-            rank = rank.with_memory(max(0, usable(machine.device_available) - beside))
-            flow_sizes, flow_notes = planned_sizes(config.weights, models=[m for m in models if m in flows],
-                                                   select=rank.shards(stages), config_file=config.source or None)
-            sizes, notes = {**sizes, **flow_sizes}, [*notes, *flow_notes]
-            rank, split_notes = plan_splits(rank, stages, lambda select: planned_sizes(
-                config.weights, models=list(select), select=select)[0])
+        role = rank_of(parallel, device)
+        device = role.place(device)
+        # 2. the samplers' settings the config leaves to pipeline.json; 3. the stages, this rank's part of them
+        config = planned_config(config)
+        stages = planned_stages(config, kind, role, replace=replace, until=until)
+        # 4. the machine as this rank has it, every model's bytes from safetensors headers (a rank's shards)
+        models = list(dict.fromkeys(m for s in stages for m in s.needs))  # cascade order: errors name the first
+        sized = role.sized(config, stages, models, detect_machine(device))
+        role, machine, sizes = sized.rank, sized.machine, sized.sizes
         # 5. the budget; the blocks of the models that can stream, from their headers, where the policy may stream
-        budget = None if memory_budget is None else (
-            usable(machine.device_available) if memory_budget == "auto" else parse_budget(memory_budget))
-        layouts = stream_layouts(config, models, policy) if rank is None else {}
-        # 6. every stage fitted to the budget (or to the machine's usable memory) and to the attention route, and the
-        #    policy chosen within it: whole models, or their blocks streamed when whole models do not fit
+        budget = plan_budget(budget, machine)
+        layouts = stream_layouts(config, models, policy) if role.streams else {}
+        # 6. every stage fitted to the budget (or the machine's usable memory) and the attention route; the policy
+        #    chosen within it: whole models, or their blocks streamed when whole models do not fit
         routed = with_attention_route_of(stages, resolve_route(config.runtime.attention, device))
         fit = fit_policy(policy, routed, sizes, budget, machine, layouts)
-        stages, memory, chosen, reasons = fit.stages, fit.memory, fit.policy, fit.reasons
         # 7. refused when one stage's weights alone do not fit; what the budget and the stream cost, in words
-        check_memory(memory, machine.device_available, str(device))
-        reasons += [shared] if shared else []
-        reasons += describe_fit(stages, budget, machine)
-        if budget is not None:
-            smallest, setter = smallest_budget(routed, sizes, machine, memory.streamed or None)
-            reasons.append(f"the smallest memory budget this cascade plans within ({chosen.value}): "
-                           f"{gib(smallest)}, set by stage {setter!r}")
-        pinned = False
-        if chosen is Policy.stream:
-            reasons += describe_stream(memory, stages, measure_copy_bandwidth(device))
-            pinned = stream_pinned(memory, machine)
-        reasons.append(describe_route(config.runtime.attention, device))
+        check_memory(fit.memory, machine.device_available, str(device))
+        reasons, pinned = plan_reasons(fit, sized.reasons, routed, sizes, budget, machine, device,
+                                       config.runtime.attention)
         # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
-        mps_limit = None
-        if kind(device).memory_limit:
-            mps_limit = check_mps_memory_limit()
-            reasons.append(mps_limit.describe())
-            if mps_limit.lets_swap:  # PyTorch's default: the run lowers it (from_plan), as said here
-                reasons.append(f"the run lowers the MPS limit to {mps_limit.safe_ratios()[0]:g} x Metal's "
-                               f"recommended working set, so that outgrowing memory fails instead of swapping")
-        return RunPlan(config, stages, device, memory, machine, chosen, tuple(reasons),
-                       (*notes, *([describe_parallel(rank.settings, rank.topology)] if rank else []), *split_notes),
-                       mps_limit, rank, budget, pinned)
+        mps_limit, mps_lines = plan_mps_limit(device)
+        return RunPlan(config, fit.stages, device, fit.memory, machine, fit.policy, (*reasons, *mps_lines),
+                       tuple(sized.notes), mps_limit, role, budget, pinned, kind)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -204,14 +168,12 @@ class Pixal3D:
         preserve_rng: False only for the control test that shows why loads must not move the generators
         wrap_loader:  ``(name, loader) -> loader``, e.g. a benchmark measuring memory around each load
         """
-        runtime, owned = plan.parallel.join() if plan.parallel is not None else (None, False)
+        rank = plan.role.join()
         try:
             return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader,
-                       runtime=runtime, owns_runtime=owned)
+                       rank=rank)
         except BaseException as err:
-            if owned:  # joined here: the other ranks stop too
-                runtime.fail(err)
-                runtime.close()
+            rank.fail_and_close(err)  # joined here: the other ranks stop too
             raise
 
     @staticmethod
@@ -219,21 +181,19 @@ class Pixal3D:
         names = plan.model_names()
         weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names,
                                   config_file=plan.config.source or None)
-        if plan.parallel is not None:  # every pipeline rank needs a block of every flow: N <= blocks
-            check_blocks(plan.parallel.settings, weights, [s.flow_model for s in flow_stages(plan.stages)])
+        plan.role.check_weights(weights, plan.stages)
         return weights
 
     @classmethod
     def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
                     device: str | torch.device | None = None, replace: Mapping[str, CascadeStage] | None = None,
-                    until: str | None = None, parallel: ParallelSettings | ParallelRuntime | None = None,
-                    memory_budget: int | str | None = None,
-                    **options: Any) -> Pixal3D:
+                    until: str | None = None, parallel: Any = None, memory_budget: int | str | None = None,
+                    input_kind: str | None = None, **options: Any) -> Pixal3D:
         """``from_plan(plan(config, ...), **options)``: a config file or object, the policy (``auto``
         chooses), the device (default: CUDA, else MPS, else CPU), stages replaced by name, a last stage,
-        the parallel settings under torchrun (default: none, one process)."""
+        this process's rank under torchrun (default: one process), the kind of input."""
         plan = cls.plan(config, policy=policy, device=device, replace=replace, until=until, parallel=parallel,
-                        memory_budget=memory_budget)
+                        memory_budget=memory_budget, input_kind=input_kind)
         return cls.from_plan(plan, **options)
 
     # -- what it is --------------------------------------------------------------------------
@@ -256,12 +216,12 @@ class Pixal3D:
     def job_stopped(self) -> str | None:
         """Why this parallel job can run no more images (an error after its followers joined an image), or
         None while it can, and without a job. An image that failed before its first flow stage leaves it None."""
-        return self._leader.stopped if self._leader is not None else None
+        return self._rank.stopped
 
     @property
-    def parallel(self) -> ParallelRuntime | None:
-        """The parallel job's runtime under torchrun (None: one process)."""
-        return self._runtime
+    def parallel(self) -> Any:
+        """The parallel job's runtime under torchrun (None: one process, or a data group)."""
+        return self._rank.runtime
 
     @property
     def is_follower(self) -> bool:
@@ -289,16 +249,12 @@ class Pixal3D:
         trace:     also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
         name:      what run.json calls the input (default: the path, or "<image>")
         """
-        arguments.check_input_kind(self.config, image=image, views=views, num_views=num_views, fov=fov)
-        if views is not None:
-            arguments.check_views(views)
-        else:
-            arguments.check_image(image)
+        kind, source = self._input({"image": image, "views": views}, {"fov": fov, "num_views": num_views})
+        kind.check(source, kind.argument)
         arguments.check_optional(name, "name", (str,), "a string")
         arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
-        source = views if views is not None else image
         items = image_items([source], seed=seed, fov=fov, default_seed=self.config.seed,
-                            labels=[name] if name else None, names=[view_name(source)] if views is not None else None)
+                            labels=[name] if name else [kind.label(source)], names=[kind.default_name(source, 0)])
         [item] = self._execute(items, "image", num_views=num_views, events=events, progress=progress,
                                callback=callback, trace=trace, trace_meta=trace_meta)
         return item.result
@@ -310,7 +266,7 @@ class Pixal3D:
                   work_dir: str | Path | None = None, state_budget: int | None = None,
                   events: Callable[[Event], None] | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
-                  trace_meta: Mapping[str, Any] | None = None, share: DataJob | None = None) -> Iterator[BatchItem]:
+                  trace_meta: Mapping[str, Any] | None = None) -> Iterator[BatchItem]:
         """Run several images, stage by stage or image by image (``pipelines.batch``), optionally resuming from a
         work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
         finishes. ``seed`` and ``fov``: one, or one per image; ``names``: what outputs and records call each image
@@ -318,16 +274,10 @@ class Pixal3D:
         instead of images, on a multi-view config (as ``run``); ``order``: default ``default_order(policy)``;
         ``state_budget``: bytes of states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on
         disk); the rest as for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in
-        image order).
-        ``share``: this rank's part of a ``--parallel data`` job (``data_parallel.DataJob``): only the images this
-        group claims (in ``work_dir``) or is given (i mod K) run here and are yielded."""
-        arguments.check_input_kind(self.config, image=images, views=views, num_views=num_views, fov=fov)
-        if views is not None:
-            arguments.check_sequence(views, "views")
-            for index, folder in enumerate(views):
-                arguments.check_views(folder, f"views[{index}]")
-        else:
-            arguments.check_images(images)
+        image order). A data group's rank (``pipelines.launch``) runs only the images its group claims (in
+        ``work_dir``) or is given (i mod K), and yields those."""
+        kind, sources = self._input({"image": images, "views": views}, {"fov": fov, "num_views": num_views})
+        kind.check_batch(sources, kind.batch_argument)
         arguments.check_names(names)
         arguments.check_optional(work_dir, "work_dir", (str, Path), "a path")
         arguments.check_state_budget(state_budget)
@@ -335,31 +285,33 @@ class Pixal3D:
         order = order or default_order(self.policy)
         if order not in ("image", "stage"):
             raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
-        if self._runtime is not None and order == "stage":
-            raise ValueError("under torchrun the other ranks follow rank 0 image by image: a parallel batch runs in "
-                             "image order")
-        if self._runtime is not None and work_dir is not None and share is None:
-            raise ValueError("under torchrun a work directory is for data groups (the groups claim images in it): "
-                             "pass share=DataJob, or run without work_dir")
-        sources = list(views) if views is not None else images
-        if views is not None and names is None:
-            names = [view_name(folder) for folder in sources]
-        items = image_items(sources, seed=seed, fov=fov, default_seed=self.config.seed, names=names)
+        self._rank.check_batch(order, work_dir)
+        names = names if names is not None else [kind.default_name(s, i) for i, s in enumerate(sources)]
+        items = image_items(sources, seed=seed, fov=fov, default_seed=self.config.seed, names=names,
+                            labels=[kind.label(s) for s in sources])
         return self._execute(items, order, num_views=num_views, work_dir=work_dir, state_budget=state_budget,
                              events=events, progress=progress, callback=callback, trace=trace, trace_meta=trace_meta,
-                             isolate=True, share=share)
+                             isolate=True)
+
+    def _input(self, given: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[InputKind, Any]:
+        """The kind of input given (``pipelines.inputs``: the one this pipeline was planned for) and its value."""
+        kind = inputs.library_kind(self.config, arguments=given, options=options)
+        if kind is not self.run_plan.kind:
+            raise ValueError(f"this pipeline was planned for {self.run_plan.kind.noun} inputs "
+                             f"({self.run_plan.kind.argument}=), not {kind.noun} inputs; plan with input_kind="
+                             f"{kind.name!r}")
+        return kind, given.get(kind.argument)
 
     def _execute(self, items: list[BatchItem], order: BatchOrder, *, num_views: int | None = None,
-                 work_dir: str | Path | None = None,
-                 state_budget: int | None = None, events: Callable[[Event], None] | None, progress: bool,
+                 work_dir: str | Path | None = None, state_budget: int | None = None,
+                 events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
-                 trace_meta: Mapping[str, Any] | None, isolate: bool = False, share: DataJob | None = None
-                 ) -> Iterator[BatchItem]:
+                 trace_meta: Mapping[str, Any] | None, isolate: bool = False) -> Iterator[BatchItem]:
         """``items`` through the executor in ``order``; what ``run`` and ``run_batch`` share."""
         if self.is_follower:
             raise RuntimeError(f"rank {self.run_plan.rank} follows rank 0 in this parallel job: call follow() here "
                                f"and run images on rank 0")
-        stages = self.stages
+        stages, kind = self.stages, self.run_plan.kind
         bar = Progress([s.name for s in stages], progress=progress, callback=callback)
         meter = Meter(self._relay, lambda: self._runner.registry, device=self.device, trace=trace,
                       several=len(items) > 1, events=events, meta={"policy": self.policy.value, **(trace_meta or {})})
@@ -369,35 +321,23 @@ class Pixal3D:
                            kinds=state_codec.declared_kinds(RunState))
         keyed = work_dir is not None or (order == "stage" and len(items) > 1)  # records, or states spilled
         digests = weights_digests(self.weights) if keyed else {}
-
-        views = self.config.views is not None
+        options = {"num_views": num_views}
 
         def open_item(item: BatchItem) -> None:
-            """Refuse an unusable input before its first stage; key its stages (for the store)."""
+            """Refuse an unusable input before its first stage (its kind's check, then the stages'); key its stages."""
             try:
-                if views:  # a views folder: transforms.json and every frame checked, once (read_views)
-                    if not isinstance(item.source, ViewSet) or num_views is not None:
-                        item.source = read_views(getattr(item.source, "folder", item.source), num_views)
-                elif isinstance(item.source, (str, Path)):
-                    probe_image(item.source)  # not an image, or too small: from its header
+                item.source = kind.open(item.source, options)
                 self.run_plan.check_input(item.source)  # e.g. no alpha and no remover
-                digest = (item.source.digest() if views else input_digest(item.source)) if keyed else None
-                provided = {"input_image": None if views else digest, "input_views": digest if views else None,
-                            "generator": item.seed, "fov_deg": item.fov, "device": str(self.device),
-                            "shape_normalization": repr(self.weights.shape_normalization),
-                            "tex_normalization": repr(self.weights.tex_normalization)}
+                digest = kind.digest(item.source) if keyed else None
             except OSError as err:
                 raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
             if keyed:  # what decides each stage's outputs
-                item.keys = stage_keys(stages, provided, digests, {"torch": torch.__version__,
-                                                                    "pixal3d": pixal3d.__version__})
+                item.keys = stage_keys(stages, self._provided(kind, digest, item), digests,
+                                       {"torch": torch.__version__, "pixal3d": pixal3d.__version__})
 
         def start(item: BatchItem, k: int) -> RunState:
-            if views:
-                return self.new_state(None, views=item.source, seed=item.seed, progress=progress,
-                                      callback=bar.callback_for(item))
-            reads_input = any("input_image" in s.inputs for s in stages[k:])
-            return self.new_state(as_image(item.source) if reads_input else None, seed=item.seed, fov=item.fov,
+            reads_input = any(f in s.inputs for s in stages[k:] for f in kind.provides)
+            return self.new_state(kind.state(item.source, reads_input=reads_input), seed=item.seed, fov=item.fov,
                                   progress=progress, callback=bar.callback_for(item))
 
         def alone(item: BatchItem, err: BaseException) -> bool:
@@ -406,23 +346,28 @@ class Pixal3D:
             return failure is not None and failure.kind in IMAGE_KINDS and self.job_stopped is None
 
         executor = Executor(self._runner, start, store=store, open=open_item, isolate=alone if isolate else None,
-                            hooks=[bar, meter, *([self._leader] if self._leader is not None else [])],
+                            hooks=[bar, meter, *self._hooks],
                             finish=lambda item: self._result(item, meter.meter_for(item)))
-        if share is not None:  # a data group: the images it claims or is given
-            return share.feed(items, executor, order, work)
-        return executor.drive(items, order)
+        return self._rank.drive(executor, items, order, work)
 
     # -- what runs and batches share -------------------------------------------------------------
-    def new_state(self, image: Any, *, views: ViewSet | None = None, seed: int, fov: float | None = None,
-                  progress: bool = False, callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
-        """A fresh ``RunState`` for ``image`` (a PIL image, or None when the preprocess stage will not run) or
-        ``views`` (the multi-view cascade's checked folder): the provided fields, a CPU generator seeded with
-        ``seed``."""
+    def _provided(self, kind: InputKind, digest: str | None, item: BatchItem) -> dict[str, Any]:
+        """The provided fields as the stages' keys see them: the input's digest, the seed, the field of view, ..."""
+        return {**{field: None for field in inputs.INPUT_FIELDS}, **kind.provided(digest), "generator": item.seed,
+                "fov_deg": item.fov, "device": str(self.device),
+                "shape_normalization": repr(self.weights.shape_normalization),
+                "tex_normalization": repr(self.weights.tex_normalization)}
+
+    def new_state(self, given: Mapping[str, Any], *, seed: int, fov: float | None = None, progress: bool = False,
+                  callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
+        """A fresh ``RunState``: the input's fields (``given``: its kind's ``state``, e.g. ``input_image``, a PIL image
+        or None when no stage still to run reads it), a CPU generator seeded with ``seed``, the other provided
+        fields."""
+        fields = {name: None for name in inputs.INPUT_FIELDS} | dict(given)
         return RunState(
-            input_image=image, input_views=views, generator=torch.Generator().manual_seed(seed), device=self.device,
-            fov_deg=fov,
+            **fields, generator=torch.Generator().manual_seed(seed), device=self.device, fov_deg=fov,
             shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
-            progress=progress, callback=callback, parallel=self._runtime)
+            progress=progress, callback=callback, parallel=self._rank.runtime)
 
     def _result(self, item: BatchItem, meter: MemoryMeter | None) -> Result:
         """The ``Result`` of one image: its state, its stage records (peaks filled in from ``meter``'s windows of
@@ -433,7 +378,7 @@ class Pixal3D:
             if record.stage in peaks and record.peak_process_bytes is None:
                 record.peak_process_bytes = peaks[record.stage].peak_process
                 record.peak_device_bytes = peaks[record.stage].peak_device
-        parallel = self._leader.gather(item, rows) if self._leader is not None else None  # every rank's peaks
+        parallel = self._rank.report(item, rows)  # every rank's peaks
         return Result(input=item.label, seed=item.seed, config=self.config, device=self.device, policy=self.policy,
                       policy_reasons=self.run_plan.reasons, state=item.state, stages=item.records,
                       memory=[row.to_dict() for row in rows], parallel=parallel, choices=self.run_plan.choices(),
@@ -443,36 +388,25 @@ class Pixal3D:
         """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0
         closes its pipeline; returns the number of images. Any failure, here or on another rank, raises
         on every rank (``PeerFailedError`` naming the rank that failed)."""
-        if not self.is_follower:
-            raise RuntimeError("rank 0 leads the parallel job (or there is none): call run(image) for each image "
-                               "and close() at the end; follow() is for the other ranks")
-        meter = Meter(self._relay, lambda: self._runner.registry, device=self._runtime.device,
-                      meta={"rank": self._runtime.topology.rank})
-        executor = Executor(self._runner, lambda item, k: FollowerState(parallel=self._runtime), hooks=[meter],
-                            store=Skipping())
-        return follow(self._runtime, executor, meter)
+        return self._rank.follow(self._runner, self._relay)
 
     def close(self) -> None:
         """Release every loaded model (a later ``run`` loads them again). In a parallel job, rank 0 tells the
         followers the job is over (their ``follow()`` returns), and the job's process groups are torn down
         when this pipeline made them; no run is possible after that."""
+        self._rank.close(release=self._release)
+
+    def _release(self) -> None:
         try:
-            if self._leader is not None:
-                self._leader.close()
-        finally:
             self._runner.close()
+        finally:
             if self._stream is not None:
                 self._stream.close()
-            if self._owns_runtime:
-                self._runtime.close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc is not None and self._runtime is not None:  # the other ranks stop too, rather than wait
-            if self._leader is not None:
-                self._leader.abort(exc)
-            else:
-                self._runtime.fail(exc)
+        if exc is not None:  # the other ranks of a job stop too, rather than wait
+            self._rank.abort(exc)
         self.close()

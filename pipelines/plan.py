@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig
+from pixal3d.config import DEFAULT_SIGMA_MIN, CascadeConfig, UsageError
 from pixal3d.devices import DeviceError, check_device, default_device  # noqa: F401 -- re-exported
+from pixal3d.devices import kind as device_kind
 from pixal3d.memory_budget import (
     GIB,
     PROCESS_BYTES,
@@ -21,17 +22,25 @@ from pixal3d.memory_budget import (
     format_bytes,
     models_and_work,
 )
-from pixal3d.nn.attention import device_array_bytes
-from pixal3d.pipeline_json import planned_tensor_bytes
+from pixal3d.nn.attention import describe_route, device_array_bytes
+from pixal3d.pipeline_json import (
+    STANDING_MODELS,
+    planned_pipeline_json,
+    planned_sizes,
+    planned_tensor_bytes,
+    resolve_samplers,
+)
 from pixal3d.staging import (
     Machine,
     MemoryPlan,
     Policy,
     PolicyError,
     StreamLayout,
+    check_stages,
     format_plan,
+    measure_copy_bandwidth,
 )
-from pixal3d.staging.mps_memory import MpsMemoryLimit
+from pixal3d.staging.mps_memory import MpsMemoryLimit, check_mps_memory_limit
 from pixal3d.staging.policy import (
     gib,
     resolve_policy,
@@ -40,11 +49,12 @@ from pixal3d.staging.policy import (
     usable,
 )
 
+from . import state_codec
 from .build import build_stages
 from .errors import NotEnoughMemoryError
-from .job import UsageError
+from .inputs import IMAGE, InputKind
 from .loaders import STREAM_UNITS
-from .parallel import RankPlan
+from .ranks import Rank
 from .stage import CascadeStage, StageBudget
 
 
@@ -61,9 +71,10 @@ class RunPlan:
     reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()
     mps_limit: MpsMemoryLimit | None = None  # the MPS allocator's limit, on mps only
-    parallel: RankPlan | None = None         # this rank's part of the job under torchrun, else None
+    role: Rank = dataclasses.field(default_factory=Rank)  # this process's part in a job (``pipelines.ranks``)
     memory_budget: int | None = None         # bytes every stage's work was bounded to (memory_budget)
     stream_pinned: bool = False              # stream policy on CUDA: blocks copied from pinned host copies
+    kind: InputKind = IMAGE                  # the kind of input the stages take (``pipelines.inputs``)
 
     def choices(self) -> dict[str, Any]:
         """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
@@ -72,12 +83,12 @@ class RunPlan:
     @property
     def rank(self) -> int:
         """This process's rank in the parallel job (0 without one); ranks != 0 follow rank 0."""
-        return self.parallel.topology.rank if self.parallel is not None else 0
+        return self.role.number
 
     @property
     def follower(self) -> bool:
         """Whether this process only joins rank 0's flow stages (``Pixal3D.follow``)."""
-        return self.parallel is not None and self.parallel.follower
+        return self.role.follower
 
     def state_budget(self) -> int:
         """Bytes a batch may keep in image states between stages: the usable memory the plan saw (less its
@@ -106,11 +117,11 @@ class RunPlan:
             stage.check_input(image)
 
 
-def check_inputs(config: CascadeConfig, images: Iterable[Any], *, replace: Mapping[str, CascadeStage] | None = None,
-                 until: str | None = None) -> None:
+def check_inputs(config: CascadeConfig, images: Iterable[Any], *, kind: InputKind | None = None,
+                 replace: Mapping[str, CascadeStage] | None = None, until: str | None = None) -> None:
     """``RunPlan.check_input`` for every image before there is a plan: builds the stages (cheap, no file is
     read) so a batch or the command refuses an unusable input before any weight is generated or read."""
-    stages = build_stages(config, replace=replace, until=until)
+    stages = build_stages(config, kind=kind, replace=replace, until=until)
     for image in images:
         for stage in stages:
             stage.check_input(image)
@@ -361,3 +372,62 @@ def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
             f"not enough memory for any policy: stage {largest.name} alone needs {gib(largest.weight_bytes)} of "
             f"weights even when models are loaded one stage at a time, but {device} has {gib(available)} "
             f"available; close other programs or run on a machine with more memory")
+
+
+# -- the steps of Pixal3D.plan ----------------------------------------------------------------------
+def planned_config(config: CascadeConfig) -> CascadeConfig:
+    """The config with what its samplers leave unset taken from ``pipeline.json`` (``resolve_samplers``); when the
+    file is neither on disk nor reachable, one error naming it and every other missing file."""
+    pipeline = planned_pipeline_json(config.weights)
+    if pipeline is None:
+        planned_sizes(config.weights, models=STANDING_MODELS, config_file=config.source or None)
+    return resolve_samplers(config, pipeline)
+
+
+def planned_stages(config: CascadeConfig, kind: InputKind, role: Rank, *,
+                   replace: Mapping[str, CascadeStage] | None, until: str | None) -> tuple[CascadeStage, ...]:
+    """The cascade's stages for ``kind`` of input, each with its sampler's resolved settings, this rank's part of
+    them, their declarations checked before anything is read (``check_stages``)."""
+    stages = tuple(with_sampler_of(s, config) for s in build_stages(config, kind=kind, replace=replace, until=until))
+    stages = role.stages(stages)
+    provides, state_type = role.state()
+    check_stages(stages, provides=provides, state_type=state_type, storable=state_codec.storable(state_type))
+    return stages
+
+
+def plan_budget(memory_budget: int | str | None, machine: Machine) -> int | None:
+    """The budget in bytes (``auto``: the machine's usable memory now), from the value ``check_plan_arguments``
+    parsed: a size is parsed once per job, by the front end or at the library's door."""
+    if memory_budget is None:
+        return None
+    return usable(machine.device_available) if memory_budget == "auto" else int(memory_budget)
+
+
+def plan_reasons(fit: PolicyFit, sized_reasons: Sequence[str], routed: Sequence[Any], sizes: Mapping[str, int],
+                 budget: int | None, machine: Machine, device: torch.device, attention: str) -> tuple[list[str], bool]:
+    """The plan's reasons after the policy's (the machine shared, what fitting decided, the smallest budget, the
+    stream's cost, the attention route) and whether streamed blocks copy from pinned host memory."""
+    reasons = [*fit.reasons, *sized_reasons, *describe_fit(fit.stages, budget, machine)]
+    if budget is not None:
+        smallest, setter = smallest_budget(routed, sizes, machine, fit.memory.streamed or None)
+        reasons.append(f"the smallest memory budget this cascade plans within ({fit.policy.value}): "
+                       f"{gib(smallest)}, set by stage {setter!r}")
+    pinned = False
+    if fit.policy is Policy.stream:
+        reasons += describe_stream(fit.memory, fit.stages, measure_copy_bandwidth(device))
+        pinned = stream_pinned(fit.memory, machine)
+    reasons.append(describe_route(attention, device))
+    return reasons, pinned
+
+
+def plan_mps_limit(device: torch.device) -> tuple[MpsMemoryLimit | None, list[str]]:
+    """On MPS, the allocator's limit, one that fails instead of swapping, refused or lowered before any load (the
+    run lowers PyTorch's default: ``Pixal3D``), and the plan's lines about it; elsewhere none."""
+    if not device_kind(device).memory_limit:
+        return None, []
+    limit = check_mps_memory_limit()
+    lines = [limit.describe()]
+    if limit.lets_swap:
+        lines.append(f"the run lowers the MPS limit to {limit.safe_ratios()[0]:g} x Metal's recommended working set, "
+                     f"so that outgrowing memory fails instead of swapping")
+    return limit, lines

@@ -30,7 +30,6 @@ from typing import Any, Self
 import torch
 
 from pixal3d.files import folds_case, write_json_atomic
-from pixal3d.parallel import ParallelRuntime, ParallelSettings
 
 from .batch import BatchItem, trace_path
 from .camera import CameraStage
@@ -38,6 +37,7 @@ from .errors import one_line
 from .job import Job, UsageError
 from .pipeline import Pixal3D
 from .plan import RunPlan, default_device
+from .ranks import Rank
 from .result import Result, run_json_path
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,16 @@ logger = logging.getLogger(__name__)
 
 class Session:
     """Jobs of one front end (``front_end``: what run.json's entry is called) on ``device`` (default: CUDA, else
-    MPS, else CPU). ``parallel``: the job's settings or runtime under torchrun (the command). ``lean``: plan only
+    MPS, else CPU). ``rank``: this process's part in a job under torchrun (the command's roles: ``pipelines.launch``;
+    default one process). ``lean``: plan only
     what each job needs (with a field of view given, no camera model), for a process that runs one job; a
     session that keeps its pipeline plans the whole cascade, so that a job with a field of view reuses it."""
 
     def __init__(self, front_end: str, *, device: str | torch.device | None = None,
-                 parallel: ParallelSettings | ParallelRuntime | None = None, lean: bool = False):
+                 rank: Rank | None = None, lean: bool = False):
         self.front_end = front_end
         self.device = torch.device(device) if device is not None else default_device()
-        self.parallel = parallel
+        self.rank = rank
         self.lean = lean
         self._lock = threading.Lock()
         self._pipe: Pixal3D | None = None
@@ -75,8 +76,8 @@ class Session:
         ``PolicyError``, ``WeightsError``, ``ConfigError`` as ``Pixal3D.plan`` does)."""
         fixed = self.lean and job.fov is not None and all(image.fov is not None for image in job.images)
         replace = {"camera": CameraStage(None, use_moge=False)} if fixed else None  # no camera model to fetch
-        return Pixal3D.plan(job.config, policy=job.memory_policy, device=self.device, parallel=self.parallel,
-                            memory_budget=job.budget, replace=replace)
+        return Pixal3D.plan(job.config, policy=job.memory_policy, device=self.device, parallel=self.rank,
+                            memory_budget=job.budget, replace=replace, input_kind=job.kind.name)
 
     def prepare(self, job: Job, plan: RunPlan | None = None) -> Pixal3D:
         """The pipeline ``job`` runs on (``plan``: its plan, when made already): the kept one if the plan is the
@@ -104,7 +105,7 @@ class Session:
         view; the job's work directory), yielding each as it finishes or fails. Waits for a job that holds the
         models (``on_wait()`` first); ``on_start(plan)`` once this one holds them. ``order``: default the job's,
         else the policy's; ``options``: ``run_batch``'s (``callback``, ``trace``, ``events``, ``progress``,
-        ``share``, ...). The models are held until the iterator ends or is closed."""
+        ...). The models are held until the iterator ends or is closed."""
         if not self._lock.acquire(blocking=False):
             if on_wait is not None:
                 on_wait()
@@ -116,8 +117,7 @@ class Session:
             pipe = self._pipeline_for(plan, job)
             images = job.images
             sources = [i.source for i in images]
-            inputs = ({"views": sources, "num_views": job.num_views} if job.takes_views else
-                      {"images": sources, "fov": [i.fov for i in images]})  # views: the cameras are the folder's
+            inputs = {job.kind.batch_argument: sources, "num_views": job.num_views, "fov": [i.fov for i in images]}
             with closing(pipe.run_batch(**inputs, names=[i.name for i in images], seed=[i.seed for i in images],
                                         order=order or job.order, work_dir=job.work_dir,
                                         trace_meta={self.front_end: {"settings": job.settings()}}, **options)) as batch:

@@ -23,8 +23,6 @@ from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.pipeline_json import Normalization
 
-from .job import check_fov, check_seed  # noqa: F401 -- the ranges' home is the job value; re-exported
-
 PROVIDED = ("input_image", "input_views", "generator", "device", "fov_deg", "shape_normalization",
             "tex_normalization", "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""

@@ -34,6 +34,12 @@ class ConfigError(ValueError):
     """A configuration file is invalid (unknown key, wrong type, value out of range, bad combination)."""
 
 
+class UsageError(ValueError):
+    """Bad inputs, outputs or options of a front end (the command line, a batch, a web request). Defined here, below
+    every front end, so that the library's error classification (``pipelines.errors``) names it without importing
+    one."""
+
+
 class SettingError(ValueError):
     """A value given for one setting of a run cannot be used. ``setting`` is its library name (the keyword:
     ``seed``, ``fov``, ``memory_budget``, ...), so a front end can name it its own way (the command: a flag)."""
@@ -80,8 +86,25 @@ class Range:
 
 SEED = Range(0, 2**64 - 1, integer=True, high_text="2**64 - 1")
 """The seeds a ``torch.Generator`` accepts."""
+FOV = Range(0.0, 180.0, low_open=True, high_open=True)
+"""A field of view in degrees: the one rule of the config's ``camera.fov_deg``, the camera stage, the library, the
+command, the web app and the job server (``check_fov``)."""
 COUNT = Range(1, integer=True)
 """Sizes, channels, steps, token budgets: at least 1."""
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int a ``torch.Generator`` accepts, or a ``SettingError`` saying the range (``SEED``)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED.contains(seed):
+        raise SettingError("seed", f"seed {seed!r} is not {SEED.describe()}; use e.g. 42")
+    return seed
+
+
+def check_fov(fov: Any) -> None:
+    """A ``SettingError`` unless ``fov`` is None or a field of view in degrees (``FOV``)."""
+    if fov is not None and not (isinstance(fov, (int, float)) and not isinstance(fov, bool) and math.isfinite(fov)
+                                and FOV.contains(fov)):
+        raise SettingError("fov", f"field of view {fov} is not in (0, 180) degrees; use e.g. fov=49")
 
 
 def ranged(allowed: Range, default: Any = dataclasses.MISSING) -> Any:
@@ -228,7 +251,7 @@ class CameraConfig:
     benchmarks/camera.md). Only the last digits of the field of view differ (about 1e-4 rad).
     """
 
-    fov_deg: float | None = ranged(Range(0.0, 180.0, low_open=True, high_open=True), None)
+    fov_deg: float | None = ranged(FOV, None)
     moge_precision: str = "auto"
 
 

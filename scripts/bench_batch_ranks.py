@@ -15,6 +15,7 @@ Two ranks on one machine share its memory and disk: the per-rank peaks add up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,6 +49,7 @@ def run_child(cache: Path, images: list[Path], out: Path, ranks: int) -> None:
 
     from pipelines import Pixal3D
     from pipelines.data_parallel import DataJob
+    from pipelines.parallel import rank_of
     from pixal3d.parallel import ParallelSettings
     from pixal3d.staging import EventLog
     from pixal3d.telemetry import read_trace, summarize
@@ -59,14 +61,15 @@ def run_child(cache: Path, images: list[Path], out: Path, ranks: int) -> None:
     settings = ParallelSettings(mode="data", data_groups=ranks) if ranks > 1 else None
     job = DataJob.join(settings) if settings is not None else None
     rank = job.rank if job is not None else 0
+    group = dataclasses.replace(rank_of(settings, torch.device("cpu")), share=job) if job is not None else None
 
     log = EventLog()
     trace = out / f"rank{rank}.trace.jsonl"
     start = time.perf_counter()
     try:
         with Pixal3D.from_config(config, policy="staged", device="cpu", replace=reduced_stages(config, CPU_WORK, info),
-                                 until="decode", wrap_loader=touching, parallel=settings) as pipe:
-            items = list(pipe.run_batch(images, order="stage", events=log, trace=trace, share=job))
+                                 until="decode", wrap_loader=touching, parallel=group) as pipe:
+            items = list(pipe.run_batch(images, order="stage", events=log, trace=trace))
         if job is not None:  # the end of the job: every rank done before rank 0 (the store's host) exits
             if job.gather([]) is not None:
                 job.post_exit(0, readers=job.groups - 1)

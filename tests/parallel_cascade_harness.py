@@ -142,6 +142,6 @@ def plan_worker(rank: int, cache: str, memory: list[int], settings: Any) -> dict
 
     pipeline.detect_machine = injected
     plan = Pixal3D.plan(TINY_CONFIG, device="cpu", parallel=settings)
-    if plan.parallel.owns_runtime:
-        plan.parallel.runtime.close()
-    return {"notes": list(plan.notes), "capacities": plan.parallel.capacities, "splits": dict(plan.parallel.splits)}
+    if plan.role.owns_runtime:
+        plan.role.runtime.close()
+    return {"notes": list(plan.notes), "capacities": plan.role.capacities, "splits": dict(plan.role.splits)}

@@ -24,9 +24,9 @@ from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F40
     ({"config": TINY_CONFIG, "memory_budget": "8 gigs"}, ValueError, "memory budget '8 gigs' is not a size"),
 ])
 def test_from_config_names_a_bad_argument_before_anything_is_read(kwargs, error, words, monkeypatch):
-    import pipelines.pipeline
+    import pipelines.plan
 
-    monkeypatch.setattr(pipelines.pipeline, "planned_pipeline_json",
+    monkeypatch.setattr(pipelines.plan, "planned_pipeline_json",
                         lambda *a, **k: pytest.fail("the plan read something"))
     config = kwargs.pop("config")
     with pytest.raises(error, match=words):

@@ -49,3 +49,39 @@ def test_control_an_import_of_another_front_end_is_found(tmp_path):
     session.write_text(session.read_text() + "\n\ndef _late():\n    from . import cli  # noqa: F401\n")
     assert crossings(tmp_path) == [("pipelines.serve.worker", "pipelines.app.job"),
                                    ("pipelines.session", "pipelines.cli")]
+
+
+FRONT_DOOR = ("pipelines.job", "pipelines.session", "pipelines.launch")
+"""Over the cascade, below the front ends: the job value, the session, the process roles."""
+
+
+def above_the_floor(module: str) -> bool:
+    """A front end, or the front door's modules that the front ends share."""
+    return front_end(module) is not None or module in FRONT_DOOR
+
+
+def floor_reaches_up(root: Path) -> list[tuple[str, str]]:
+    """(importer, imported) for every import from the floor (``pixal3d`` and the cascade: the stages, the pipeline,
+    the plan, the errors, ...) into the front door or a front end."""
+    return sorted((module, other) for module, imports in import_graph(root).items() if not above_the_floor(module)
+                  for other in imports if above_the_floor(other))
+
+
+def test_the_floor_imports_nothing_of_the_front_door():
+    """Issue 47: errors and checks live below the front door (``pixal3d.config``: ``UsageError``, ``check_seed``,
+    ``check_fov``), so no module of ``pixal3d`` or the cascade imports ``job.py``, the session, the roles or a front
+    end; before, ``state.py`` took its checks from ``job.py`` and ``plan.py``/``errors.py`` its ``UsageError``."""
+    graph = import_graph(REPO)
+    assert "pipelines.pipeline" in graph and "pixal3d.config" in graph and "pipelines.state" in graph
+    assert floor_reaches_up(REPO) == []
+
+
+def test_control_a_floor_module_importing_the_job_is_found(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    state = tmp_path / "pipelines" / "state.py"
+    state.write_text(state.read_text() + "\n\nfrom .job import check_fov  # noqa: E402,F401\n")
+    models = tmp_path / "pixal3d" / "models" / "camera.py"
+    models.write_text(models.read_text() + "\n\ndef _late():\n    from pipelines import session  # noqa: F401\n")
+    assert floor_reaches_up(tmp_path) == [("pipelines.state", "pipelines.job"),
+                                          ("pixal3d.models.camera", "pipelines.session")]

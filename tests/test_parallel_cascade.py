@@ -16,6 +16,7 @@ import time
 import pytest
 
 from pipelines import Pixal3D, cli, flow_stage
+from pipelines.ranks import Rank
 from pixal3d.config import SamplerConfig
 from pixal3d.parallel import ParallelConfigError, ParallelSettings, emulate_pipefusion
 from pixal3d.pipeline_json import resolve_weights
@@ -40,7 +41,7 @@ def test_parallel_none_is_todays_code_path_and_gives_the_eager_fingerprints(tiny
         raise AssertionError("parallel_sample called with --parallel none")
     monkeypatch.setattr(flow_stage, "parallel_sample", refuse)
     with Pixal3D.from_config(tiny, policy="staged", device="cpu", until="decode", parallel=ParallelSettings()) as pipe:
-        assert pipe.parallel is None and not pipe.is_follower and pipe.run_plan.parallel is None
+        assert pipe.parallel is None and not pipe.is_follower and type(pipe.run_plan.role) is Rank
         result = pipe.run(EXAMPLE)
     assert result.fingerprints() == tiny_reference, first_difference(result.fingerprints(), tiny_reference)
     assert result.parallel is None and "parallel" not in result.record()

@@ -84,7 +84,7 @@ class _Unstorable(StructureStage):
 def test_bad_stage_declarations_are_refused_before_any_file_is_read(tiny, monkeypatch, stage, message):
     def no_reading(*args, **kwargs):
         raise AssertionError("nothing may be read before the stages are checked")
-    monkeypatch.setattr("pipelines.pipeline.planned_sizes", no_reading)
+    monkeypatch.setattr("pipelines.ranks.planned_sizes", no_reading)  # the plan's step 4 (a rank's sizes)
     with pytest.raises(StageGraphError, match=message):
         Pixal3D.plan(tiny, device="cpu", replace={"structure": stage.from_config(tiny)})
 

@@ -124,13 +124,13 @@ def test_script_prints_the_export_line_for_a_given_mac(capsys, monkeypatch):
 
 def _fake_mps(monkeypatch, env):
     """A 48 GB Mac as the plan sees it: detect_machine and the allocator's numbers injected."""
-    from pipelines import pipeline
+    from pipelines import pipeline, plan
     from pixal3d.staging import Machine
 
     mac = Machine("mps", "Apple GPU", True, 48 * GIB, 40 * GIB, 48 * GIB, 40 * GIB)
     monkeypatch.setattr(pipeline, "detect_machine", lambda device: mac)
     monkeypatch.setattr(pipeline.torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(pipeline, "check_mps_memory_limit", lambda: check_mps_memory_limit(
+    monkeypatch.setattr(plan, "check_mps_memory_limit", lambda: check_mps_memory_limit(
         env=env, recommended_bytes=int(37.44 * GIB), physical_bytes=48 * GIB))
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pixal3d.config import FOV, check_fov
+
 from .moge import MoGe2
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class Camera:
 
 def camera_from_fov(fov: float) -> Camera:
     """The camera for a horizontal field of view in radians, with the reference's distance rule."""
-    if not (isinstance(fov, (int, float)) and math.isfinite(fov) and 0.0 < fov < math.pi):
+    if not (isinstance(fov, (int, float)) and math.isfinite(fov) and FOV.contains(math.degrees(fov))):
         raise ValueError(f"field of view {fov!r} rad is not in (0, pi); pass a field of view in degrees between 0 "
                          f"and 180 (exclusive), e.g. fov=49")
     # Reference `distance_from_fov`: the grid point (-1, 0, 0) -> world (-0.5, 0, 0) must land on pixel
@@ -50,9 +52,9 @@ def camera_from_fov(fov: float) -> Camera:
 
 def camera_from_degrees(fov_degrees: float) -> Camera:
     """``camera_from_fov`` for a field of view given in degrees (the CLI's ``--fov``)."""
-    if not (isinstance(fov_degrees, (int, float)) and math.isfinite(fov_degrees) and 0.0 < fov_degrees < 180.0):
-        raise ValueError(f"fov={fov_degrees!r} is not a field of view in degrees; use a value in (0, 180), "
-                         f"e.g. fov=49, or omit it to estimate the camera")
+    if fov_degrees is None:
+        raise TypeError("camera_from_degrees needs a field of view in degrees, not None")
+    check_fov(fov_degrees)
     return camera_from_fov(math.radians(fov_degrees))
 
 

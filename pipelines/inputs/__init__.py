@@ -1,0 +1,93 @@
+"""The kinds of input, in one table: which one a run takes, and everything it means (``kind.InputKind``).
+
+    kind = kind_for(config)                 # the kind the config's cascade takes
+    kind = library_kind(config, arguments={"image": image, "views": None}, options={"fov": fov, ...})
+    kind = command_kind(config, {"image": paths, "views": []})
+
+A new kind is one file here (its ``InputKind``) and a row of ``KINDS``; its stages declare what else they need.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pixal3d.config import UsageError
+
+from .image import IMAGE, IMAGE_SUFFIXES, READABLE_IMAGES, ImageInput
+from .kind import InputKind, UploadField
+from .views import VIEWS, ViewsInput
+
+__all__ = ["IMAGE", "IMAGE_SUFFIXES", "KINDS", "READABLE_IMAGES", "VIEWS", "ImageInput", "InputKind", "UploadField",
+           "ViewsInput", "command_kind", "kind_for", "library_kind"]
+
+KINDS: tuple[InputKind, ...] = (VIEWS, IMAGE)
+"""Every kind of input; the first whose ``takes`` holds for a config is the one its cascade runs on."""
+BY_NAME = {kind.name: kind for kind in KINDS}
+INPUT_FIELDS = tuple(dict.fromkeys(field for kind in KINDS for field in kind.provides))
+"""The ``RunState`` fields the kinds' inputs arrive in (``RunState.input_image``, ...)."""
+
+
+def kind_for(config: Any, given: Collection[str] = ()) -> InputKind:
+    """The kind of input ``config``'s cascade takes, given inputs of the kinds named in ``given`` (a kind that goes
+    with another's input, such as a mesh with an image, is taken only when given)."""
+    for kind in KINDS:
+        if kind.takes(config, given):
+            return kind
+    raise ValueError(f"no kind of input runs on {config.source or config.name}")
+
+
+def kind_named(config: Any, name: str | None) -> InputKind:
+    """The kind called ``name`` (None: the one ``config`` takes), refused (``ValueError``) when ``config``'s cascade
+    cannot take it."""
+    if name is None:
+        return kind_for(config)
+    if name not in BY_NAME:
+        raise ValueError(f"input_kind {name!r} is not one of {sorted(BY_NAME)}")
+    kind = BY_NAME[name]
+    if not kind.takes(config, [kind.argument]):
+        raise ValueError(f"{config.source or config.name} does not take {kind.noun} inputs; its cascade takes "
+                         f"{kind_for(config).noun} inputs")
+    return kind
+
+
+def library_kind(config: Any, *, arguments: Mapping[str, Any], options: Mapping[str, Any]) -> InputKind:
+    """The kind ``config`` takes, checked against the library's arguments (kind's argument → value, None: not given)
+    and options (``fov``, ``num_views``: None when not given): its own argument given, no other kind's, and only its
+    own options (``ValueError`` naming what to pass instead)."""
+    kind = kind_for(config, [name for name, value in arguments.items() if value is not None])
+    for name, value in arguments.items():
+        if name not in kind.arguments and value is not None:
+            raise ValueError(kind.refuse_other(config, name))
+    missing = kind.missing(config) if arguments.get(kind.argument) is None else None
+    if missing is not None:
+        raise ValueError(missing)
+    kind.check_options(config, options)
+    return kind
+
+
+def command_kind(config: Any, given: Mapping[str, Sequence[Path]]) -> InputKind:
+    """The kind ``config`` takes, checked against the command's inputs (kind name → the paths given for it):
+    ``UsageError`` naming the flag when they are of another kind, or missing."""
+    kind = kind_for(config, [name for name, paths in given.items() if paths])
+    refusal = kind.refuse_command(config, given)
+    if refusal is not None:
+        raise UsageError(refusal)
+    return kind
+
+
+def given_kind(given: Mapping[str, Sequence[Path]]) -> InputKind:
+    """The kind the command's inputs are of (for its default config): a flagged kind given, else images."""
+    for kind in KINDS:
+        if kind.flag is not None and given.get(kind.name):
+            return kind
+    return IMAGE
+
+
+def flagged() -> tuple[InputKind, ...]:
+    """The kinds the command takes by an option of their own (``--views``)."""
+    return tuple(kind for kind in KINDS if kind.flag is not None)
+
+
+def paths_of(value: Any) -> list[Path]:
+    return [Path(v) for v in value or ()]
