@@ -20,6 +20,7 @@ from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
 from ..errors import error_line
+from ..inputs import VIEWS, kind_for
 from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
 from ..session import Session
@@ -49,7 +50,8 @@ CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines ar
 def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
     """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has one field
     per job setting (``pipelines.job.SETTINGS``), its values read back by ``Job.from_form``."""
-    takes_views = config.views is not None
+    kind = kind_for(config)
+    takes_views = kind is VIEWS
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
         gr.Markdown(VIEWS_INTRO if takes_views else INTRO)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
@@ -65,7 +67,7 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
                     sources = [image]
                 fields: dict[str, Any] = {}
                 for setting in SETTINGS:
-                    if not setting.applies_to(config):  # not for this kind of input: no field, always unset
+                    if not setting.applies_to(kind):  # not for this kind of input: no field, always unset
                         fields[setting.name] = gr.State(None)
                     elif setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
                         fov_auto, fields["fov"] = _fov_fields(config)
