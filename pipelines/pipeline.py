@@ -39,34 +39,13 @@ from pixal3d.staging.mps_memory import apply_mps_memory_limit
 from pixal3d.telemetry import MemoryMeter
 
 from . import arguments, inputs, state_codec
-from .batch import (
-    IMAGE_KINDS,
-    BatchItem,
-    BatchOrder,
-    Meter,
-    Progress,
-    Relay,
-    default_order,
-    image_items,
-)
+from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
 from .errors import classify
 from .inputs import InputKind
 from .loaders import model_loaders, with_attention_route
 from .parallel import rank_of
-from .plan import (
-    RunPlan,
-    check_device,
-    check_memory,
-    default_device,
-    fit_policy,
-    plan_budget,
-    plan_mps_limit,
-    plan_reasons,
-    planned_config,
-    planned_stages,
-    stream_layouts,
-    with_attention_route_of,
-)
+from .plan import (RunPlan, check_device, check_memory, default_device, fit_policy, plan_budget, plan_mps_limit,
+                   plan_reasons, planned_config, planned_stages, stream_layouts, with_attention_route_of)
 from .preprocess import rembg_loader
 from .ranks import Rank
 from .result import Result
