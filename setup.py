@@ -35,7 +35,10 @@ setup(
         # wheel: tests/test_packaging.py builds one (setuptools < 70.1 needs it); the [serve] packages and httpx: the
         # job server's tests start it and talk to it over HTTP; psycopg: its queue on a real PostgreSQL server
         "test": ["pytest>=7", "wheel", "httpx>=0.27", "fastapi>=0.110", "uvicorn>=0.30", "python-multipart>=0.0.9",
-                 "psycopg[binary]>=3.1,<4"],
+                 "psycopg[binary]>=3.1,<4", "meshoptimizer==0.2.30a0"],
+        # compressed GLBs (--compression meshopt): zeux/meshoptimizer's Python binding, pinned (its decoder's raw
+        # mode is used with an opaque dtype per vertex: pixal3d/mesh/glb_container.py)
+        "compress": ["meshoptimizer==0.2.30a0"],
         "dev": ["pytest>=7", "ruff"],
         # the web app (pixal3d-app); tested with 6.31
         "app": ["gradio>=6.31,<7"],

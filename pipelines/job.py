@@ -37,7 +37,7 @@ from pixal3d.config import (  # noqa: F401 -- FOV, check_fov, check_seed, UsageE
     load_config,
 )
 from pixal3d.memory_budget import parse_budget
-from pixal3d.mesh.settings import TEXTURE_FORMATS
+from pixal3d.mesh.settings import COMPRESSIONS, PRESETS, TEXTURE_FORMATS, preset_changes
 from pixal3d.shipped import shipped_config
 
 from . import inputs
@@ -67,6 +67,12 @@ def check_num_views(count: Any) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise SettingError("num_views", f"number of views {count!r} is not an integer >= 1; e.g. 4")
     return count
+
+
+def _preset(name: Any) -> str:
+    if name not in PRESETS:
+        raise SettingError("preset", f"preset {name!r} is not one of {list(PRESETS)}")
+    return name
 
 
 def check_policy(policy: Any) -> str:
@@ -158,6 +164,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("memory_policy", "choice", "--memory-policy", "policy", "memory policy",
             "where idle models live (default: auto, chosen from the memory plan)", choices=lambda: POLICIES,
             default="auto", check=check_policy, plans=True),
+    Setting("preset", "choice", "--preset", "preset", "export preset",
+            "export preset: game, mobile, high or print (face budget, atlas size, maps; print: a closed shell, also "
+            "STL and 3MF); --face-budget, --texture-size or --texture-format beside it win",
+            choices=lambda: tuple(PRESETS), check=_preset, plans=True),
     Setting("texture_size", "int", "--texture-size", "texture", "texture size",
             "texels per side of the baked textures (default: the config's export.texture_size)", metavar="N",
             export="texture_size", config=lambda config: config.export.texture_size, plans=True,
@@ -175,6 +185,10 @@ SETTINGS: tuple[Setting, ...] = (
             "the GLB's texture images, png or webp (default: the config's export.texture_format)",
             choices=lambda: TEXTURE_FORMATS, export="texture_format",
             config=lambda config: config.export.texture_format),
+    Setting("compression", "choice", "--compression", "compression", "GLB compression",
+            "compress the GLB's geometry: meshopt (EXT_meshopt_compression, needs the [compress] extra; default: "
+            "the config's export.compression, none)", choices=lambda: COMPRESSIONS, export="compression",
+            config=lambda config: config.export.compression),
 )
 """Every setting a client may give, in the order the app's form shows them."""
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -248,9 +262,11 @@ class Job:
     num_views: int | None = None
     memory_policy: str = "auto"
     memory_budget: Budget | None = None
+    preset: str | None = None
     texture_size: int | None = None
     face_budget: int | None = None
     texture_format: str | None = None
+    compression: str | None = None
     device: str | None = None
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
@@ -396,16 +412,21 @@ def with_export(config: CascadeConfig, values: Mapping[str, Any]) -> CascadeConf
     """``config`` with the export settings among ``values`` (None: the config's), checked by ``ExportSettings``
     (a ``SettingError`` naming the setting)."""
     changes = {s.export: values[s.name] for s in SETTINGS if s.export is not None and values.get(s.name) is not None}
-    if not changes:
+    preset = preset_changes(values.get("preset"))  # a preset's fields first: a setting given beside it wins
+    if not changes and not preset:
         return config
+    try:
+        base = dataclasses.replace(config.export, **preset)
+    except (TypeError, ValueError) as err:
+        raise SettingError("preset", f"preset {values.get('preset')!r} does not apply to this config: {err}") from None
     for setting in SETTINGS:
         if setting.export in changes:
             try:
-                dataclasses.replace(config.export, **{setting.export: changes[setting.export]})
+                dataclasses.replace(base, **{setting.export: changes[setting.export]})
             except (TypeError, ValueError) as err:
                 said = str(err) if setting.export == setting.name else f"{setting.name}: {err}"  # names the key
                 raise SettingError(setting.name, said) from None
-    return config.with_overrides(export=dataclasses.replace(config.export, **changes))
+    return config.with_overrides(export=dataclasses.replace(base, **changes))
 
 
 def _json_object(settings: str | Mapping[str, Any] | None) -> dict[str, Any]:

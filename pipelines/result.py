@@ -206,7 +206,9 @@ class Result:
         if record is not None:
             files[Path(record)] = lambda: json_bytes(self.record(output=glb if output is None else output,
                                                                  command=command, extension=extension))
-        files[Path(glb)] = lambda: self.mesh.glb
+        for extra, data in self.mesh.extra_paths(glb).items():  # a printable mesh's STL and 3MF
+            files[extra] = lambda data=data: data
+        files[Path(glb)] = lambda: self.mesh.glb  # last: the group's commit point
         for path in files:
             path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_paths(list(files)) as temps:

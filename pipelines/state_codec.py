@@ -154,7 +154,9 @@ def _encode(name: str, value: Any, tensors: dict[str, torch.Tensor]) -> dict[str
                 "mesh_scale": value.mesh_scale}
     if isinstance(value, ExportedMesh):
         _put(tensors, f"{name}.glb", torch.frombuffer(bytearray(value.glb), dtype=torch.uint8))
-        return {"kind": "mesh", "report": dataclasses.asdict(value.report)}
+        for suffix, data in value.extras.items():  # a printable mesh's STL and 3MF
+            _put(tensors, f"{name}.extra{suffix}", torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return {"kind": "mesh", "report": dataclasses.asdict(value.report), "extras": sorted(value.extras)}
     if type(value).__name__ in _DATACLASSES and isinstance(value, _DATACLASSES[type(value).__name__]):
         plain, on = {}, "cpu"
         for f in dataclasses.fields(value):
@@ -201,7 +203,9 @@ def _decode(name: str, entry: Mapping[str, Any], tensors: Mapping[str, torch.Ten
                           _get(tensors, f"{name}.fovs", "cpu", device), float(entry["mesh_scale"]),
                           tuple(entry["names"]))
     if kind == "mesh":
-        return _mesh(bytes(_get(tensors, f"{name}.glb", "cpu", device).numpy().tobytes()), entry["report"])
+        extras = {suffix: bytes(_get(tensors, f"{name}.extra{suffix}", "cpu", device).numpy().tobytes())
+                  for suffix in entry.get("extras", [])}
+        return _mesh(bytes(_get(tensors, f"{name}.glb", "cpu", device).numpy().tobytes()), entry["report"], extras)
     if kind == "dataclass" and entry.get("class") in _DATACLASSES:
         cls = _DATACLASSES[entry["class"]]
         values = dict(entry["plain"])
@@ -212,12 +216,14 @@ def _decode(name: str, entry: Mapping[str, Any], tensors: Mapping[str, torch.Ten
     raise StateCodecError(f"field {name!r}: unknown stored kind {kind!r} (class {entry.get('class')!r})")
 
 
-def _mesh(glb: bytes, report: Mapping[str, Any]) -> ExportedMesh:
+def _mesh(glb: bytes, report: Mapping[str, Any], extras: dict[str, bytes]) -> ExportedMesh:
     import trimesh
 
+    from pixal3d.mesh.glb_container import uncompressed
+
     steps = [StepReport(**step) for step in report["steps"]]
-    mesh = trimesh.load(io.BytesIO(glb), file_type="glb", force="mesh", process=False)
-    return ExportedMesh(mesh=mesh, glb=glb, report=ExportReport(**{**report, "steps": steps}))
+    mesh = trimesh.load(io.BytesIO(uncompressed(glb)), file_type="glb", force="mesh", process=False)
+    return ExportedMesh(mesh=mesh, glb=glb, report=ExportReport(**{**report, "steps": steps}), extras=extras)
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

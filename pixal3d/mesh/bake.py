@@ -114,7 +114,9 @@ class SurfaceProjector:
         self.max_shift = max_shift
         self.vertices = vertices.astype(np.float32, copy=False)
         self.faces = faces
-        from scipy.spatial import cKDTree  # 0.4 s to import: only when a mesh is exported
+        from scipy.spatial import (
+            cKDTree,  # 0.4 s to import: only when a mesh is exported
+        )
 
         self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False)
         if mode == "exact":
@@ -214,12 +216,27 @@ def sample_trilinear(
 
 @dataclass(frozen=True)
 class BakedTextures:
-    """``base_color_rgba [H, W, 4]`` and ``metallic_roughness [H, W, 3]`` (0, roughness, metallic),
-    uint8; ``coverage`` = fraction of texels covered by a chart and sampled."""
+    """``base_color_rgba [H, W, 4]`` and ``metallic_roughness [H, W, 3]`` (occlusion or 0, roughness, metallic),
+    uint8; ``normal [H, W, 3]`` the tangent-space normal map (None: not baked); ``occlusion``: whether the red
+    channel of ``metallic_roughness`` holds ambient occlusion; ``coverage`` = fraction of texels covered by a
+    chart and sampled."""
 
     base_color_rgba: np.ndarray
     metallic_roughness: np.ndarray
     coverage: float
+    normal: np.ndarray | None = None
+    occlusion: bool = False
+
+
+@dataclass(frozen=True)
+class SurfaceMaps:
+    """What the shading maps need per UV vertex: ``normals [V', 3]``, ``tangents [V', 4]`` (for the normal map,
+    with ``voxel_normals``, the decoded surface's) and ``occlusion [V']`` (None: no occlusion map)."""
+
+    normals: np.ndarray
+    tangents: np.ndarray
+    voxel_normals: object | None = None  # maps.VoxelNormals
+    occlusion: np.ndarray | None = None
 
 
 def to_uint8(x: np.ndarray) -> np.ndarray:
@@ -231,7 +248,9 @@ def fill_gutters(image: np.ndarray, covered: np.ndarray) -> np.ndarray:
     """Copy into every uncovered texel the value of its nearest covered texel (EDT indices)."""
     if covered.all() or not covered.any():
         return image
-    from scipy.ndimage import distance_transform_edt  # 0.7 s to import: only when a texture is baked
+    from scipy.ndimage import (
+        distance_transform_edt,  # 0.7 s to import: only when a texture is baked
+    )
 
     iy, ix = distance_transform_edt(~covered, return_distances=False, return_indices=True)
     return image[iy, ix]
@@ -248,14 +267,28 @@ def bake_textures(
     resolution: int,
     size: int,
     *,
+    maps: SurfaceMaps | None = None,
     chunk: int = 1 << 19,
 ) -> BakedTextures:
-    """Rasterize the atlas at ``size²``, place each texel on the reference surface, sample, fill gutters."""
+    """Rasterize the atlas at ``size²``, place each texel on the reference surface, sample, fill gutters; with
+    ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``)."""
+    import torch
+
+    from .maps import encode_normals, interpolate
+
     face_id, bary = rasterize_uv(uvs, uv_faces, size, size)
     ys, xs = np.nonzero(face_id >= 0)
     base = np.zeros((size, size, 4), np.uint8)
     mr = np.zeros((size, size, 3), np.uint8)
     covered = np.zeros((size, size), bool)
+    want_normal = maps is not None and maps.voxel_normals is not None
+    want_occlusion = maps is not None and maps.occlusion is not None
+    normal_map = np.zeros((size, size, 3), np.uint8) if want_normal else None
+    if maps is not None:
+        uv_f = torch.from_numpy(np.ascontiguousarray(uv_faces))
+        uv_n = torch.from_numpy(np.ascontiguousarray(maps.normals, np.float32))
+        uv_t = torch.from_numpy(np.ascontiguousarray(maps.tangents, np.float32))
+        uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
     for start in range(0, len(ys), chunk):
         y, x = ys[start : start + chunk], xs[start : start + chunk]
@@ -266,6 +299,14 @@ def bake_textures(
         if projector is not None:
             p = projector.project(p)
         values, support = sample_trilinear(index, attrs, p, resolution)
+        if maps is not None:  # the shading maps cover every rasterized texel, sampled or not
+            ft, bt = torch.from_numpy(f.astype(np.int64)), torch.from_numpy(b.astype(np.float32))
+            if want_normal:
+                n_lo, t_lo = interpolate(uv_n, uv_f, ft, bt), interpolate(uv_t, uv_f, ft, bt)
+                n_hi = maps.voxel_normals.sample(torch.from_numpy(np.ascontiguousarray(p)), n_lo)
+                normal_map[y, x] = encode_normals(n_hi, n_lo, t_lo).numpy()
+            if want_occlusion:
+                mr[y, x, 0] = to_uint8(interpolate(uv_ao, uv_f, ft, bt).numpy())[:, 0]
         ok = support > 0
         y, x, values = y[ok], x[ok], values[ok]
         covered[y, x] = True
@@ -273,10 +314,13 @@ def bake_textures(
         base[y, x, 3] = to_uint8(values[:, PBR_LAYOUT["alpha"]])[:, 0]
         mr[y, x, 1] = to_uint8(values[:, PBR_LAYOUT["roughness"]])[:, 0]
         mr[y, x, 2] = to_uint8(values[:, PBR_LAYOUT["metallic"]])[:, 0]
+    rasterized = face_id >= 0
     del face_id, bary
     coverage = float(covered.mean())
     if not covered.any():
         log.warning("no texel found PBR voxels within one voxel of the surface; textures stay black")
     base = fill_gutters(base, covered)
     mr = fill_gutters(mr, covered)
-    return BakedTextures(base, mr, coverage)
+    if normal_map is not None:
+        normal_map = fill_gutters(normal_map, rasterized)
+    return BakedTextures(base, mr, coverage, normal_map, want_occlusion)

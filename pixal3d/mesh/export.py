@@ -5,8 +5,10 @@ report); ``export_glb`` also writes the file. Steps (each timed, with its peak R
 mesh; 2. reference surface (degenerate and duplicate faces out, small holes filled) — the surface every
 texel is projected onto; 3. optional remesh (narrow-band UDF dual contouring, the reference's release
 setting); 4. simplify to the face budget (in a child process where it can: ``isolated.py``); 5. cleanup
-(+ outward orientation without remesh; the remesh is oriented already); 6. normals + UV atlas; 7. bake;
-8. quality metrics against the reference surface; 9. GLB encoding.
+(+ outward orientation without remesh; the remesh is oriented already; a printable mesh is checked closed);
+6. normals + UV atlas; 7. the shading maps' inputs (tangent frames, per-vertex occlusion, the decoded surface's
+normal field: ``maps.py``); 8. bake; 9. quality metrics against the reference surface; 10. GLB encoding (+ STL
+and 3MF for a printable mesh).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bake import BakedTextures, SurfaceProjector, bake_textures
+from .bake import BakedTextures, SurfaceMaps, SurfaceProjector, bake_textures
 from .cleanup import (
     clean_mesh,
     fill_small_holes,
@@ -46,7 +48,7 @@ from .uv import UvMesh, uv_unwrap
 
 log = logging.getLogger(__name__)
 
-STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "bake", "quality", "glb")
+STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "maps", "bake", "quality", "glb")
 
 
 class _Steps:
@@ -91,10 +93,12 @@ def _extract(fields: DualGridFields):
 
 
 def _reference(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+    voxels = len(v)  # the raw mesh has one vertex per decoded voxel, in the voxels' order
     f = remove_duplicate_faces(remove_degenerate_faces(v, f))
     v, f = fill_small_holes(v, f, settings.max_hole_perimeter)
-    v, f, _ = remove_unreferenced_vertices(v, f)
-    return (v, f), {"vertices": len(v), "faces": len(f)}
+    v, f, kept = remove_unreferenced_vertices(v, f)
+    voxel_of_vertex = kept[kept < voxels].astype(np.int32)  # the first len(...) vertices are voxels' (normal map)
+    return (v, f, voxel_of_vertex), {"vertices": len(v), "faces": len(f)}
 
 
 def _remesh_grid(settings: ExportSettings, decode_resolution: int) -> RemeshGrid:
@@ -128,7 +132,12 @@ def _cleanup(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
                           min_component_area=settings.min_component_area)
     if len(f) == 0:
         raise ValueError("no faces left after cleanup: the decoded shape is only tiny fragments")
-    return (v, f), {"vertices": len(v), "faces": len(f)}
+    detail = {"vertices": len(v), "faces": len(f)}
+    if settings.printable:
+        from .printable import check_printable
+
+        detail["volume"] = round(check_printable(v, f).volume, 6)
+    return (v, f), detail
 
 
 def _unwrap(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
@@ -138,8 +147,41 @@ def _unwrap(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
     return (vertex_normals(v, f), uv), {"charts": uv.chart_count, "uv_vertices": len(uv.uvs)}
 
 
+def _maps(v: np.ndarray, normals: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray,
+          voxel_of_vertex: np.ndarray, fields: DualGridFields, settings: ExportSettings):
+    if not (settings.normal_map or settings.occlusion_map):
+        return None, {"normal_map": False, "occlusion_map": False}
+    import torch
+
+    from .maps import (
+        VoxelNormals,
+        as_tensor,
+        occupancy_grid,
+        vertex_occlusion,
+        vertex_tangents,
+    )
+
+    uv_normals = normals[uv.vertex_map]
+    tangents = vertex_tangents(as_tensor(v[uv.vertex_map]), as_tensor(uv_normals), as_tensor(uv.uvs),
+                               as_tensor(uv.faces)).numpy()
+    voxel_normals = occlusion = None
+    coords = fields.coords.detach().cpu().numpy()
+    if settings.normal_map:
+        voxel_normals = VoxelNormals(ref_v, ref_f, coords[voxel_of_vertex], fields.resolution)
+    if settings.occlusion_map:
+        grid, _ = occupancy_grid(coords, fields.resolution)
+        with torch.no_grad():
+            per_vertex = vertex_occlusion(as_tensor(v), as_tensor(normals), grid, rays=settings.occlusion_rays,
+                                          distance=settings.occlusion_distance).numpy()
+        occlusion = per_vertex[uv.vertex_map]
+    detail = {"normal_map": settings.normal_map, "occlusion_map": settings.occlusion_map}
+    if occlusion is not None:
+        detail["mean_occlusion"] = round(float(occlusion.mean()), 3)
+    return SurfaceMaps(uv_normals, tangents, voxel_normals, occlusion), detail
+
+
 def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: PbrVoxels,
-          settings: ExportSettings):
+          maps: SurfaceMaps | None, settings: ExportSettings):
     projector = None
     if settings.projection is not None:
         # The remesh sits remesh_band cells off the reference surface: let the projection cover that too.
@@ -148,7 +190,7 @@ def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: 
     index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
     tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
-                        settings.texture_size)
+                        settings.texture_size, maps=maps)
     return tex, {"coverage": round(tex.coverage, 3)}
 
 
@@ -161,11 +203,21 @@ def _quality(v: np.ndarray, f: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f:
     return quality, quality
 
 
-def _glb(v: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures, settings: ExportSettings):
+def _glb(v: np.ndarray, f: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: BakedTextures,
+         maps: SurfaceMaps | None, settings: ExportSettings):
     mesh = build_mesh(v[uv.vertex_map], uv.faces, normals[uv.vertex_map], uv.uvs,
-                      tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode)
-    data = encode_glb(mesh, texture_format=settings.texture_format)
-    return (mesh, data), {"bytes": len(data), "format": settings.texture_format}
+                      tex.base_color_rgba, tex.metallic_roughness, alpha_mode=settings.alpha_mode,
+                      normal_map=tex.normal, tangents=None if maps is None else maps.tangents)
+    data = encode_glb(mesh, texture_format=settings.texture_format, occlusion=tex.occlusion,
+                      compression=settings.compression)
+    extras = {}
+    if settings.printable:
+        from .printable import print_files
+
+        extras = print_files(v, f)
+    detail = {"bytes": len(data), "format": settings.texture_format, "compression": settings.compression}
+    detail |= {suffix.lstrip("."): len(b) for suffix, b in extras.items()}
+    return (mesh, data, extras), detail
 
 
 def export_glb(fields: DualGridFields, pbr: PbrVoxels, path: str | Path, **kwargs) -> ExportReport:
@@ -195,19 +247,20 @@ def export_mesh(
     steps = _Steps(on_step, progress, exact_peak_rss)
     # 1-2. raw dual-grid mesh → the reference surface that texels are projected onto
     ref_v, ref_f = steps.run("extract", _extract, fields)
-    ref_v, ref_f = steps.run("reference", _reference, ref_v, ref_f, settings)
+    ref_v, ref_f, voxel_of_vertex = steps.run("reference", _reference, ref_v, ref_f, settings)
     # 3-5. the output mesh
     v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings, fields.resolution)
     v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)
     v, f = steps.run("cleanup", _cleanup, v, f, settings)
     # 6-9. atlas, textures, metrics, file
     normals, uv = steps.run("uv", _unwrap, v, f, settings)
-    tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, settings)
+    maps = steps.run("maps", _maps, v, normals, uv, ref_v, ref_f, voxel_of_vertex, fields, settings)
+    tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, maps, settings)
     quality = steps.run("quality", _quality, v, f, uv, ref_v, ref_f, fields.resolution, settings)
-    del ref_v, ref_f
-    mesh, data = steps.run("glb", _glb, v, normals, uv, tex, settings)
+    del ref_v, ref_f, voxel_of_vertex
+    mesh, data, extras = steps.run("glb", _glb, v, f, normals, uv, tex, maps, settings)
     steps.bar.close()
     report = ExportReport(steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
                           texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=len(data),
                           quality=quality)
-    return ExportedMesh(mesh, data, report)
+    return ExportedMesh(mesh, data, report, extras)

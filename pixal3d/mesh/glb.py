@@ -57,8 +57,12 @@ def build_mesh(
     metallic_roughness: np.ndarray,
     *,
     alpha_mode: str = "OPAQUE",
+    normal_map: np.ndarray | None = None,
+    tangents: np.ndarray | None = None,
 ) -> trimesh.Trimesh:
-    """A textured trimesh in the GLB frame; ``uvs`` in the baker's convention (row 0 at v ≈ 0)."""
+    """A textured trimesh in the GLB frame; ``uvs`` in the baker's convention (row 0 at v ≈ 0). With
+    ``normal_map`` (and its ``tangents [V, 4]``, the frame it was baked in, rotated like the normals) the
+    material's ``normalTexture``; the tangents are a vertex attribute that ``encode_glb`` writes as TANGENT."""
     import trimesh
     from trimesh.visual.material import PBRMaterial
     from trimesh.visual.texture import TextureVisuals
@@ -71,25 +75,38 @@ def build_mesh(
         roughnessFactor=1.0,
         alphaMode=resolve_alpha_mode(alpha_mode, base_color_rgba[..., 3]),
         doubleSided=False,
+        normalTexture=None if normal_map is None else Image.fromarray(normal_map, mode="RGB"),
     )
     uv = np.column_stack([uvs[:, 0], 1.0 - uvs[:, 1]])
-    return trimesh.Trimesh(
+    mesh = trimesh.Trimesh(
         vertices=vertices.astype(np.float64) @ INTERNAL_TO_GLB.T,
         faces=faces,
         vertex_normals=normals.astype(np.float64) @ INTERNAL_TO_GLB.T,
         visual=TextureVisuals(uv=uv, material=material),
         process=False,
     )
+    if normal_map is not None:
+        if tangents is None:
+            raise ValueError("a normal map needs the tangents it was baked in")
+        # the frame is a rotation (det +1): handedness w is unchanged
+        frame = np.column_stack([tangents[:, :3].astype(np.float64) @ INTERNAL_TO_GLB.T, tangents[:, 3]])
+        mesh.vertex_attributes["TANGENT"] = frame.astype(np.float32)
+    return mesh
 
 
-def encode_glb(mesh: trimesh.Trimesh, *, texture_format: str = "png") -> bytes:
-    """The GLB file's bytes for ``mesh`` (textures encoded as PNG or WebP)."""
+def encode_glb(mesh: trimesh.Trimesh, *, texture_format: str = "png", occlusion: bool = False,
+               compression: str | None = None) -> bytes:
+    """The GLB file's bytes for ``mesh`` (textures encoded as PNG or WebP); ``occlusion``: the red channel of the
+    metallic-roughness image is ambient occlusion; ``compression``: None or ``"meshopt"`` (``glb_container``)."""
     if texture_format not in TEXTURE_FORMATS:
         raise ValueError(f"texture_format must be one of {TEXTURE_FORMATS}, got {texture_format!r}")
     import trimesh
     from trimesh.exchange.gltf import export_glb
 
-    return export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
+    from .glb_container import finish
+
+    data = export_glb(trimesh.Scene(mesh), include_normals=True, extension_webp=texture_format == "webp")
+    return finish(data, occlusion=occlusion, compression=compression)
 
 
 def write_glb(mesh: trimesh.Trimesh, path: str | os.PathLike, *, texture_format: str = "png") -> int:

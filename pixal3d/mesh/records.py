@@ -63,19 +63,27 @@ class ExportReport:
 
 @dataclass
 class ExportedMesh:
-    """The textured mesh (trimesh, GLB frame), its GLB file's bytes, and the export report."""
+    """The textured mesh (trimesh, GLB frame), its GLB file's bytes, the export report, and ``extras``: other
+    files of the same mesh by suffix (a printable mesh's ``.stl`` and ``.3mf``), written beside the GLB."""
 
     mesh: trimesh.Trimesh
     glb: bytes
     report: ExportReport
+    extras: dict[str, bytes] = field(default_factory=dict)
+
+    def extra_paths(self, path: str | Path) -> dict[Path, bytes]:
+        """Where ``extras`` go beside the GLB at ``path`` (same stem)."""
+        return {Path(path).with_suffix(suffix): data for suffix, data in self.extras.items()}
 
     def fingerprint_parts(self) -> dict[str, bytes]:
         """The GLB bytes identify the export bit for bit (``pixal3d.staging.fingerprint``)."""
         return {"glb": self.glb}
 
     def save(self, path: str | Path) -> Path:
-        """Write the GLB to ``path`` atomically (folders created); returns the path."""
+        """Write the GLB to ``path`` atomically (folders created), its extras beside it first; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for extra, data in self.extra_paths(path).items():
+            write_bytes_atomic(extra, data)
         write_bytes_atomic(path, self.glb)
         return path

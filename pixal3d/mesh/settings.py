@@ -8,6 +8,7 @@ from dataclasses import dataclass
 ALPHA_MODES = ("OPAQUE", "BLEND", "auto")
 TEXTURE_FORMATS = ("png", "webp")
 PROJECTIONS = ("tangent", "exact")
+COMPRESSIONS = ("meshopt",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,16 @@ class ExportSettings:
     by default here (surface-faithful, half the time); the release setting is on, and
     ``configs/1024_cascade.yaml`` turns it on (benchmarks/export_quality.md compares the branches).
     quality_samples: points per surface for the Hausdorff/Chamfer metrics (0: no quality step work).
+    normal_map: bake a tangent-space normal map of the decoded surface onto the simplified mesh (glTF
+    ``normalTexture``, the mesh carries the TANGENT frame it was baked in). occlusion_map: an ambient-occlusion
+    map (glTF ``occlusionTexture``, in the red channel of the metallic-roughness image, which glTF leaves
+    unused): ``occlusion_rays`` directions per vertex marched through the decoded voxels up to
+    ``occlusion_distance`` (world units; the object spans 1).
+    printable: a closed 2-manifold mesh for 3D printing (remesh with ``exterior_only`` required: one outer
+    sheet, interior shells gone); the export checks it has no boundary or non-manifold edge and also writes
+    it as STL and 3MF (``ExportedMesh.extras``).
+    compression: None, or ``"meshopt"``: the GLB's geometry compressed with meshoptimizer
+    (``EXT_meshopt_compression``, required by the file; three.js, Babylon.js and gltf-transform read it).
     """
 
     decimation_target: int = 1_000_000
@@ -39,6 +50,12 @@ class ExportSettings:
     chart_cell_edges: float = 16.0
     uv_padding: int = 2
     projection: str | None = "tangent"
+    normal_map: bool = True
+    occlusion_map: bool = True
+    occlusion_rays: int = 16
+    occlusion_distance: float = 0.05
+    printable: bool = False
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.decimation_target < 4:
@@ -67,3 +84,32 @@ class ExportSettings:
             raise ValueError(f"projection must be one of {PROJECTIONS} or None, got {self.projection!r}")
         if self.chart_cell_edges <= 0 or self.uv_padding < 0:
             raise ValueError("chart_cell_edges must be > 0 and uv_padding >= 0")
+        if not 1 <= self.occlusion_rays <= 256 or not 0 < self.occlusion_distance <= 1:
+            raise ValueError(f"occlusion_rays must be in [1, 256] and occlusion_distance in (0, 1] (world units), got "
+                             f"{self.occlusion_rays} and {self.occlusion_distance}")
+        if self.printable and not (self.remesh and self.exterior_only):
+            raise ValueError("printable=True needs remesh=True and exterior_only=True (one closed outer sheet); "
+                             "use the print preset, which sets them")
+        if self.compression not in (*COMPRESSIONS, None):
+            raise ValueError(f"compression must be one of {COMPRESSIONS} or None, got {self.compression!r}")
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    "game": {"decimation_target": 100_000, "texture_size": 2048, "normal_map": True, "occlusion_map": True},
+    "mobile": {"decimation_target": 20_000, "texture_size": 1024, "normal_map": True, "occlusion_map": True},
+    "high": {"decimation_target": 1_000_000, "texture_size": 4096, "normal_map": True, "occlusion_map": True},
+    "print": {"decimation_target": 500_000, "texture_size": 2048, "normal_map": False, "occlusion_map": False,
+              "remesh": True, "exterior_only": True, "printable": True},
+}
+"""Export presets (``--preset``): the fields each sets; a setting given beside a preset wins over it. game and mobile:
+real-time budgets (faces, atlas) with the maps a real-time renderer shades with; high: the release's 1M faces at
+4096²; print: a closed outer shell (no inner sheet), no shading maps, also STL and 3MF."""
+
+
+def preset_changes(name: str | None) -> dict[str, object]:
+    """The ``ExportSettings`` fields preset ``name`` sets (``{}`` for None); a ``ValueError`` naming the presets."""
+    if name is None:
+        return {}
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is not one of {list(PRESETS)}")
+    return dict(PRESETS[name])
