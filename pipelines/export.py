@@ -33,9 +33,12 @@ class ExportStage(CascadeStage):
 
     def working_set(self) -> int:
         return export_bytes(self.hr_resolution, self.upsample_times, self.settings.decimation_target,
-                            self.settings.texture_size)
+                            self.settings.texture_size, normal_map=self.settings.normal_map,
+                            occlusion_map=self.settings.occlusion_map)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        from pixal3d.mesh.export import export_mesh  # the mesh code (scipy's graphs, the baker): only when it runs
+        from pixal3d.mesh.export import (
+            export_mesh,  # the mesh code (scipy's graphs, the baker): only when it runs
+        )
 
         state.mesh = export_mesh(state.fields, state.pbr, settings=self.settings, progress=state.progress)

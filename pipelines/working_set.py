@@ -12,15 +12,13 @@ from __future__ import annotations
 from pixal3d.memory_budget import (
     DECODE_COSTS,
     DINOV3_BYTES_PER_PATCH,
-    EXPORT_BYTES_PER_FACE,
-    EXPORT_BYTES_PER_TEXEL,
-    EXPORT_BYTES_PER_VOXEL,
     FLOW_BYTES_PER_TOKEN,
     FLOW_FIXED_BYTES,
     REFERENCE_GROWTH,
     STRUCTURE_BYTES,
     UPSAMPLE_BYTES_PER_VOXEL,
     decoded_voxels,
+    export_estimate,
 )
 from pixal3d.models.conditioning import naf_peak_bytes
 from pixal3d.nn.attention import fp32_chunked_scratch_bytes
@@ -89,11 +87,12 @@ def decode_bytes(hr_resolution: int, times: int) -> int:
     return int(DECODE_COSTS.fixed_bytes + (DECODE_COSTS.voxel_bytes + DECODE_COSTS.output_bytes) * voxels)
 
 
-def export_bytes(hr_resolution: int, times: int, decimation_target: int, texture_size: int) -> int:
-    """Mesh extraction, simplification and the baked textures."""
-    voxels = decoded_voxels(hr_tokens(hr_resolution), times)
-    return int(voxels * EXPORT_BYTES_PER_VOXEL + decimation_target * EXPORT_BYTES_PER_FACE
-               + texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
+def export_bytes(hr_resolution: int, times: int, decimation_target: int, texture_size: int, *,
+                 normal_map: bool = False, occlusion_map: bool = False) -> int:
+    """Mesh extraction, simplification and the baked textures, with the shading maps asked for
+    (``memory_budget.export_estimate``: the larger of the simplifier's measured line and the bake with its maps)."""
+    return export_estimate(decoded_voxels(hr_tokens(hr_resolution), times), decimation_target, texture_size,
+                           normal_map=normal_map, occlusion_map=occlusion_map)
 
 
 def attention_route_bytes(route: str, tokens: int, score_elements: int) -> int:

@@ -86,6 +86,27 @@ DECODE_COSTS = DecodeCosts()
 EXPORT_BYTES_PER_VOXEL = 320
 EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
+# The bake step's own peak with the shading maps (issue 46), counted from its structures (not yet measured at 9M
+# voxels): the reference mesh (a float32 vertex and two int32 faces per voxel, 36 B) and the PBR voxels' brick
+# index and attributes (~40 B), plus the normal map's field of the decoded surface (a float32 normal per voxel and
+# its brick index, ~32 B); per texel the textures as before (32 B) plus the normal image and its gutter fill's
+# nearest-texel indices (11 B); the occlusion grid (<= 256³ bools). The export's estimate is the larger of the
+# measured line above (the simplifier's peak) and this one: at the release settings the simplifier's is larger.
+EXPORT_BAKE_BYTES_PER_VOXEL = 76
+EXPORT_MAPS_BYTES_PER_VOXEL = 32
+EXPORT_MAPS_BYTES_PER_TEXEL = 11
+EXPORT_OCCLUSION_BYTES = 256**3
+
+
+def export_estimate(voxels: float, faces: int, texture_size: int, *, normal_map: bool, occlusion_map: bool) -> int:
+    """The export's working set: the larger of the measured simplifier line and the bake step with its maps."""
+    texels = texture_size ** 2
+    whole = voxels * EXPORT_BYTES_PER_VOXEL + faces * EXPORT_BYTES_PER_FACE + texels * EXPORT_BYTES_PER_TEXEL
+    bake = (voxels * (EXPORT_BAKE_BYTES_PER_VOXEL + (EXPORT_MAPS_BYTES_PER_VOXEL if normal_map else 0))
+            + faces * EXPORT_BYTES_PER_FACE + texels * (EXPORT_BYTES_PER_TEXEL + (EXPORT_MAPS_BYTES_PER_TEXEL
+                                                                                  if normal_map else 0))
+            + (EXPORT_OCCLUSION_BYTES if occlusion_map else 0))
+    return int(max(whole, bake))
 
 
 class MemoryBudgetError(ValueError):
@@ -308,8 +329,8 @@ def working_sets(counts: StageCounts = StageCounts(), *, budget: int | None = No
                            levels=counts.decoder_levels)
         if plan is not None:
             decode = models_and_work(budget) - decoder_weight_bytes
-    export = (voxels * EXPORT_BYTES_PER_VOXEL + counts.export_faces * EXPORT_BYTES_PER_FACE
-              + counts.texture_size ** 2 * EXPORT_BYTES_PER_TEXEL)
+    export = export_estimate(voxels, counts.export_faces, counts.texture_size, normal_map=True,
+                             occlusion_map=True)  # the release config bakes both maps
     return {
         "structure": int(STRUCTURE_BYTES * max(1.0, counts.ss_tokens / 16**3)),
         "features": int((max(counts.shape_1024_image, counts.shape_512_image) / 16) ** 2 * DINOV3_BYTES_PER_PATCH),

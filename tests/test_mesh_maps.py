@@ -98,3 +98,13 @@ def test_occlusion_map_is_the_red_channel_of_the_metallic_roughness_texture():
     assert material["occlusionTexture"]["index"] == material["pbrMetallicRoughness"]["metallicRoughnessTexture"]["index"]
     red = np.asarray(exported.mesh.visual.material.metallicRoughnessTexture)[..., 0]
     assert red.mean() > 0.9 * 255  # a sphere is open sky everywhere
+
+
+def test_the_plan_counts_the_maps_where_the_bake_is_the_exports_peak():
+    from pipelines.working_set import export_bytes
+
+    small_mesh_big_atlas = {"hr_resolution": 512, "times": 1, "decimation_target": 20_000, "texture_size": 8192}
+    plain = export_bytes(**small_mesh_big_atlas)
+    assert export_bytes(**small_mesh_big_atlas, normal_map=True, occlusion_map=True) > plain
+    release = {"hr_resolution": 1024, "times": 4, "decimation_target": 1_000_000, "texture_size": 4096}
+    assert export_bytes(**release, normal_map=True, occlusion_map=True) >= export_bytes(**release)

@@ -80,24 +80,29 @@ class VoxelNormals:
                  *, device: torch.device | str = "cpu") -> None:
         n_voxels = len(coords)
         v = as_tensor(vertices, device, torch.float32)
-        f = as_tensor(faces, device).long()
+        f = as_tensor(np.asarray(faces, np.int32), device)  # int32 whole, int64 a chunk at a time (memory)
         normal = torch.zeros((len(v), 3), device=device)
         chunk = 1 << 21
         # each vertex aligns its faces' normals to the normal of its first face (deterministic, unlike a scatter)
         first = torch.full((len(v),), len(f), dtype=torch.long, device=device)
-        order = torch.arange(len(f), device=device)
-        for k in range(3):
-            first.scatter_reduce_(0, f[:, k], order, reduce="amin")
-        del order
-        first = first.clamp_max(max(len(f) - 1, 0))
-        ref = torch.cross(v[f[first, 1]] - v[f[first, 0]], v[f[first, 2]] - v[f[first, 0]], dim=-1)
         for s in range(0, len(f), chunk):
-            ff = f[s : s + chunk]
+            ff = f[s : s + chunk].long()
+            order = torch.arange(s, s + len(ff), device=device)
+            for k in range(3):
+                first.scatter_reduce_(0, ff[:, k], order, reduce="amin")
+        first = first.clamp_max(max(len(f) - 1, 0))
+        ref = torch.empty((len(v), 3), device=device)
+        for s in range(0, len(v), chunk):
+            ff = f[first[s : s + chunk]].long()
+            ref[s : s + chunk] = torch.cross(v[ff[:, 1]] - v[ff[:, 0]], v[ff[:, 2]] - v[ff[:, 0]], dim=-1)
+        del first
+        for s in range(0, len(f), chunk):
+            ff = f[s : s + chunk].long()
             fn = torch.cross(v[ff[:, 1]] - v[ff[:, 0]], v[ff[:, 2]] - v[ff[:, 0]], dim=-1)
             for k in range(3):
                 sign = torch.where((fn * ref[ff[:, k]]).sum(-1, keepdim=True) < 0, -1.0, 1.0)
                 normal.index_add_(0, ff[:, k], sign * fn)
-        del ref, first
+        del ref
         self.normals = _unit(normal[:n_voxels])  # the dual vertices come first, one per voxel, in coords order
         self.index = SparseIndex(np.asarray(coords), resolution)
         self.resolution = resolution

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -108,6 +108,8 @@ class NarrowBand:
     free: list[tuple[int, np.ndarray]]
     corners: np.ndarray
     values: np.ndarray
+    _dense: np.ndarray | None = field(default=None, init=False, repr=False)
+    _written: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def slab_planes(self) -> int:
         """Parent planes per slab, so that a slab's dense corner index stays under ``SLAB_CELLS``."""
@@ -121,13 +123,20 @@ class NarrowBand:
             yield a, self.parents[bounds[i] : bounds[i + 1]]
 
     def corner_index(self, a: int) -> np.ndarray:
-        """Dense ``[2h + 1, R + 1, R + 1]`` int32 map of the corner rows in planes ``[2a, 2a + 2h]`` (-1: none)."""
+        """Dense ``[2h + 1, R + 1, R + 1]`` int32 map of the corner rows in planes ``[2a, 2a + 2h]`` (-1: none).
+
+        One buffer serves every slab (the previous slab's entries are reset, not the whole 64 MiB refilled: that
+        refill was a tenth of the remesh), so a map is valid only until the next call."""
         h, n = self.slab_planes(), self.grid.corner_side
         first = 2 * a * n * n
         lo, hi = np.searchsorted(self.corners, [first, first + (2 * h + 1) * n * n])
-        dense = np.full((2 * h + 1) * n * n, -1, np.int32)
-        dense[self.corners[lo:hi] - first] = np.arange(lo, hi, dtype=np.int32)
-        return dense.reshape(2 * h + 1, n, n)
+        if self._dense is None:
+            self._dense = np.full((2 * h + 1) * n * n, -1, np.int32)
+        elif self._written is not None:
+            self._dense[self._written] = -1
+        self._written = self.corners[lo:hi] - first
+        self._dense[self._written] = np.arange(lo, hi, dtype=np.int32)
+        return self._dense.reshape(2 * h + 1, n, n)
 
 
 def children(cells: np.ndarray) -> np.ndarray:
