@@ -114,7 +114,8 @@ def test_the_commands_options_are_the_table_and_numeric_options_are_checked_at_o
     args = parse_args(["x.png", "--texture-size", "512", "--face-budget", "9", "--memory-policy", "eager"])
     assert (args.texture_size, args.face_budget, args.memory_policy) == (512, 9, "eager")
     assert {s.flag for s in SETTINGS} <= {"--seed", "--fov", "--num-views", "--memory-policy", "--memory-budget",
-                                          "--texture-size", "--face-budget", "--texture-format"}
+                                          "--texture-size", "--face-budget", "--texture-format", "--preset",
+                                          "--compression"}
     for flag, value, words in [("--threads", 0, "--threads 0 is not an integer >= 1"),
                                ("--job-timeout", -5.0, "--job-timeout -5.0 is not a number >= 0"),
                                ("--parallel-timeout", 0.0, "--parallel-timeout 0.0 is not a number > 0"),

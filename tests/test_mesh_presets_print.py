@@ -143,3 +143,31 @@ def test_control_the_validator_reports_a_broken_glb(glbs):
     glb.gltf["accessors"][attributes["POSITION"]]["count"] += 10  # past the end of its bufferView
     report = validate(glb.pack())
     assert report["numErrors"] > 0 and any(re.search("ACCESSOR", m) for m in errors(report))
+
+
+def test_a_printed_and_compressed_export_survives_a_work_dir_record(printed, glbs):
+    """The stage record keeps the STL/3MF and a meshopt GLB, and reads the compressed GLB's mesh back."""
+    import dataclasses
+
+    import torch
+
+    from pipelines.state_codec import decode, encode
+
+    packed = dataclasses.replace(printed, glb=glbs[1])
+    tensors, described = encode({"mesh": packed}, {"mesh": "mesh"})
+    back = decode(tensors, described, torch.device("cpu"))["mesh"]
+    assert back.glb == glbs[1] and back.extras == printed.extras
+    assert len(back.mesh.faces) == Glb.parse(uncompressed(glbs[1])).gltf["accessors"][
+        Glb.parse(glbs[1]).gltf["meshes"][0]["primitives"][0]["indices"]]["count"] // 3
+
+
+def test_a_request_naming_an_unknown_preset_or_compression_is_refused_in_one_line():
+    from pipelines.job import SettingsError
+
+    config = load_config(DEFAULT_CONFIG)
+    for settings, words in [({"preset": "ultra"}, "preset 'ultra' is not one of"),
+                            ({"compression": "draco"}, "compression")]:
+        with pytest.raises(SettingsError, match=words) as refused:
+            Job.from_request(settings, config)
+        assert "\n" not in str(refused.value)
+    assert Job.from_request({"preset": "mobile", "compression": "meshopt"}, config).config.export.compression == "meshopt"
