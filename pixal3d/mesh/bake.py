@@ -198,11 +198,24 @@ def sample_trilinear(
     Voxel centres sit at ``coord + 0.5``; weights are renormalized over the corners that exist, and the
     result is 0 with no existing corner. Returns ``(values [N, C] float32, support [N] float32)``.
     """
+    values, support, _ = sample_with_normals(index, attrs, points, resolution)
+    return values, support
+
+
+def sample_with_normals(
+    index: SparseIndex, attrs: np.ndarray, points: np.ndarray, resolution: int, *,
+    normals: np.ndarray | None = None, along: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``sample_trilinear``, and with ``normals [M, 3]`` (per voxel, unoriented) and ``along [N, 3]``, ``normal`` is their blend with each
+    corner's sign turned to agree with ``along`` (``along`` itself where no corner has one), from the same
+    corner lookups; None otherwise.
+    """
     g = (points.astype(np.float64) + 0.5) * resolution
     base = np.floor(g - 0.5).astype(np.int64)
     frac = g - 0.5 - base  # in [0, 1)
     acc = np.zeros((len(points), attrs.shape[1]), np.float64)
     support = np.zeros(len(points), np.float64)
+    blend = None if normals is None else np.zeros((len(points), 3), np.float32)
     for corner in range(8):
         off = np.array([(corner >> 2) & 1, (corner >> 1) & 1, corner & 1])
         w = np.prod(np.where(off == 1, frac, 1.0 - frac), axis=1)
@@ -210,8 +223,16 @@ def sample_trilinear(
         w = np.where(idx >= 0, w, 0.0)
         acc += w[:, None] * attrs[np.maximum(idx, 0)]
         support += w
+        if blend is not None:
+            n = normals[np.maximum(idx, 0)]
+            sign = np.where(np.einsum("ij,ij->i", n, along) < 0, -1.0, 1.0)
+            blend += (w * sign).astype(np.float32)[:, None] * n
     values = acc / np.maximum(support, 1e-12)[:, None]
-    return values.astype(np.float32), support.astype(np.float32)
+    normal = None
+    if blend is not None:
+        length = np.linalg.norm(blend, axis=1, keepdims=True)
+        normal = np.where(length > 1e-6, blend / np.maximum(length, 1e-30), along).astype(np.float32)
+    return values.astype(np.float32), support.astype(np.float32), normal
 
 
 @dataclass(frozen=True)
@@ -301,6 +322,7 @@ def bake_textures(
         uv_n = torch.from_numpy(np.ascontiguousarray(maps.normals, np.float32))
         uv_t = torch.from_numpy(np.ascontiguousarray(maps.tangents, np.float32))
         uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
+    voxel_normals = maps.voxel_normals.on(index) if want_normal else None  # on the PBR voxels' rows
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
     for start in range(0, len(ys), chunk):
         y, x = ys[start : start + chunk], xs[start : start + chunk]
@@ -310,15 +332,17 @@ def bake_textures(
         p = tri[:, 0] * (1 - b[:, :1] - b[:, 1:]) + tri[:, 1] * b[:, :1] + tri[:, 2] * b[:, 1:]
         if projector is not None:
             p = projector.project(p)
-        values, support = sample_trilinear(index, attrs, p, resolution)
+        n_lo = None
         if maps is not None:  # the shading maps cover every rasterized texel, sampled or not
             ft, bt = torch.from_numpy(f.astype(np.int64)), torch.from_numpy(b.astype(np.float32))
             if want_normal:
                 n_lo, t_lo = interpolate(uv_n, uv_f, ft, bt), interpolate(uv_t, uv_f, ft, bt)
-                n_hi = maps.voxel_normals.sample(torch.from_numpy(np.ascontiguousarray(p)), n_lo)
-                normal_map[y, x] = encode_normals(n_hi, n_lo, t_lo).numpy()
             if want_occlusion:
                 mr[y, x, 0] = to_uint8(interpolate(uv_ao, uv_f, ft, bt).numpy())[:, 0]
+        values, support, n_hi = sample_with_normals(index, attrs, p, resolution, normals=voxel_normals,
+                                                    along=None if n_lo is None else n_lo.numpy())
+        if n_hi is not None:
+            normal_map[y, x] = encode_normals(torch.from_numpy(n_hi), n_lo, t_lo).numpy()
         ok = support > 0
         y, x, values = y[ok], x[ok], values[ok]
         covered[y, x] = True

@@ -73,8 +73,8 @@ def interpolate(values: torch.Tensor, faces: torch.Tensor, face_id: torch.Tensor
 
 class VoxelNormals:
     """The decoded surface's normal field: one unit normal per decoded voxel (its dual vertex's area-weighted
-    normal, sign-aligned to one of its faces), sampled trilinearly at voxel centres with each corner's sign
-    aligned to a reference direction first (the decoded surface has no consistent winding)."""
+    normal, sign-aligned to one of its faces); the bake samples it trilinearly at voxel centres with each corner's
+    sign aligned to the low-poly normal first (the decoded surface has no consistent winding)."""
 
     def __init__(self, vertices: np.ndarray, faces: np.ndarray, coords: np.ndarray, resolution: int,
                  *, device: torch.device | str = "cpu") -> None:
@@ -103,29 +103,16 @@ class VoxelNormals:
                 sign = torch.where((fn * ref[ff[:, k]]).sum(-1, keepdim=True) < 0, -1.0, 1.0)
                 normal.index_add_(0, ff[:, k], sign * fn)
         del ref
-        self.normals = _unit(normal[:n_voxels])  # the dual vertices come first, one per voxel, in coords order
-        self.index = SparseIndex(np.asarray(coords), resolution)
-        self.resolution = resolution
+        self.normals = _unit(normal[:n_voxels]).cpu().numpy()  # the dual vertices come first, one per voxel
+        self.coords = np.asarray(coords)
 
-    def sample(self, points: torch.Tensor, along: torch.Tensor) -> torch.Tensor:
-        """Unit normals ``[n, 3]`` at world ``points [n, 3]``, each voxel's sign turned to agree with ``along``
-        (the low-poly normal there); ``along`` itself where no voxel is near."""
-        g = (points.to(torch.float64) + 0.5) * self.resolution - 0.5
-        base = torch.floor(g)
-        frac = (g - base).to(torch.float32)
-        base_np = base.to(torch.int64).cpu().numpy()
-        acc = torch.zeros_like(along, dtype=torch.float32)
-        for corner in range(8):
-            off = np.array([(corner >> 2) & 1, (corner >> 1) & 1, corner & 1])
-            idx = as_tensor(self.index.lookup(base_np + off), points.device).long()
-            w = torch.ones(len(points), device=points.device)
-            for a in range(3):
-                w = w * (frac[:, a] if off[a] else 1 - frac[:, a])
-            w = torch.where(idx >= 0, w, torch.zeros_like(w))
-            n = self.normals[idx.clamp_min(0)]
-            n = torch.where((n * along).sum(-1, keepdim=True) < 0, -n, n)
-            acc += w[:, None] * n
-        return torch.where(acc.norm(dim=-1, keepdim=True) > 1e-6, _unit(acc), along.to(torch.float32))
+    def on(self, index: SparseIndex) -> np.ndarray:
+        """``[M, 3]`` float32: the normal of each voxel of ``index`` (the PBR voxels' rows: the bake samples
+        both with the same corner lookups), zero where the decoded surface has no vertex in that voxel."""
+        rows = index.lookup(self.coords)
+        out = np.zeros((int(index.table.max(initial=-1)) + 1, 3), np.float32)
+        out[rows[rows >= 0]] = self.normals[rows >= 0]
+        return out
 
 
 def encode_normals(world: torch.Tensor, normal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
