@@ -88,8 +88,8 @@ EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
 # The bake step's own peak with the shading maps (issue 46), counted from its structures (not yet measured at 9M
 # voxels): the reference mesh (a float32 vertex and two int32 faces per voxel, 36 B) and the PBR voxels' brick
-# index and attributes (~40 B), plus the normal map's field of the decoded surface (a float32 normal per voxel and
-# its brick index, ~32 B); per texel the textures as before (32 B) plus the normal image and its gutter fill's
+# index and attributes (~40 B), plus the normal map's field of the decoded surface (a float32 normal per voxel, on the
+# reference's vertices and on the PBR voxels' rows, and an index per voxel, ~32 B); per texel the textures as before (32 B) plus the normal image and its gutter fill's
 # nearest-texel indices (11 B); the occlusion grid (<= 256³ bools). The export's estimate is the larger of the
 # measured line above (the simplifier's peak) and this one: at the release settings the simplifier's is larger.
 EXPORT_BAKE_BYTES_PER_VOXEL = 76
