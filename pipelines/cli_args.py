@@ -18,7 +18,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("inputs", nargs="*", type=Path, help="image file(s) or folder(s) of images")
     parser.add_argument("--views", nargs="+", type=Path, default=None, metavar="DIR",
                         help="posed views instead of images: folder(s) holding a transforms.json and the view images "
-                             "(README: Several views); default config 1024_cascade_mv")
+                             "(docs/views.md); default config 1024_cascade_mv")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="output .glb (one input) or folder (several); default outputs/<name>.glb")
     parser.add_argument("--config", type=Path, default=None,
@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                         help="keep every stage's outputs in DIR as it finishes; the same command run again resumes")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, plan or table")
-    group = parser.add_argument_group("several devices (under torchrun; README: Several GPUs or machines)")
+    group = parser.add_argument_group("several devices (under torchrun; docs/parallel.md)")
     group.add_argument("--parallel", default="none", choices=["none", "cfg", "pipefusion", "both", "data"],
                        help="spread the flow stages over torchrun's processes: cfg (2, exact), pipefusion (N, "
                             "approximate unless --warmup >= steps or --patches 1), both (2 x N); or spread a batch's "

@@ -182,7 +182,7 @@ def parallel_settings(job: Job, env: Mapping[str, str] | None = None) -> Paralle
         ranks = 2 if ask.mode == "data" else groups * (2 * cfg if piped else cfg)
         raise ParallelConfigError(f"--parallel {ask.mode} runs under torchrun, which starts the processes: "
                                   f"torchrun --nproc-per-node {ranks} scripts/image_to_mesh.py ... "
-                                  f"(README: Several GPUs or machines)")
+                                  f"(docs/parallel.md)")
     if ask.mode == "data":
         if knobs:
             raise UsageError(f"{' '.join(knobs)} needs --parallel pipefusion or both (--parallel data runs every "

@@ -16,7 +16,7 @@ settings — CFG 7.5 with rescale 0.5 — over a few steps):
 Modelled (``simulate``): the schedule of ``pixal3d.parallel.plan_steps`` replayed rank by rank in the
 order the ranks execute it, with compute ∝ query tokens × the rank's share of blocks, each directed
 link a queue with a bandwidth and a per-message latency, sends overlapping compute. Inputs: a
-per-forward time (H200 reference figures quoted in the README, 67 ms at 4096 tokens and 307 ms at
+per-forward time (H200 reference figures quoted in docs/results.md, 67 ms at 4096 tokens and 307 ms at
 20000; or this machine's measured one) and the link figures in ``LINKS`` (assumed, stated there).
 The model is checked against the 2-rank CPU measurement it can reproduce.
 

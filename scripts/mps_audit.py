@@ -16,7 +16,7 @@ counts, on ``meta``, judged against torch 2.13's MPS limits (``pixal3d/audit/lim
 device op would fail on mps or exceed a limit.
 
     python scripts/mps_audit.py                              # print the page
-    python scripts/mps_audit.py -o benchmarks/mps_audit.md   # also write it (README's source)
+    python scripts/mps_audit.py -o benchmarks/mps_audit.md   # also write it (docs/apple-silicon.md's source)
     python scripts/mps_audit.py --skip-real-size             # the tiny cascade only (~1 min instead of ~10)
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 libraries that cost seconds and that only a run needs: transformers' modeling code (DINOv3 is built at the run),
 trimesh, scipy's spatial/ndimage/sparse parts and the mesh export code (pixal3d.mesh.export: the config and the
 stage records need only its settings and records, pixal3d.mesh.settings/records), gradio (the web app). A fresh interpreter each, as a
-user's command starts; the per-module costs are measured with ``python -X importtime`` (README: Troubleshooting)."""
+user's command starts; the per-module costs are measured with ``python -X importtime`` (docs/troubleshooting.md)."""
 from __future__ import annotations
 
 import json

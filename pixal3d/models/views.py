@@ -59,7 +59,7 @@ RIG_FOV_DEG = 20.0
 RIG_DISTANCE = 3.1192049980163574
 """The rig's horizontal field of view (degrees) and camera distance: a unit object fills the frame at 20 degrees."""
 MAX_VIEWS = 32
-"""The most views an upload may hold (each view's DINOv3 features are held until the average: README's memory per
+"""The most views an upload may hold (each view's DINOv3 features are held until the average: docs/views.md's memory per
 view)."""
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _SUFFIX = re.compile(r"\.[a-z0-9]{1,5}")
@@ -233,7 +233,7 @@ def read_views(folder: str | Path, num_views: int | None = None) -> ViewSet:
     frames = meta.get("frames")
     if not isinstance(frames, list):
         raise ViewsError(f"{folder / TRANSFORMS} has no 'frames' list; each frame needs file_path and "
-                         f"transform_matrix (see the README's 'Several views')")
+                         f"transform_matrix (see docs/views.md)")
     if not frames:
         raise ViewsError(f"{folder / TRANSFORMS} lists no frames (V = 0); add at least the main view")
     if num_views is not None:
@@ -271,7 +271,7 @@ def _read_transforms(folder: Path) -> dict[str, Any]:
     path = folder / TRANSFORMS
     if not path.is_file():
         raise ViewsError(f"{folder} has no {TRANSFORMS}; a views folder holds the images and a {TRANSFORMS} giving "
-                         f"each one's camera (see the README's 'Several views')")
+                         f"each one's camera (see docs/views.md)")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -110,7 +110,7 @@ def _ratio(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         raise MpsMemoryLimitError(f"{name}={text!r} is not a number; use a ratio between 0 and {MAX_RATIO:g} "
-                                  f"(see the README's Apple Silicon section)") from None
+                                  f"(see docs/apple-silicon.md)") from None
     if not 0 <= value <= MAX_RATIO:
         raise MpsMemoryLimitError(f"{name}={text} is outside 0..{MAX_RATIO:g}, which the MPS allocator refuses; "
                                   f"use a ratio between 0 and {MAX_RATIO:g}")
