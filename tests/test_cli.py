@@ -15,36 +15,12 @@ import trimesh
 import yaml
 from PIL import Image
 
-from pipelines import Pixal3D, cli, pipeline
+from pipelines import Pixal3D, pipeline
 from pixal3d.staging.fingerprint import fingerprint_tensor
 from pixal3d.staging.policy import Machine
 from pixal3d import kernels
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny, tiny_cache, tiny_reference  # noqa: F401
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pixal3d-image-to-mesh: error: ")
-    return lines[0]
-
-
-def _missing_weights_lines(err: str, config: Path | str) -> list[str]:
-    """A missing-weights error: the error line, one line per file, and last the one command that fetches them."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[0].startswith("pixal3d-image-to-mesh: error: missing weights: "), err
-    assert lines[-1] == f"fetch everything this config needs with: pixal3d-fetch --config {config}", err
-    return lines
-
-
-def _files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+from tests.support.cli import run_cli, one_error_line, files_in
 
 
 @pytest.mark.golden
@@ -52,7 +28,7 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_eager_fingerprints(ti
                                                                               monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "demo" / "demo.glb"
-    code, stdout, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--memory-policy", "staged")
+    code, stdout, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--memory-policy", "staged")
     assert code == 0, err
     scene = trimesh.load(out)
     assert sum(len(g.faces) for g in scene.geometry.values()) > 100
@@ -67,14 +43,14 @@ def test_offline_demo_writes_a_glb_and_a_run_json_with_the_eager_fingerprints(ti
     assert all(s["seconds"] >= 0 and s["peak_process_bytes"] > 0 for s in record["stages"])
     assert record["versions"]["torch"] and record["policy_reasons"]
     assert [row["stage"] for row in record["memory"]][-1] == "export"
-    assert _files(out.parent) == ["demo.glb", "demo.run.json"]  # no temporary files left
+    assert files_in(out.parent) == ["demo.glb", "demo.run.json"]  # no temporary files left
     table = stdout[stdout.index("stage       seconds"):]
     assert "texture" in table and "MiB" in table and "total" in table
 
 
 def test_run_on_an_in_memory_image_gives_the_commands_fingerprints_and_glb(tiny_cache, tmp_path, capsys):
     out = tmp_path / "cli.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--memory-policy", "staged",
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--memory-policy", "staged",
                         "--keep-latents", tmp_path / "cli-latents")
     assert code == 0, err
     command = json.loads(out.with_suffix(".run.json").read_text())
@@ -104,7 +80,7 @@ def test_plan_prints_the_plan_and_policy_and_reads_no_weights(tiny_cache, tmp_pa
     monkeypatch.setattr(loaders, "load_model", forbidden)
     monkeypatch.setattr("pixal3d.models.dinov3.load_dinov3", forbidden)
     out = tmp_path / "o.glb"
-    code, stdout, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--plan",
+    code, stdout, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--plan",
                              "--memory-policy", "auto")
     assert code == 0, err
     assert "policy: resident" in stdout and "shape_slat_flow_model_1024" in stdout and "largest stage" in stdout
@@ -136,11 +112,11 @@ def test_a_folder_of_inputs_gives_one_glb_each_and_resident_models_load_once(tin
         shutil.copy(EXAMPLE, inputs / name)
     (inputs / "notes.txt").write_text("not an image")
     trace = tmp_path / "trace.jsonl"
-    code, _, err = _run(capsys, inputs, "--config", _fast_config(tmp_path), "-o", tmp_path / "out", "--quiet",
+    code, _, err = run_cli(capsys, inputs, "--config", _fast_config(tmp_path), "-o", tmp_path / "out", "--quiet",
                         "--memory-policy", "resident", "--trace", trace, "--keep-latents", tmp_path / "lat")
     assert code == 0, err
-    assert _files(tmp_path / "out") == ["a.glb", "a.run.json", "b.glb", "b.run.json", "batch.json"]
-    assert _files(tmp_path / "lat") == ["a.latents.pt", "b.latents.pt"]
+    assert files_in(tmp_path / "out") == ["a.glb", "a.run.json", "b.glb", "b.run.json", "batch.json"]
+    assert files_in(tmp_path / "lat") == ["a.latents.pt", "b.latents.pt"]
 
     def loads(name: str) -> int:
         records = [json.loads(line) for line in (tmp_path / f"trace.{name}.jsonl").read_text().splitlines()]
@@ -149,51 +125,51 @@ def test_a_folder_of_inputs_gives_one_glb_each_and_resident_models_load_once(tin
 
 
 def test_missing_input(tmp_path, capsys):
-    code, _, err = _run(capsys, tmp_path / "nope.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
-    assert code == 2 and "nope.png does not exist" in _one_error_line(err)
-    assert _files(tmp_path) == []
+    code, _, err = run_cli(capsys, tmp_path / "nope.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
+    assert code == 2 and "nope.png does not exist" in one_error_line(err)
+    assert files_in(tmp_path) == []
 
 
 def test_unreadable_image(tmp_path, capsys):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
-    code, _, err = _run(capsys, bad, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
-    assert code == 2 and "bad.png" in _one_error_line(err)
-    assert _files(tmp_path / "out") == []
+    code, _, err = run_cli(capsys, bad, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    assert code == 2 and "bad.png" in one_error_line(err)
+    assert files_in(tmp_path / "out") == []
 
 
 def test_invalid_config(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(TINY_CONFIG.read_text().replace("seed: 42", "seed: 42\nsampler_stepz: 3"))
-    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
-    assert code == 2 and "unknown key 'sampler_stepz'" in _one_error_line(err) and "c.yaml" in err
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
+    assert code == 2 and "unknown key 'sampler_stepz'" in one_error_line(err) and "c.yaml" in err
 
 
 def test_missing_weights(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(TINY_CONFIG.read_text().replace("pixal3d: {generate: tiny}", "pixal3d: {local: empty}"))
     (tmp_path / "empty").mkdir()
-    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "out" / "o.glb")
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "out" / "o.glb")
     lines = [line for line in err.splitlines() if line.strip()]  # a local folder: pixal3d-fetch cannot fill it
     assert lines[0] == "pixal3d-image-to-mesh: error: missing weights: 1 file a run needs is not on this machine"
     assert "weights.pixal3d from folder" in lines[1] and "empty" in lines[1] and lines[2] == "    pipeline.json"
     assert lines[-1] == "put the files there or point the config at the folder that holds them"
-    assert _files(tmp_path / "out") == []
+    assert files_in(tmp_path / "out") == []
 
 
 def test_not_enough_memory_for_any_policy(tiny_cache, tmp_path, capsys, monkeypatch):
     small = Machine("cpu", "CPU", True, 2**30, 1024, 2**30, 1024)
     monkeypatch.setattr(pipeline, "detect_machine", lambda device: small)
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
-    assert code == 2 and "not enough memory for any policy" in _one_error_line(err)
-    assert _files(tmp_path / "out") == []
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    assert code == 2 and "not enough memory for any policy" in one_error_line(err)
+    assert files_in(tmp_path / "out") == []
 
 
 def test_output_folder_not_writable(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder should be")
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", blocker / "sub" / "o.glb")
-    assert code == 2 and "is not writable" in _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", blocker / "sub" / "o.glb")
+    assert code == 2 and "is not writable" in one_error_line(err)
 
 
 def test_a_failure_during_the_run_exits_1_with_one_line_and_no_output(tiny_cache, tmp_path, capsys, monkeypatch):
@@ -203,9 +179,9 @@ def test_a_failure_during_the_run_exits_1_with_one_line_and_no_output(tiny_cache
         raise OSError("No space left on device")
     monkeypatch.setattr(StructureStage, "run", failing)
     out = tmp_path / "out" / "o.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
-    assert code == 1 and "No space left on device" in _one_error_line(err)
-    assert _files(out.parent) == []
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    assert code == 1 and "No space left on device" in one_error_line(err)
+    assert files_in(out.parent) == []
 
 
 def test_a_failed_write_leaves_no_partial_glb_and_no_run_json(tiny_cache, tmp_path, capsys, monkeypatch):
@@ -215,6 +191,6 @@ def test_a_failed_write_leaves_no_partial_glb_and_no_run_json(tiny_cache, tmp_pa
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(pixal3d.files.os, "replace", full_disk)
     out = tmp_path / "out" / "o.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", _fast_config(tmp_path), "-o", out, "--quiet")
-    assert code == 1 and "No space left on device" in _one_error_line(err)
-    assert _files(out.parent) == []  # neither the GLB, nor its temporary file, nor a run.json
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", _fast_config(tmp_path), "-o", out, "--quiet")
+    assert code == 1 and "No space left on device" in one_error_line(err)
+    assert files_in(out.parent) == []  # neither the GLB, nor its temporary file, nor a run.json

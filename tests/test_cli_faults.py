@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +24,8 @@ from pipelines import Pixal3D, cli, session
 from pixal3d.tiny_weights import TINY_VERSION
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.stub_result import stub_run
-from tests.test_cli import _files, _missing_weights_lines, _one_error_line, _run
+from tests.support.cli import files_in, missing_weights_lines, one_error_line, run_cli
+from tests.support.disk import file_size_limit
 
 
 def _empty_cache(monkeypatch, tmp_path: Path) -> Path:
@@ -72,15 +69,15 @@ def test_an_image_without_alpha_and_no_remover_is_refused_before_any_weight_is_r
                                                                                  monkeypatch):
     cache = _empty_cache(monkeypatch, tmp_path)
     image = _opaque(kind, tmp_path)
-    code, _, err = _run(capsys, image, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, image, "--config", TINY_CONFIG, "-o", tmp_path / "out" / "o.glb")
+    line = one_error_line(err)
     assert code == 2 and kind in line and "alpha" in line and "weights.rembg" in line
     assert "load_background_remover" not in line  # no API advice a command-line user cannot follow
-    assert _files(cache) == [] and _files(tmp_path / "out") == []  # no weight generated, let alone read
+    assert files_in(cache) == [] and files_in(tmp_path / "out") == []  # no weight generated, let alone read
 
 
 def test_an_image_with_alpha_passes_the_check(tmp_path, capsys, tiny_cache):
-    code, out, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    code, out, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
     assert code == 0 and "policy:" in out, err
 
 
@@ -90,10 +87,10 @@ def test_cpu_out_of_memory_during_the_run_is_one_line_and_exit_1(tiny_cache, tmp
         np.empty((2**40, 2**20), np.uint8)  # 1 EiB: numpy's _ArrayMemoryError, a MemoryError
     monkeypatch.setattr(Pixal3D, "run_batch", allocate)
     out = tmp_path / "out" / "o.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    line = one_error_line(err)
     assert code == 1 and "not enough memory" in line and "Unable to allocate" in line
-    assert _files(out.parent) == []
+    assert files_in(out.parent) == []
 
 
 # -- item 5: signals ---------------------------------------------------------------------------------------
@@ -119,7 +116,7 @@ def test_a_signal_after_the_temporary_glb_is_written_leaves_no_file_and_one_line
                    env={"PIXAL3D_CACHE": str(tiny_cache)})
     assert proc.returncode == code, proc.stderr
     assert "stopped by" in _stderr_line(proc) and "Traceback" not in proc.stderr
-    assert _files(out.parent) == []  # neither x.glb, nor its run.json, nor a temporary file
+    assert files_in(out.parent) == []  # neither x.glb, nor its run.json, nor a temporary file
 
 
 # -- item 6: an output path that is a folder ---------------------------------------------------------------
@@ -129,10 +126,10 @@ def test_an_output_or_trace_path_that_is_a_folder_is_refused_before_the_run(opti
     folder = tmp_path / ("x.glb" if option == "-o" else "t.jsonl")
     folder.mkdir()
     args = ["-o", folder] if option == "-o" else ["-o", tmp_path / "o.glb", "--trace", folder]
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, *args)
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, *args)
+    line = one_error_line(err)
     assert code == 2 and option in line and "folder" in line and str(folder) in line
-    assert _files(cache) == []
+    assert files_in(cache) == []
 
 
 # -- item 7: no network ------------------------------------------------------------------------------------
@@ -179,8 +176,8 @@ def _unreachable_hub(tiny_cache: Path, tmp_path: Path, monkeypatch) -> tuple[str
 def test_an_unreachable_hub_is_one_error_naming_every_missing_file_without_retries(tiny_cache, tmp_path, capsys,
                                                                                    monkeypatch, caplog):
     rev, config = _unreachable_hub(tiny_cache, tmp_path, monkeypatch)
-    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
-    lines = _missing_weights_lines(err, config)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
+    lines = missing_weights_lines(err, config)
     assert code == 2 and any("could not be reached" in line for line in lines)
     assert all(f"    {name}" in lines for name in MISSING), lines  # each file on its own line
     assert f"or this source alone (with network access): hf download t/p {' '.join(sorted(MISSING[:3]))} --revision {rev}" in lines
@@ -209,8 +206,8 @@ def test_offline_with_a_partial_cache_names_every_missing_file_at_once(tiny_cach
     _, config = _hub_cache_missing_files(tiny_cache, tmp_path / "hub")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
-    lines = _missing_weights_lines(err, config)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb", "--plan")
+    lines = missing_weights_lines(err, config)
     assert code == 2 and all(f"    {name}" in lines for name in MISSING)
     assert "HF_HUB_OFFLINE is set, so only the local cache was searched" in lines
 
@@ -221,7 +218,7 @@ def test_the_command_configures_its_own_loggers_and_leaves_library_loggers_alone
 
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [])  # as in a fresh process (pytest's capture handlers set aside)
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
     assert code == 0, err
     assert root.handlers == []  # nothing on the root logger, so huggingface_hub's warnings are not ours to print
     logging.getLogger("pixal3d.hub").warning("our warning")
@@ -233,52 +230,38 @@ def test_a_cache_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, mon
     blocker = tmp_path / "cache"
     blocker.write_text("not a folder")
     monkeypatch.setenv("PIXAL3D_CACHE", str(blocker))
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb")
+    line = one_error_line(err)
     assert code == 2 and str(blocker) in line and "PIXAL3D_CACHE" in line
-
-
-@contextmanager
-def file_size_limit(limit: int) -> Iterator[None]:
-    """Writes past ``limit`` bytes fail with EFBIG (``File too large``), as writes on a full disk fail with
-    ENOSPC: the process's RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails instead of killing."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 def test_a_full_disk_while_generating_the_demo_weights_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     cache = _empty_cache(monkeypatch, tmp_path)
     with file_size_limit(64 * 1024):
-        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
-    line = _one_error_line(err)
+        code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    line = one_error_line(err)
     assert code == 2 and str(cache / "tiny") in line and "PIXAL3D_CACHE" in line and "File too large" in line
-    assert _files(cache / "tiny") == []  # no half-written weights, no temporary folder, no lock file
+    assert files_in(cache / "tiny") == []  # no half-written weights, no temporary folder, no lock file
 
 
 def test_glb_and_run_json_appear_together_or_not_at_all_on_a_full_disk(tiny_cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF" * 64))
     out = tmp_path / "out" / "x.glb"
     with file_size_limit(2048):  # the 256-byte GLB fits, the run.json (~4 KiB) does not
-        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
-    line = _one_error_line(err)
+        code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    line = one_error_line(err)
     assert code == 1 and str(out.with_name("x.run.json")) in line and "File too large" in line
-    assert _files(out.parent) == []
+    assert files_in(out.parent) == []
 
 
 def test_keep_latents_on_a_full_disk_is_one_line_naming_the_file(tiny_cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Pixal3D, "run_batch", stub_run())
     out, latents = tmp_path / "out" / "x.glb", tmp_path / "lat"
     with file_size_limit(64 * 1024):  # GLB (16 KiB) and run.json (~4 KiB) fit, the latents (~130 KiB) do not
-        code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--keep-latents", latents)
-    line = _one_error_line(err)
+        code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet", "--keep-latents", latents)
+    line = one_error_line(err)
     assert code == 1 and str(latents / "example.latents.pt") in line, line
-    assert _files(out.parent) == [] and _files(latents) == []
+    assert files_in(out.parent) == [] and files_in(latents) == []
 
 
 @pytest.mark.parametrize("option", ["--trace", "--keep-latents"])
@@ -286,8 +269,8 @@ def test_an_unwritable_trace_or_latents_folder_names_its_option(option, tmp_path
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder should be")
     target = blocker / "sub" / ("t.jsonl" if option == "--trace" else "")
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", option, target)
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", option, target)
+    line = one_error_line(err)
     assert code == 2 and option in line and "-o" not in line.replace(str(tmp_path), "")
 
 
@@ -321,8 +304,8 @@ def test_a_second_run_writing_the_same_output_is_refused(tiny_cache, tmp_path, c
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.05)
         monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF second run"))
-        code, _, err = _run(capsys, *args)
-        line = _one_error_line(err)
+        code, _, err = run_cli(capsys, *args)
+        line = one_error_line(err)
         assert code == 2 and "another run" in line and str(out) in line
     finally:
         release.touch()
@@ -339,26 +322,26 @@ def test_outputs_that_differ_only_in_case_are_refused_on_a_case_insensitive_fold
     shutil.copy(EXAMPLE, inputs / "Cup.png")
     shutil.copy(EXAMPLE, inputs / "cup.png")
     monkeypatch.setattr(session, "folds_case", lambda folder: True)  # as on macOS's default volume
-    code, _, err = _run(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
+    line = one_error_line(err)
     assert code == 2 and "Cup" in line and "cup" in line and "case" in line
 
 
 # -- item 11: values out of range, devices that do not exist ----------------------------------------------
 def test_a_seed_out_of_range_names_the_option_or_the_key(tmp_path, capsys):
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--seed", str(2**70))
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--seed", str(2**70))
+    line = one_error_line(err)
     assert code == 2 and "--seed" in line and "2**64 - 1" in line
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"base": str(TINY_CONFIG), "seed": 2**70}))
-    code, _, err = _run(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", config, "-o", tmp_path / "o.glb")
+    line = one_error_line(err)
     assert code == 2 and "'seed'" in line and "c.yaml" in line
 
 
 def test_a_device_index_that_does_not_exist_is_refused_without_blaming_the_weights(tmp_path, capsys, tiny_cache):
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--device", "cpu:1")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--device", "cpu:1")
+    line = one_error_line(err)
     assert code == 2 and "cpu:1" in line and "delete" not in line and "download" not in line
 
 
@@ -366,11 +349,11 @@ def test_a_device_index_that_does_not_exist_is_refused_without_blaming_the_weigh
 def test_run_json_export_path_is_the_output(tiny_cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Pixal3D, "run_batch", stub_run())
     out = tmp_path / "out" / "x.glb"
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
     assert code == 0, err
     record = json.loads(out.with_name("x.run.json").read_text())
     assert record["export"]["path"] == str(out) == record["output"]
-    assert _files(out.parent) == ["x.glb", "x.run.json"]
+    assert files_in(out.parent) == ["x.glb", "x.run.json"]
 
 
 # -- item 14: AppleDouble and other hidden files in a folder -----------------------------------------------
@@ -380,11 +363,11 @@ def test_hidden_files_in_an_input_folder_are_skipped(tiny_cache, tmp_path, capsy
     shutil.copy(EXAMPLE, inputs / "cup.png")
     (inputs / "._cup.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64))
     (inputs / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(64))
-    code, _, err = _run(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
+    code, _, err = run_cli(capsys, inputs, "--config", TINY_CONFIG, "-o", tmp_path / "out", "--plan")
     assert code == 0, err
     # an explicitly named hidden file is still checked
-    code, _, err = _run(capsys, inputs / "._cup.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
-    assert code == 2 and "._cup.png" in _one_error_line(err)
+    code, _, err = run_cli(capsys, inputs / "._cup.png", "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan")
+    assert code == 2 and "._cup.png" in one_error_line(err)
 
 
 def test_library_messages_name_settings_and_the_command_names_them_by_its_flags(tiny_cache, tmp_path, capsys):
@@ -396,11 +379,11 @@ def test_library_messages_name_settings_and_the_command_names_them_by_its_flags(
     with pytest.raises(PolicyError) as library:
         Pixal3D.plan(TINY_CONFIG, policy="offload", device="cpu")
     assert "policy=staged" in str(library.value) and "--" not in str(library.value)
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-policy",
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-policy",
                         "offload")
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert code == 2 and "Use --memory-policy staged (or auto)" in line and "policy=" not in line
-    code, out, _ = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "--memory-policy", "staged", "--plan")
+    code, out, _ = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--memory-policy", "staged", "--plan")
     assert code == 0 and "requested explicitly (--memory-policy staged)" in out
     assert cli.in_flags("use warmup=2 or less; raise memory_budget; naf_mode=full") == \
         "use --warmup 2 or less; raise --memory-budget; naf_mode=full"

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from tests.cascade_fixtures import REPO
-from tests.test_import_cycles import PACKAGES, import_graph
+from tests.support.imports import PACKAGES, import_graph
 
 
 def front_end(module: str) -> str | None:

@@ -21,7 +21,7 @@ from pipelines import Pixal3D
 from pixal3d.locks import exclusive_lock, remove_if_stale
 from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.stub_result import stub_run
-from tests.test_cli import _run
+from tests.support.cli import run_cli
 
 KILL_AT_RENAME = """
     import os, signal, sys
@@ -63,7 +63,7 @@ def test_a_sigkill_before_any_rename_of_the_group_never_leaves_a_glb_without_its
     args = [str(EXAMPLE), "--config", str(TINY_CONFIG), "-o", str(out), "--quiet", "--keep-latents", str(lat),
             "--work-dir", str(work)]
     monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF first run"))
-    assert _run(capsys, *args)[0] == 0  # an earlier, complete run: the killed one overwrites its outputs
+    assert run_cli(capsys, *args)[0] == 0  # an earlier, complete run: the killed one overwrites its outputs
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILL_AT_RENAME), str(rename), str(out.parent),
                            str(lat), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO), "PIXAL3D_CACHE": str(tiny_cache)})
@@ -74,7 +74,7 @@ def test_a_sigkill_before_any_rename_of_the_group_never_leaves_a_glb_without_its
     (out.parent / ".other.glb.lock").write_text("999999999\n")  # another lock whose owner died: nobody holds it
 
     monkeypatch.setattr(Pixal3D, "run_batch", stub_run(glb=b"glTF third run"))
-    code, _, err = _run(capsys, *args)
+    code, _, err = run_cli(capsys, *args)
     assert code == 0, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "a killed earlier run left" in lines[0] and ".tmp" in lines[0], err
@@ -91,7 +91,7 @@ def test_a_run_json_whose_glb_never_appeared_is_removed_by_the_next_run(tiny_cac
     def nothing(self, *args, **kwargs):  # the image then writes nothing: only the cleanup can remove the record
         yield from ()
     monkeypatch.setattr(Pixal3D, "run_batch", nothing)
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", out, "--quiet")
     assert "example.run.json" in err and "a killed earlier run left" in err
     assert not out.with_name("example.run.json").exists()
 

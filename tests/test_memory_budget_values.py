@@ -10,7 +10,7 @@ from pipelines import Pixal3D
 from pixal3d.config import SettingError
 from pixal3d.memory_budget import GIB, format_bytes, parse_budget
 from tests.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
-from tests.test_cli import _one_error_line, _run
+from tests.support.cli import one_error_line, run_cli
 
 
 @pytest.mark.parametrize("value, shown", [(512, "512 B"), (1024, "1.0 KiB"), (100 * 2**20, "100.0 MiB"),
@@ -33,14 +33,14 @@ def test_upper_case_byte_units_and_bare_prefixes_still_read(text, expected):
 
 
 def test_a_one_kilobyte_budget_is_refused_showing_it_as_a_kilobyte(tiny_cache, tmp_path, capsys):
-    code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-budget", "1K")
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-budget", "1K")
+    line = one_error_line(err)
     assert code == 2 and "the memory budget is 1.0 KiB" in line and "0.00 GiB" not in line, line
 
 
 def test_a_budget_above_the_machines_memory_is_warned_about_in_the_plan(tiny_cache, tmp_path, capsys):
     total = psutil.virtual_memory().total
-    code, out, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan",
+    code, out, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--plan",
                           "--memory-budget", "1000T")
     assert code == 0, err
     assert f"warning: the memory budget 1000.00 TiB is more than this machine's {format_bytes(total)}" in out, out

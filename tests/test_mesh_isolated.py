@@ -14,23 +14,15 @@ import numpy as np
 import pytest
 
 from pixal3d.mesh.isolated import IsolatedStepError, can_isolate, run_isolated
+from tests.support.meshes import grid_mesh
 
 pytestmark = pytest.mark.skipif(not can_isolate(), reason="steps are isolated in a forked child on Linux only")
-
-
-def _grid_mesh(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A wavy n×n grid of 2(n-1)² triangles."""
-    x, y = np.meshgrid(np.arange(n, dtype=np.float32), np.arange(n, dtype=np.float32))
-    v = np.stack([x.ravel(), y.ravel(), np.sin(x.ravel() * 0.3) * np.cos(y.ravel() * 0.2)], 1)
-    i = (np.arange(n - 1)[:, None] * n + np.arange(n - 1)[None, :]).ravel()
-    f = np.concatenate([np.stack([i, i + 1, i + n], 1), np.stack([i + 1, i + n + 1, i + n], 1)]).astype(np.int32)
-    return v, f
 
 
 def test_an_isolated_step_returns_what_it_returns_in_place():
     from pixal3d.mesh.simplify import simplify_mesh
 
-    v, f = _grid_mesh(120)
+    v, f = grid_mesh(120)
     here = simplify_mesh(v, f, 2000, voxel_size=1.0)
     there = run_isolated(lambda a, b: simplify_mesh(a, b, 2000, voxel_size=1.0), v, f)
     assert all(np.array_equal(a, b) for a, b in zip(here, there))
@@ -52,7 +44,7 @@ PROBE = textwrap.dedent("""
     import json, sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from tests.test_mesh_isolated import _grid_mesh
+    from tests.support.meshes import grid_mesh
     from pixal3d.mesh.isolated import run_isolated
     from pixal3d.mesh.simplify import quadric_simplify
 
@@ -60,7 +52,7 @@ PROBE = textwrap.dedent("""
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
-    v, f = _grid_mesh(800)  # 1.3M faces
+    v, f = grid_mesh(800)  # 1.3M faces
     before = anon()
     run_isolated(lambda: quadric_simplify(v, f, 10000) and None, isolate=sys.argv[1] == "1")
     print(json.dumps({"kept": anon() - before}))

@@ -9,7 +9,7 @@ import pytest
 
 from pipelines import Pixal3D
 from tests.cascade_fixtures import TINY_CONFIG, tiny_cache  # noqa: F401
-from tests.test_cli import _one_error_line, _run
+from tests.support.cli import one_error_line, run_cli
 from tests.views_fixtures import EXAMPLE_VIEWS, fast_mv_config, swapped_views  # noqa: F401
 
 
@@ -19,7 +19,7 @@ def _prints(record: dict) -> dict:
 
 def test_the_command_on_a_views_folder_is_the_librarys_run(fast_mv_config, tmp_path, capsys):
     out = tmp_path / "ex.glb"
-    code, stdout, err = _run(capsys, "--views", EXAMPLE_VIEWS, "--config", fast_mv_config, "-o", out, "--seed", 9,
+    code, stdout, err = run_cli(capsys, "--views", EXAMPLE_VIEWS, "--config", fast_mv_config, "-o", out, "--seed", 9,
                              "--memory-policy", "staged")
     assert code == 0, err
     record = json.loads(out.with_suffix(".run.json").read_text())
@@ -40,14 +40,14 @@ def test_two_folders_are_a_batch_one_bad_folder_costs_only_itself_and_a_work_dir
     (bad / "view02_azim180.png").unlink()
     args = ["--views", good, bad, "--config", fast_mv_config, "-o", tmp_path / "out", "--quiet",
             "--work-dir", tmp_path / "work", "--num-views", 3]
-    code, _, err = _run(capsys, *args)
+    code, _, err = run_cli(capsys, *args)
     assert code == 1  # an input failed
     assert "skipped bad: " in err and "frame 2's file view02_azim180.png does not exist" in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["batch.json", "good.glb", "good.run.json"]
     first = json.loads((tmp_path / "out" / "good.run.json").read_text())
     assert first["views"]["views"] == 3 and first["views"]["given"] == 4
     shutil.copy(EXAMPLE_VIEWS / "view02_azim180.png", bad)  # fixed: the same command finishes what is left
-    code, _, err = _run(capsys, *args)
+    code, _, err = run_cli(capsys, *args)
     assert code == 0, err
     again = json.loads((tmp_path / "out" / "good.run.json").read_text())
     assert all(s["reused"] for s in again["stages"]) and _prints(again) == _prints(first)
@@ -58,7 +58,7 @@ def test_plan_takes_views_and_reads_no_weights(fast_mv_config, tmp_path, capsys,
     def forbidden(*args, **kwargs):
         raise AssertionError("--plan must not read weights")
     monkeypatch.setattr("pipelines.loaders.load_model", forbidden)
-    code, stdout, err = _run(capsys, "--views", EXAMPLE_VIEWS, "--config", fast_mv_config, "--plan",
+    code, stdout, err = run_cli(capsys, "--views", EXAMPLE_VIEWS, "--config", fast_mv_config, "--plan",
                              "-o", tmp_path / "o.glb")
     assert code == 0, err
     assert "views" in stdout and "features" in stdout and "moge" not in stdout
@@ -85,6 +85,6 @@ def test_every_wrong_input_is_one_line_and_exit_2_before_any_weight(case, tmp_pa
         "no transforms": (["--views", tmp_path, "--config", mv], "has no transforms.json"),
         "not a folder": (["--views", image, "--config", mv], "is a file, not a folder"),
     }[case]
-    code, _, err = _run(capsys, *args, "-o", tmp_path / "o.glb", "--quiet")
-    assert code == 2 and expected in _one_error_line(err)
+    code, _, err = run_cli(capsys, *args, "-o", tmp_path / "o.glb", "--quiet")
+    assert code == 2 and expected in one_error_line(err)
     assert not (tmp_path / "o.glb").exists()

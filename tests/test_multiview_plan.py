@@ -15,14 +15,8 @@ import yaml
 from pipelines import Pixal3D
 from pixal3d.memory_budget import MemoryBudgetError
 from pixal3d.pipeline_json import PINNED_CHECKPOINTS
-from tests.test_plan_headers import (
-    CHECKPOINTS,
-    DINOV3_BYTES,
-    REPO,
-    _header,
-    install_hub,
-)
-from tests.test_plan_headers import FakeHub as SingleViewHub
+from tests.support.header_hub import CHECKPOINTS, DINOV3_BYTES, REPO, _header, install_hub
+from tests.support.header_hub import FakeHub as SingleViewHub
 
 MV = REPO / "configs" / "1024_cascade_mv.yaml"
 MV_STEMS = PINNED_CHECKPOINTS[("TencentARC/Pixal3D", "b0cb2e1b794cab9aa0ac38a95d794a4d9337437f", "pipeline_mv.json")]

@@ -24,7 +24,7 @@ from pixal3d.hub import MissingWeightsError
 from pixal3d.pipeline_json import resolve_weights
 from pixal3d.tiny_weights import TINY_MV_VERSION, TINY_VERSION, ensure_tiny_mv_weights
 from tests.cascade_fixtures import REPO, tiny_cache  # noqa: F401
-from tests.test_fetch import REV, FakeHub
+from tests.support.fetch_hub import REV, FakeHub
 
 CONFIGS = REPO / "configs"
 

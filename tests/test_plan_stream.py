@@ -9,7 +9,7 @@ import pytest
 from pipelines import Pixal3D
 from pixal3d.memory_budget import GIB, PROCESS_BYTES, MemoryBudgetError
 from pixal3d.staging import Policy
-from tests.test_plan_headers import REAL, hub  # noqa: F401
+from tests.support.header_hub import REAL, hub  # noqa: F401
 
 STREAMED = {"sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
             "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder"}

@@ -12,7 +12,7 @@ import torch
 
 from pixal3d.staging import EventLog, Executor, Hook, Item, StageRunner, Store
 from tests.substitute_pipeline import make_loaders
-from tests.test_staging_runner import Decode, Encode, State
+from tests.support.toy_stages import Decode, Encode, State
 
 
 def _runner(builds: Counter | None = None, log: EventLog | None = None) -> StageRunner:

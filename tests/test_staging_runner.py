@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import runpy
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,45 +14,14 @@ from pixal3d.staging import (
     Executor,
     Policy,
     PolicyError,
-    Stage,
     StageGraphError,
     StageRunner,
     check_stages,
 )
 from tests.substitute_pipeline import build, make_loaders
+from tests.support.toy_stages import State, Encode, Decode
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "toy_chain.py"
-
-
-@dataclass
-class State:
-    x: torch.Tensor
-    feats: torch.Tensor | None = None
-    scratch: torch.Tensor | None = None
-    y: torch.Tensor | None = None
-    gen: torch.Generator | None = None
-    memo: torch.Tensor | None = None
-
-
-class Encode(Stage):
-    name, needs, inputs, outputs, transient = "encode", ("encoder",), ("x",), ("feats",), ("scratch",)
-
-    def working_set(self) -> int:
-        return 10
-
-    def run(self, state, models):
-        state.scratch = torch.zeros(3)
-        state.feats = models["encoder"](state.x)
-
-
-class Decode(Stage):
-    name, needs, inputs, outputs = "decode", ("decoder",), ("feats",), ("y",)
-
-    def working_set(self) -> int:
-        return 0
-
-    def run(self, state, models):
-        state.y = models["decoder"](state.feats)
 
 
 def runner(stages=None, **kwargs) -> StageRunner:

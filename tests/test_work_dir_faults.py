@@ -12,19 +12,19 @@ from pipelines import work_dir as work_dir_module
 from pipelines.work_dir import WorkDir, WorkDirError
 from tests.batch_fixtures import fast_config  # noqa: F401
 from tests.cascade_fixtures import EXAMPLE, tiny_cache  # noqa: F401
-from tests.test_cli import _files, _one_error_line, _run
-from tests.test_cli_faults import file_size_limit
+from tests.support.cli import files_in, one_error_line, run_cli
+from tests.support.disk import file_size_limit
 
 
 def test_a_full_disk_while_writing_a_stage_record_is_one_line_exit_1_and_leaves_no_partial_record(
         fast_config, tmp_path, capsys):
     out, work = tmp_path / "out" / "example.glb", tmp_path / "work"
     with file_size_limit(64 * 1024):  # the marker fits, the preprocess record (the 518² image) does not
-        code, _, err = _run(capsys, EXAMPLE, "--config", fast_config, "-o", out, "--work-dir", work, "--quiet")
-    line = _one_error_line(err)
+        code, _, err = run_cli(capsys, EXAMPLE, "--config", fast_config, "-o", out, "--work-dir", work, "--quiet")
+    line = one_error_line(err)
     assert code == 1 and "File too large while writing" in line and str(work / "example" / "preprocess.safetensors") in line
     assert "Traceback" not in err and "SafetensorError" not in line
-    assert _files(out.parent) == []
+    assert files_in(out.parent) == []
     assert sorted(p.name for p in work.rglob("*")) == ["example", "pixal3d-work.json"]  # no record, no temporary
 
 
@@ -58,6 +58,6 @@ def test_a_read_only_work_dir_is_refused_before_any_weight_is_read(fast_config, 
             raise OSError(errno.EROFS, "Read-only file system", str(work))
         return real(*args, dir=dir, **kwargs)
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
-    code, _, err = _run(capsys, EXAMPLE, "--config", fast_config, "-o", tmp_path / "o.glb", "--work-dir", work)
-    line = _one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", fast_config, "-o", tmp_path / "o.glb", "--work-dir", work)
+    line = one_error_line(err)
     assert code == 2 and str(work) in line and "Read-only file system" in line and "--work-dir" in line
