@@ -18,12 +18,12 @@ setup(
         "pillow",
         "safetensors",
         # 1.31: transformers 5's own floor; < 3: the majors tested (1.31 with httpx, 2.4 with httpx2: pixal3d.hub
-        # finds the client's error base from HfHubHTTPError, tests/test_fetch_network.py runs on both)
+        # finds the client's error base from HfHubHTTPError, tests/pixal3d/test_fetch_network.py runs on both)
         "huggingface_hub>=1.31,<3",
         "transformers>=4.56",  # DINOv3ViTModel first shipped in 4.56
         "rembg[cpu]",
         "trimesh",
-        "xatlas==0.0.11",  # the keyword binding (normals/uvs) is pinned by tests/test_mesh_simplify_uv.py
+        "xatlas==0.0.11",  # the keyword binding (normals/uvs) is pinned by tests/pixal3d/mesh/test_mesh_simplify_uv.py
         "fast-simplification>=0.2",  # preserve_border for the slab pre-pass
         "scipy",
         "psutil",

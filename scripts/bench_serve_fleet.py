@@ -1,6 +1,6 @@
 """Job server benchmark across processes, with the tiny config on this machine, on each queue database: one API
 process (``--role api``) and one or two worker processes (``--role worker --name wN``), as machines of a fleet run
-them; the queue in SQLite (in ``--data``) and in PostgreSQL (a throwaway cluster on loopback, ``tests/postgres_harness``).
+them; the queue in SQLite (in ``--data``) and in PostgreSQL (a throwaway cluster on loopback, ``tests/support/postgres_harness``).
 
 What it measures, for each database (``--parts``, default all three):
 
@@ -33,8 +33,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.postgres_harness import start_server
-from tests.serve_harness import Server
+from tests.support.postgres_harness import start_server
+from tests.support.serve_harness import Server
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"

@@ -278,7 +278,7 @@ on the CPU (seen here: `_to_copy` bf16→f32 before the `bmm` rows). The flow mo
 reaches the MPS kernel. The `fp32_chunked` route (the default on mps) calls no SDPA at all: `bmm` → `_softmax` → `bmm` in
 fp32 per query chunk, rows below. The `(sdpa route)` cases are what `runtime.attention: sdpa` runs: the fp32 math path
 per query chunk of `score_budget()` scores. A contiguous call would be recorded as `{op}` with its scores as its
-largest tensor (`pixal3d/audit/sizes.py`, `SdpaDispatch`; tests/test_mps_real_size.py shows it caught).
+largest tensor (`pixal3d/audit/sizes.py`, `SdpaDispatch`; tests/pixal3d/test_mps_real_size.py shows it caught).
 """.format(op="`aten::_scaled_dot_product_attention_math_for_mps`")
 
 

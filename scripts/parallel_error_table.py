@@ -2,7 +2,7 @@
 warmup W ∈ {0, 1, 2, 4, 8, S} at fixed patch counts M (issue 13, test 8).
 
 The error depends on (M, W, patch order) only, not on the number of ranks (the distributed runtime is
-bitwise the emulator, tests/test_parallel_ranks.py), so the single-process emulator measures it. The
+bitwise the emulator, tests/pixal3d/parallel/test_parallel_ranks.py), so the single-process emulator measures it. The
 exact result is the same emulator at W = S (bitwise the single-process sampler).
 
 Models: the tiny config's four flow checkpoints (deterministic random weights, 2 blocks, 32 channels;

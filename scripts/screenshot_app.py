@@ -1,5 +1,5 @@
 """docs/app.png: the web app after a run of the tiny demo, taken in headless Chromium (Debian's ``chromium`` through
-Playwright, as tests/test_app_browser.py drives it): start ``python -m pipelines.app`` on the tiny config on a
+Playwright, as tests/pipelines/app/test_app_browser.py drives it): start ``python -m pipelines.app`` on the tiny config on a
 loopback port, upload assets/example.png, press Generate, wait for the model in the viewer, save the page.
 
     python scripts/screenshot_app.py [--out docs/app.png] [--config configs/tiny.yaml]

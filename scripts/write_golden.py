@@ -19,7 +19,7 @@ different, nothing is written and the first differing stage is printed (exit 1),
 rewrites it (for a change of the cascade's numbers: say why in the commit). On a kind not yet listed, the run
 is compared with every golden of the key: equal to one, this kind is added to its ``verified_on`` (the pins
 made two kinds agree); equal to none, the pins do not make this kind give those bits, and its own variant
-``tiny_<key>.<kind>.json`` is written (tests/goldens.py). A pin torch does not honour (``ATEN_CPU_CAPABILITY``
+``tiny_<key>.<kind>.json`` is written (tests/support/goldens.py). A pin torch does not honour (``ATEN_CPU_CAPABILITY``
 in upper case, or a level it does not know) is refused: the golden would be filed under kernels that did not run.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pixal3d.staging.fingerprint import first_difference
-    from tests import goldens
+    from tests.support import goldens
 
     if not kernels.honoured():
         print(f"write_golden: torch ignored ATEN_CPU_CAPABILITY={kernels.pins()['ATEN_CPU_CAPABILITY']} and runs "
@@ -128,12 +128,12 @@ RUNS = {"tiny": ("tiny.yaml", {"image": REPO / "assets" / "example.png"}, "confi
 
 
 def goldens_cascades() -> tuple[str, ...]:
-    """The cascades this script runs (``tests/goldens.py``'s ``CASCADES``: their files' prefixes)."""
+    """The cascades this script runs (``tests/support/goldens.py``'s ``CASCADES``: their files' prefixes)."""
     return tuple(RUNS)
 
 
 def _run_tiny(cascade: str = "tiny") -> tuple[dict[str, dict[str, str]], dict]:
-    """The eager tiny run the tests compare (tests/cascade_fixtures.py: tiny_reference; tests/views_fixtures.py:
+    """The eager tiny run the tests compare (tests/support/cascade_fixtures.py: tiny_reference; tests/support/views_fixtures.py:
     mv_reference)."""
     import transformers
 

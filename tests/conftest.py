@@ -14,7 +14,7 @@ The kernels are pinned too, before torch is imported (``pixal3d.kernels``): on a
 AVX2 family of ATen, MKL and oneDNN (with MKL's strict mode on Intel CPUs, ``recommended_pins``), so the golden fingerprints are those of the pinned family, not of the
 CPU the suite happens to run on. Pins set by hand in the environment are kept (CI's second pass sets
 another family), and ``PIXAL3D_KERNEL_PINS=none`` runs the suite on the CPU's own kernels; the goldens are
-keyed by the pins in effect (``tests/cascade_fixtures.py``).
+keyed by the pins in effect (``tests/support/cascade_fixtures.py``).
 """
 import os
 import signal
@@ -62,7 +62,7 @@ def run_unpinned(nodeid: str) -> None:
 
 def pytest_report_header(config):
     """Which kernels made this session's numbers, and which golden they are compared with."""
-    from tests.cascade_fixtures import golden_path
+    from tests.support.cascade_fixtures import golden_path
 
     path = golden_path()
     return (f"kernels: {kernels.key()} (pins {kernels.pins() or 'none'}; CPU {kernels.cpu_kind()}, torch uses "

@@ -1,8 +1,8 @@
 """Issue 38: the web app's and the job server's results follow the commit-point rule of the command's
-(``tests/test_kill_safety.py``): they are written by the one writer (``pipelines.session.Session.write``), the GLB
+(``tests/pipelines/test_kill_safety.py``): they are written by the one writer (``pipelines.session.Session.write``), the GLB
 renamed last, so a SIGKILL between any two renames never leaves a GLB without its complete run.json.
 
-Each front end's own write path runs in a child process on a stub result (``tests.stub_result``) and is killed
+Each front end's own write path runs in a child process on a stub result (``tests.support.stub_result``) and is killed
 with SIGKILL just before its n-th rename into the job's folder. Control: the same kill on the order the app and
 the server wrote in before (the GLB, then run.json) leaves a GLB without its record, which the check finds."""
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.support.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 
 KILL_AT = """
     import os, signal, sys
     from pathlib import Path
-    from tests.stub_result import patch_run
+    from tests.support.stub_result import patch_run
     patch_run(glb=b"glTF killed run")
     real, count, folder = os.replace, [0], Path(sys.argv[2]).resolve()
     def replace(src, dst, *args, **kwargs):

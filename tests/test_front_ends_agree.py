@@ -19,8 +19,8 @@ import pytest
 
 from pipelines.job import Job
 from pixal3d.config import load_config
-from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
-from tests.serve_harness import Server
+from tests.support.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.support.serve_harness import Server
 
 SETTINGS = {"fov": 40.0, "memory_policy": "staged", "memory_budget": "2G"}
 """The job, under the server's names; no seed: the config's (the export's texture size and face budget: the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.cascade_fixtures import REPO
+from tests.support.cascade_fixtures import REPO
 from tests.support.imports import PACKAGES, import_graph
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pixal3d.config import load_config, shipped_config
-from tests.cascade_fixtures import REPO
+from tests.support.cascade_fixtures import REPO
 
 
 def test_the_wheel_ships_every_config_inside_the_package(tmp_path):

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.support.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG, tiny_cache  # noqa: F401
 
 HEAVY = ("transformers", "trimesh", "gradio", "scipy.spatial", "scipy.ndimage", "scipy.sparse", "pixal3d.mesh.export")
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG
+from tests.support.cascade_fixtures import EXAMPLE, REPO, TINY_CONFIG
 
 pytest.importorskip("torch.distributed.run")
 

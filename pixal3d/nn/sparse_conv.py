@@ -1,6 +1,6 @@
 """Submanifold sparse 3-D convolution in plain PyTorch (any device, fp32/fp16/bf16).
 
-Convention (pinned by ``tests/test_sparse_conv.py`` against ``F.conv3d``): the weight is stored as the
+Convention (pinned by ``tests/pixal3d/nn/test_sparse_conv.py`` against ``F.conv3d``): the weight is stored as the
 checkpoints store it, ``[Cout, K0, K1, K2, Cin]``, and ``weight[:, i, j, k, :]`` multiplies the features of
 the voxel at ``(x + d·(i - K0//2), y + d·(j - K1//2), z + d·(k - K2//2))`` — kernel dims 0/1/2 walk the
 coordinate columns 1/2/3 (x/y/z), as FlexGEMM's neighbour map does. On a fully occupied grid this equals

@@ -2,7 +2,7 @@
 
 This is the method written out in one loop, and the oracle for the distributed runtime: for a given
 (M, W, patch order) a run on any number of pipeline ranks, with or without CFG-parallel, must give
-these bits (tests/test_parallel_distributed.py). It is also how the approximation table
+these bits (tests/pixal3d/parallel/test_parallel_ranks.py). It is also how the approximation table
 (benchmarks/parallel_error.md) is made: its error depends on M and W only, not on the number of ranks.
 """
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""Working-set estimates, declared by each stage from its config section (pipelines/working_set.py, on the
+constants measured at the reference's counts in benchmarks/full_work.md), and each stage fitted to the memory
+the plan gives it: NAF's mode, the decode's tiles, the flow stages' chunks (pipelines/stage.py StageBudget)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import working_set as ws
+from pipelines.build import build_stages
+from pipelines.stage import StageBudget
+from pixal3d import memory_budget as mb
+from pixal3d.config import load_config
+
+REFERENCE = "configs/1024_cascade.yaml"
+GiB = 2**30
+DECODER_WEIGHTS = int(1.77 * GiB)  # shape + texture decoders (benchmarks/full_work.md)
+FLOW_WEIGHTS = int(3.75 * GiB)     # a 1.3B flow + DINOv3 + NAF
+
+
+def estimates(config) -> dict[str, int]:
+    return {s.name: s.working_set() for s in build_stages(config)}
+
+
+def stage(name: str, config=None):
+    return next(s for s in build_stages(config or load_config(REFERENCE)) if s.name == name)
+
+
+def test_reference_counts_match_the_measured_figures():
+    """At ~3.9k LR, 20k HR tokens and ~9M decoded voxels, the estimates are the full-work measurements."""
+    est = estimates(load_config(REFERENCE))
+    assert est["shape_1024"] == 20_000 * mb.FLOW_BYTES_PER_TOKEN + mb.FLOW_FIXED_BYTES  # frugal-NAF line, auto
+    # benchmarks/full_work.md (measured working sets): shape_1024 1.53 GiB, upsample 1.23, decode 8.61 + outputs;
+    # benchmarks/stream.md: the export 3.41 GiB at its peak, 3.19 above the interpreter
+    assert est["shape_1024"] / GiB == pytest.approx(1.53, abs=0.01)
+    assert est["upsample"] / GiB == pytest.approx(1.23, rel=0.05)
+    assert est["decode"] / GiB == pytest.approx(9.94, abs=0.02)
+    assert est["export"] / GiB == pytest.approx(3.36, abs=0.01)
+    assert est["structure"] / GiB == pytest.approx(0.56, abs=0.01)
+    assert est["preprocess"] == 0
+    assert est["camera"] == mb.CAMERA_FLOAT16_BYTES  # moge_precision auto: the device decides, the larger counted
+
+
+def test_moges_working_sets_are_never_under_the_camera_benchmark_and_at_most_a_tenth_over():
+    """benchmarks/camera.json's measured working sets (518 and 1126 px, each precision) against the constants the
+    plan counts for the camera stage."""
+    results = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "camera.json").read_text())["results"]
+    for fp16, planned in ((True, mb.CAMERA_FLOAT16_BYTES), (False, mb.CAMERA_FLOAT32_BYTES)):
+        measured = max(r["working_set"] for r in results if r["fp16"] is fp16)
+        assert measured <= planned <= 1.1 * measured, (fp16, measured, planned)
+    assert {r["side"] for r in results} >= {518, 1126}  # the largest preprocessed crop: int(1.1 * 1024)
+    for precision, planned in (("float32", mb.CAMERA_FLOAT32_BYTES), ("float16", mb.CAMERA_FLOAT16_BYTES),
+                               ("auto", mb.CAMERA_FLOAT16_BYTES)):
+        config = load_config(REFERENCE)
+        config = config.with_overrides(camera=dataclasses.replace(config.camera, moge_precision=precision))
+        assert stage("camera", config).working_set() == planned, precision
+
+
+def test_estimate_grows_with_the_token_counts():
+    config = load_config(REFERENCE)
+    bigger = dataclasses.replace(config, upsample=dataclasses.replace(config.upsample, hr_resolution=1536),
+                                 structure=dataclasses.replace(config.structure, coords_resolution=48))
+    small, large = estimates(config), estimates(bigger)
+    for name in ("shape_512", "upsample", "shape_1024", "texture", "decode", "export"):
+        assert large[name] > small[name], name
+    assert large["structure"] == small["structure"]  # dense 16³ tokens either way
+
+
+def test_every_stage_of_every_shipped_config_declares_an_estimate():
+    for name in ("1024_cascade", "1536_cascade", "tiny"):
+        assert all(isinstance(v, int) and v >= 0 for v in estimates(load_config(f"configs/{name}.yaml")).values())
+
+
+def test_naf_auto_is_the_reference_exact_full_mode_when_it_fits_and_frugal_when_not():
+    texture = stage("texture")  # NAF at 1024 px: the full mode needs ~3.7 GiB
+    assert texture.naf_mode == "auto"
+    roomy = texture.fitted(StageBudget(16 * GiB, FLOW_WEIGHTS))
+    tight = texture.fitted(StageBudget(6 * GiB, FLOW_WEIGHTS))
+    assert roomy.naf_mode == "full" and tight.naf_mode == "frugal"
+    assert roomy.working_set() > tight.working_set()  # the full maps are counted when they run
+    assert texture.naf_mode == "auto" and roomy is not texture  # fitting makes a copy
+    assert roomy.choices() == {"naf_mode": "full"}
+    forced = dataclasses.replace(texture.config, condition=dataclasses.replace(texture.config.condition,
+                                                                                naf_mode="full"))
+    assert type(texture)(forced, 4, 1024).fitted(StageBudget(6 * GiB, FLOW_WEIGHTS)).naf_mode == "full"  # asked
+
+
+def test_naf_full_estimate_covers_the_full_work_measurement_and_the_budget_keeps_full_only_where_it_fits():
+    """benchmarks/full_work.md, NAF full at the reference's counts (4k LR tokens with DINOv3 at 512 px, 20k HR
+    tokens at 1024 px): working sets shape_512 0.97 GiB, shape_1024 3.80 GiB (T=512), texture 3.73 GiB
+    (T=1024); process peaks 5.17, 7.99 and 7.93 GiB. The estimate is never under them (a budget is a bound),
+    so --memory-budget 8G keeps full for shape_512 only; 8.5G keeps it for all three."""
+    for name, measured in (("shape_512", 0.973), ("shape_1024", 3.798), ("texture", 3.733)):
+        full = stage(name).fitted(StageBudget(16 * GiB, FLOW_WEIGHTS))
+        assert full.naf_mode == "full"
+        assert measured <= full.working_set() / GiB <= measured * 1.08, name
+        roomy = stage(name).fitted(StageBudget(8.5 * GiB, FLOW_WEIGHTS, explicit=True))
+        assert roomy.naf_mode == "full", name
+        assert FLOW_WEIGHTS + mb.PROCESS_BYTES + roomy.working_set() <= 8.5 * GiB, name
+    modes = {name: stage(name).fitted(StageBudget(8 * GiB, FLOW_WEIGHTS, explicit=True)).naf_mode
+             for name in ("shape_512", "shape_1024", "texture")}
+    assert modes == {"shape_512": "full", "shape_1024": "frugal", "texture": "frugal"}
+
+
+def test_the_decode_tiles_under_a_budget_smaller_tiles_under_a_smaller_one_and_refuses_an_impossible_one():
+    decode = stage("decode")
+    assert decode.fitted(StageBudget(16 * GiB, DECODER_WEIGHTS, explicit=True)).tile_plan is None  # fits whole
+    assert decode.fitted(StageBudget(8 * GiB, DECODER_WEIGHTS)).tile_plan is None  # no explicit budget: untiled
+    eight = decode.fitted(StageBudget(8 * GiB, DECODER_WEIGHTS, explicit=True))
+    six = decode.fitted(StageBudget(6 * GiB, DECODER_WEIGHTS, explicit=True))
+    assert eight.tile_plan is not None and six.tile_plan is not None
+    assert (six.tile_plan.start_level, six.tile_plan.tile_voxels) < (eight.tile_plan.start_level,
+                                                                     eight.tile_plan.tile_voxels)
+    assert mb.PROCESS_BYTES + DECODER_WEIGHTS + eight.working_set() == 8 * GiB  # bounded to the budget
+    with pytest.raises(mb.MemoryBudgetError, match=r"stage 'decode' needs at least .* but the memory budget is "
+                                                   r"2\.00 GiB; raise memory_budget"):
+        decode.fitted(StageBudget(2 * GiB, DECODER_WEIGHTS, explicit=True))
