@@ -99,13 +99,13 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
     outputs and records call it: the file's stem, else ``image<i>``) unique; labels (what run.json calls its
     input: the path, else ``<image>``)."""
     images = list(images)
-    if isinstance(seed, Sequence):
+    if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes, bytearray)):
         if len(seed) != len(images):
             raise ValueError(f"{len(seed)} seeds for {len(images)} images; pass one seed, or one per image")
         seeds = [check_seed(s) for s in seed]
     else:
         seeds = [default_seed if seed is None else check_seed(seed)] * len(images)
-    if isinstance(fov, Sequence):
+    if isinstance(fov, Sequence) and not isinstance(fov, (str, bytes, bytearray)):
         if len(fov) != len(images):
             raise ValueError(f"{len(fov)} fields of view for {len(images)} images; pass one, or one per image")
         fovs = list(fov)

@@ -15,6 +15,8 @@ from PIL import Image
 
 from pipelines import Pixal3D
 from pipelines import work_dir as work_dir_module
+from pipelines.batch import image_items
+from pixal3d.config import SettingError
 from pixal3d.staging import EventLog
 from tests.support.batch_fixtures import batch_images, fast_config, singles  # noqa: F401
 from tests.support.cascade_fixtures import tiny_cache  # noqa: F401
@@ -160,6 +162,19 @@ def test_an_error_of_one_image_during_a_stage_skips_only_that_image(fast_config,
     assert "sparse structure is empty" in items[0].message and items[0].failure.kind == "input"
     for item in items[1:]:
         assert item.result.fingerprints()["shape_512"] == singles["prints"][item.name]["shape_512"]
+
+
+@pytest.mark.parametrize("seed", [b"x", "abc", "7", bytearray(b"\x01"), 1.0, True, [1, "2"]])
+def test_a_seed_that_is_not_an_int_or_a_list_of_ints_is_refused_naming_it(seed):
+    """Issue 44 item 9: bytes and str are sequences, and were taken as lists of seeds (``b'x'`` ran seed 120,
+    ``'abc'`` said "3 seeds for 1 images"); the library refuses them as the command and the server do."""
+    with pytest.raises(SettingError, match=r"seed .* is not an integer in \["):
+        image_items(["a.png"] * (2 if isinstance(seed, list) else 1), seed=seed, default_seed=0)
+
+
+def test_a_field_of_view_given_as_a_string_is_refused_not_split():
+    with pytest.raises(SettingError, match="field of view"):
+        image_items(["a.png"], seed=None, fov="49", default_seed=0)
 
 
 def test_names_and_seeds_must_match_the_images(fast_config, batch_images):
