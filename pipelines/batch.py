@@ -92,6 +92,11 @@ class BatchItem(Item):
         return f"{self.failure.message} (at stage {self.stage})" if self.stage else self.failure.message
 
 
+def _per_image(value: Any) -> bool:
+    """Whether a seed or field of view was given one per image: a sequence, but not a str or bytes (sequences too)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
 def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, default_seed: int,
                 fov: float | Sequence[float | None] | None = None, names: Sequence[str] | None = None,
                 labels: Sequence[str] | None = None) -> list[BatchItem]:
@@ -99,13 +104,13 @@ def image_items(images: Sequence[Any], *, seed: int | Sequence[int] | None, defa
     outputs and records call it: the file's stem, else ``image<i>``) unique; labels (what run.json calls its
     input: the path, else ``<image>``)."""
     images = list(images)
-    if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes, bytearray)):
+    if _per_image(seed):
         if len(seed) != len(images):
             raise ValueError(f"{len(seed)} seeds for {len(images)} images; pass one seed, or one per image")
         seeds = [check_seed(s) for s in seed]
     else:
         seeds = [default_seed if seed is None else check_seed(seed)] * len(images)
-    if isinstance(fov, Sequence) and not isinstance(fov, (str, bytes, bytearray)):
+    if _per_image(fov):
         if len(fov) != len(images):
             raise ValueError(f"{len(fov)} fields of view for {len(images)} images; pass one, or one per image")
         fovs = list(fov)
