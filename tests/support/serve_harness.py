@@ -40,20 +40,33 @@ class Server:
     url: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     hold: Path | None = None
+    _seen: int = 0
 
     @classmethod
     def start(cls, data: Path, *args: str, token: str | None = None, ready: bool = True, timeout: float = 180,
               log: str | None = None, hold: Path | None = None) -> Server:
         """``log``: the log's name beside ``data`` (several processes on one data folder need one each); ``hold``:
         a folder whose stage-named files hold this server's jobs at that stage (``tests/support/held_serve.py``)."""
+        server = cls.spawn(data, *args, token=token, log=log, hold=hold)
+        server.started(ready=ready, timeout=timeout)
+        return server
+
+    @classmethod
+    def spawn(cls, data: Path, *args: str, token: str | None = None, log: str | None = None,
+              hold: Path | None = None) -> Server:
+        """``start`` without the wait: the process is running, ``started`` waits for it (several started at once)."""
         server = cls(data, list(args), data.parent / f"{log or data.name}.log", hold=hold)
         if token is not None:
             server.headers = {"Authorization": f"Bearer {token}"}
-        server.launch(ready=ready, timeout=timeout)
+        server._popen()
         return server
 
     def launch(self, *, ready: bool = True, timeout: float = 180) -> None:
-        seen = len(SERVING.findall(self.log.read_text(errors="replace"))) if self.log.exists() else 0
+        self._popen()
+        self.started(ready=ready, timeout=timeout)
+
+    def _popen(self) -> None:
+        self._seen = len(SERVING.findall(self.log.read_text(errors="replace"))) if self.log.exists() else 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         entry = "pipelines.serve"
         if self.hold is not None:
@@ -63,10 +76,14 @@ class Server:
             self.process = subprocess.Popen([sys.executable, "-m", entry, "--data", str(self.data),
                                              "--port", "0", *self.args], stdout=out, stderr=subprocess.STDOUT,
                                             env=env, cwd=REPO)
+
+    def started(self, *, ready: bool = True, timeout: float = 180) -> None:
+        """Wait for the ``serving`` (or ``worker NAME``) line of the last launch, then, with ``ready``, for the
+        workers."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = SERVING.findall(self.log.read_text(errors="replace"))
-            if len(found) > seen:  # this launch's line (the log keeps earlier launches' too)
+            if len(found) > self._seen:  # this launch's line (the log keeps earlier launches' too)
                 self.url = found[-1]  # empty for a worker without the API
                 break
             if self.process.poll() is not None:

@@ -184,12 +184,16 @@ class Engine:
 
     # -- the schema --------------------------------------------------------------------------
     def _ensure_schema(self, tx: Transaction) -> None:
+        """Create the tables unless they are there, and refuse a newer schema. Processes started at once on an empty
+        database race here (a fleet's compose file, systemd): each statement is ``IF NOT EXISTS`` and the version row
+        ``ON CONFLICT DO NOTHING``, so the ones that lose the race find the winner's tables, whatever their own
+        catalog caches still say."""
         self._serialize(tx)
         if not self._has_schema(tx):
             for statement in schema_statements(self.dialect.serial_key):
                 tx.run(statement)
-            tx.run("INSERT INTO pixal3d_meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            return
+            tx.run("INSERT INTO pixal3d_meta (key, value) VALUES ('schema', ?) ON CONFLICT (key) DO NOTHING",
+                   (str(SCHEMA_VERSION),))
         self._refuse_newer(tx)
 
     def _check_version(self, connection: Any) -> None:

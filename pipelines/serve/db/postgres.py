@@ -71,7 +71,12 @@ class PostgresQueue(Queue):
         return None
 
     def _has_schema(self, tx: Transaction) -> bool:
-        return tx.one("SELECT to_regclass('pixal3d_meta')")[0] is not None
+        # A query of pg_class reads the catalog in this statement's snapshot; ``to_regclass`` goes through the
+        # session's catalog cache, which can still hold "no such table" from before the schema lock was granted
+        # (an advisory lock does not refresh it), and the loser of a start-up race then created the tables again.
+        return tx.one("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                      "ON n.oid = c.relnamespace WHERE c.relname = 'pixal3d_meta' AND n.nspname = current_schema())"
+                      )[0]
 
     def _serialize(self, tx: Transaction) -> None:
         tx.run("SELECT pg_advisory_xact_lock(?)", (ADVISORY_KEY,))
