@@ -21,6 +21,12 @@ its stage recomputed from the last sound record. So a changed seed keeps ``prepr
 Both files are written atomically (``pixal3d.files``), the safetensors first: a kill at any instant leaves
 either the complete record or none (a leftover temporary file is removed on the next open).
 
+The run that opened an image's records last owns them: ``scan`` writes a fresh token to ``DIR/<image>/.owner``
+and ``save`` writes only while the file still holds this run's token (``RecordsTakenOver`` otherwise). So a run
+paused for longer than its job's lease (SIGSTOP, a frozen container) and taken over meanwhile, here or on another
+machine, writes nothing when it wakes: the job server's queue lease decides who runs a job, not a file lock the
+paused process would hold forever.
+
 ``StateStore`` is the executor's store (``pixal3d.staging.executor.Store``) over these records: with a work
 directory every stage is saved as it finishes and a run resumes from what is there; with or without one, a
 state that does not fit the batch's state budget waits on disk between stages (without one, in a folder of
@@ -35,6 +41,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -75,6 +82,14 @@ it: its key covers the seed, and a stage that does not read the generator leaves
 
 class WorkDirError(ValueError):
     """The work directory cannot be used (not ours, not writable)."""
+
+
+class RecordsTakenOver(RuntimeError):
+    """Another run opened this image's records after this one (``WorkDir.scan``): this one writes no more of them."""
+
+
+OWNER = ".owner"
+"""In an image's folder: the token of the run that opened its records last (``WorkDir.scan``)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,7 @@ class WorkDir:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._tokens: dict[str, str] = {}  # image -> the token this run wrote to its .owner when it opened it
         marker = self.root / MARKER
         try:
             if self.root.is_dir() and not marker.exists() and any(self.root.iterdir()):
@@ -204,13 +220,29 @@ class WorkDir:
         if generator is not None:
             tensors[GENERATOR_KEY] = generator.get_state()
         data, meta = self._paths(image, key.stage)
+        self._check_owner(image, key.stage)
         data.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(data) as tmp:
             save_tensors(tensors, tmp, data, metadata={"key": key.digest, "format": RECORD_FORMAT})
             content = file_sha256(tmp)
+        self._check_owner(image, key.stage)  # again just before the commit point: the outputs took a while
         write_json_atomic(meta, {"format": RECORD_FORMAT, "image": image, "stage": key.stage, "key": key.digest,
                                  "data_sha256": content, "parts": key.parts, "record": dataclasses.asdict(record),
                                  "fields": fields})
+
+    def _check_owner(self, image: str, stage: str) -> None:
+        """Raise ``RecordsTakenOver`` when another run has opened ``image``'s records since this one did."""
+        token = self._tokens.get(image)
+        if token is None:  # never opened by this run (a batch's spill folder): nobody else writes there
+            return
+        try:
+            current = (self.folder(image) / OWNER).read_text()
+        except FileNotFoundError:
+            current = None  # the folder was removed: its job ended elsewhere
+        if current != token:
+            raise RecordsTakenOver(f"the records of {image} in {self.root} were taken over by another run while "
+                                   f"this one was paused or slow; its {stage} is not written (the other run has "
+                                   f"the job now)")
 
     def discard(self, image: str, stages: Sequence[str]) -> None:
         """Remove the records of ``stages`` (stale ones), record first."""
@@ -228,6 +260,11 @@ class WorkDir:
         if folder.is_dir():
             for tmp in folder.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
+        token = f"{os.getpid()} {secrets.token_hex(8)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic_path(folder / OWNER) as tmp:
+            tmp.write_text(token)
+        self._tokens[image] = token  # from now on a run that opened them earlier writes none of them
         note = None
         done = 0
         for key in keys:

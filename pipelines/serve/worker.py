@@ -8,7 +8,8 @@ events out (``ready``, ``progress``, ``ended``, ``released``, ``idle``). When th
 stopped, or was killed) it exits at once: whatever it was doing is in the records, and the next claimer resumes it.
 It ends a job itself, in the queue's database, only while its worker still holds the job's lease: the results are
 written after a check that it does, and the end is committed only if it still does (``Queue.finish``), so a job ends
-once even when a worker that lost its lease comes back.
+once even when a worker that lost its lease comes back; the stage records it would write once the job's new owner
+has opened them are refused (``work_dir.RecordsTakenOver``).
 
 A group is several queued jobs with one plan (every setting but the seed), run stage by stage under ``staged`` and
 ``offload`` so each model is loaded once for the group. A cancelled job, or one past its time, stops the group at
@@ -26,14 +27,12 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.files import atomic_path
-from pixal3d.locks import exclusive_lock
 
 from ..errors import error_line
 from ..job import Job
@@ -114,7 +113,6 @@ def run_group(session: Session, config: CascadeConfig, where: Where, jobs: list[
     one batch, a job of several images in ``session``; every job ends (in the queue), is released, or is left to
     the worker that took its lost lease."""
     store = where.data
-    ids = [job["id"] for job in jobs]
     try:
         asked = [Job.from_request(job["settings"], config) for job in jobs]
         group = dataclasses.replace(asked[0], work_dir=store.work.root, command=("pixal3d-serve",), images=tuple(
@@ -125,10 +123,11 @@ def run_group(session: Session, config: CascadeConfig, where: Where, jobs: list[
         for job in jobs:
             _end(where, job, {"status": "failed", "error": error_line(err)}, send)
         return
-    with ExitStack() as held:  # never two runs of one job here (a worker of a killed server may still be exiting)
-        for job_id in ids:
-            held.enter_context(exclusive_lock(store.folder(job_id) / ".run.lock", wait=True))
-        _run(session, group, plan, where, jobs, timeout=timeout, cancelled=cancelled, send=send)
+    # No file lock between two runs of one job: the queue's lease decides who runs it. A run that lost its lease
+    # while it could not notice (paused by SIGSTOP, a frozen container, a worker of a killed server still exiting)
+    # writes no stage record once the new owner has opened the job's records (``work_dir.RecordsTakenOver``), no
+    # result (``Queue.holds`` before ``_save``) and no end (``Queue.finish`` is fenced by the claim's attempt).
+    _run(session, group, plan, where, jobs, timeout=timeout, cancelled=cancelled, send=send)
 
 
 def _run(session: Session, group: Job, plan: RunPlan, where: Where, jobs: list[dict[str, Any]], *,

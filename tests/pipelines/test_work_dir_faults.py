@@ -25,7 +25,8 @@ def test_a_full_disk_while_writing_a_stage_record_is_one_line_exit_1_and_leaves_
     assert code == 1 and "File too large while writing" in line and str(work / "example" / "preprocess.safetensors") in line
     assert "Traceback" not in err and "SafetensorError" not in line
     assert files_in(out.parent) == []
-    assert sorted(p.name for p in work.rglob("*")) == ["example", "pixal3d-work.json"]  # no record, no temporary
+    # no record, no temporary: only the marker and the token of the run that opened the image's records
+    assert sorted(p.name for p in work.rglob("*")) == [".owner", "example", "pixal3d-work.json"]
 
 
 def test_save_tensors_turns_safetensors_io_errors_into_the_os_error_naming_the_target(tmp_path):

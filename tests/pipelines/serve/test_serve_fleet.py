@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 
 from pipelines.build import CASCADE_STAGES
@@ -144,6 +145,41 @@ def test_a_worker_killed_mid_job_is_taken_over_by_the_other_after_its_lease_from
     fleet.wait_ready()
 
 
+def test_a_paused_worker_is_taken_over_after_its_lease_and_writes_nothing_when_it_wakes(fleet):
+    """SIGSTOP to a worker and its device process mid-job (a frozen container): the other worker takes the job
+    once the lease has expired (it used to wait for the paused one's file lock without end); SIGCONT: the paused
+    one runs on from where it stopped, and its record, result and end are refused."""
+    if 1 not in fleet.uninterrupted:
+        pytest.skip("needs the uninterrupted run of the first test")
+    api = fleet.apis[0]
+    job = fleet.submit(1)
+    with fleet.workers["a"].held("texture", job=job):  # the hold folder is both workers'
+        view = api.wait(job, lambda v: v.get("stage") == "texture", timeout=120)
+        name = view["node"]
+        paused, other = fleet.workers[name], {"a": "b", "b": "a"}[name]
+        tree = [psutil.Process(paused.process.pid), *paused.descendants()]
+        for process in tree:
+            process.suspend()
+    try:  # the gate is gone: whoever runs the job now runs it through
+        ended = api.wait(job, timeout=120)
+        assert ended["status"] == "done" and ended["lost"] == 1, (ended, fleet.logs())
+        assert fleet.attempts(job) == [("started", name), ("started", other), ("ended", other)]
+        glb = api.get(f"/jobs/{job}/result.glb").content
+    finally:
+        for process in tree:
+            process.resume()
+    deadline = time.monotonic() + 60
+    while not any(line in paused.tail() for line in ("taken over by another run", " was lost")):
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.2)
+    time.sleep(3 * float(LEASE))  # the woken worker's heartbeats and whatever else it would write
+    assert fleet.attempts(job) == [("started", name), ("started", other), ("ended", other)]
+    assert api.get(f"/jobs/{job}/result.glb").content == glb
+    assert _prints(api, job) == fleet.uninterrupted[1]
+    assert not (fleet.data / "work" / job).exists()  # the woken run brought no record back
+    fleet.wait_ready()
+
+
 def test_a_cancel_sent_to_one_api_reaches_the_worker_running_the_job(fleet):
     first, second = fleet.apis
     with fleet.workers["a"].held("structure"):  # both workers' hold: the job waits there until the DELETE is in
@@ -185,3 +221,4 @@ def test_the_database_stopped_and_started_mid_run_loses_nothing(fleet, request):
         assert events.count("ended") == 1 and events[-1] == "ended", events
     assert "answers again" in fleet.workers["a"].tail() + fleet.workers["b"].tail()
     fleet.wait_ready()
+
