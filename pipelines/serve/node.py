@@ -21,8 +21,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .db import Claim, Queue, QueueError
 from .service import MAX_LOST
@@ -35,6 +36,9 @@ POLL = 0.25
 """Seconds between claims while the queue is empty (a submission in this process wakes the worker at once)."""
 STEP_PERIOD = 0.5
 """A running job's sampler step is written to its row at most this often (each stage change at once)."""
+PATIENCE_PAUSE = 10.0
+"""The longest wait between two tries of a queue operation that failed (the waits double from 1 s)."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -162,6 +166,28 @@ class Node:
         except (OSError, AttributeError):  # the worker just died: its thread gives the jobs back
             pass
 
+    # -- the queue, patiently ----------------------------------------------------------------
+    def _patiently(self, what: str, operation: Callable[[], T]) -> T | None:
+        """``operation()`` until it works: a queue error (the database away longer than an operation's patience, its
+        disk full) costs a wait and a retry here, never the device thread (which would leave its jobs running and
+        the queued ones waiting while ``/health`` says ready). None when this worker stops meanwhile."""
+        pause, failing = 1.0, False
+        while not self._stopping:
+            try:
+                result = operation()
+            except QueueError as err:
+                if not failing:
+                    logger.warning("worker %s: %s: %s; retrying", self.name, what, " ".join(str(err).split()))
+                    failing = True
+                with self._changed:
+                    self._changed.wait(pause)
+                pause = min(PATIENCE_PAUSE, pause * 2)
+                continue
+            if failing:
+                logger.warning("worker %s: %s works again", self.name, what)
+            return result
+        return None
+
     # -- the devices -------------------------------------------------------------------------
     def _serve(self, slot: Slot) -> None:
         while not self._stopping:
@@ -217,8 +243,8 @@ class Node:
     def _take(self, slot: Slot) -> list[Claim] | None:
         """The next group for ``slot`` (None when this worker stops)."""
         while not self._stopping:
-            group = self.queue.claim(self.name, slot.index, slot.device, group_size=self.group_size,
-                                     lease=self.lease)
+            group = self._patiently("claiming jobs", lambda: self.queue.claim(
+                self.name, slot.index, slot.device, group_size=self.group_size, lease=self.lease))
             if group:
                 with self._changed:
                     slot.held, slot.told = {c.id: c.attempt for c in group}, set()
@@ -245,7 +271,10 @@ class Node:
                     return
                 progress = {**known["row"], "step": message["step"], "steps": message["steps"]}
                 known["written"] = time.monotonic()
-            self.queue.progress(job_id, self.name, attempt, progress)
+            try:
+                self.queue.progress(job_id, self.name, attempt, progress)
+            except QueueError as err:  # the next report writes the row again; the run goes on meanwhile
+                logger.debug("job %s: progress not written: %s", job_id, err)
         elif kind == "ended":
             with self._changed:
                 slot.held.pop(message["job"], None)
@@ -253,7 +282,7 @@ class Node:
         elif kind == "released":
             with self._changed:
                 released = {j: slot.held.pop(j) for j in message["jobs"] if j in slot.held}
-            self.queue.release(list(released), self.name, released)
+            self._patiently("giving jobs back", lambda: self.queue.release(list(released), self.name, released))
 
     def _crashed(self, slot: Slot) -> None:
         """The worker process died: its jobs go back to the queue, each counted as a lost lease."""
@@ -265,6 +294,7 @@ class Node:
                        code)
         with self._changed:
             held, slot.held, slot.told, slot.ready, slot.pid = dict(slot.held), {}, set(), False, None
-        self.queue.lose(list(held), self.name, held, f"its worker process on {slot.device} of {self.name} died "
-                                                     f"(exit code {code})", max_lost=self.max_lost)
+        why = f"its worker process on {slot.device} of {self.name} died (exit code {code})"
+        self._patiently("giving a dead worker process's jobs back",
+                        lambda: self.queue.lose(list(held), self.name, held, why, max_lost=self.max_lost))
         self._beat_now.set()

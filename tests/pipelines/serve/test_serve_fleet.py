@@ -222,3 +222,30 @@ def test_the_database_stopped_and_started_mid_run_loses_nothing(fleet, request):
     assert "answers again" in fleet.workers["a"].tail() + fleet.workers["b"].tail()
     fleet.wait_ready()
 
+
+def test_the_database_away_longer_than_the_queue_patience_costs_a_retry_not_a_job(fleet, request):
+    """PostgreSQL away for longer than an operation's patience (10 s) while one worker runs a job and the other
+    waits for one: no device thread ends (the idle one's claim used to raise out of it, for good, while /health
+    still said ready); the running job finishes, ended once, and afterwards both workers run a job each at once,
+    with no traceback in the logs."""
+    if fleet.kind != "postgresql":
+        pytest.skip("SQLite is a file in --data: there is no database server to stop")
+    server = request.getfixturevalue("postgres")
+    api = fleet.apis[0]
+    job = fleet.submit(8)
+    api.wait(job, lambda v: v.get("stage_index", 0) >= 2, timeout=120)
+    server.stop()
+    try:
+        time.sleep(14)  # past the 10 s patience of each of the workers' queue operations
+    finally:
+        server.start()
+    ended = api.wait(job, timeout=180)
+    assert ended["status"] == "done", (ended, fleet.logs())
+    assert [e for e, _ in fleet.attempts(job)].count("ended") == 1
+    fleet.wait_ready()
+    with fleet.workers["a"].held("structure"):  # both workers' hold: two jobs wait there, one on each worker
+        ids = [fleet.submit(seed) for seed in (9, 10)]
+        views = [api.wait(i, lambda v: v.get("stage") == "structure", timeout=120) for i in ids]
+        assert sorted(v["node"] for v in views) == ["a", "b"], (views, fleet.logs())
+    assert [api.wait(i, timeout=120)["status"] for i in ids] == ["done", "done"]
+    assert "Traceback" not in fleet.logs(), fleet.logs()
