@@ -38,7 +38,7 @@ from ..errors import error_line
 from ..job import Job
 from ..plan import RunPlan
 from ..session import Session
-from .db import Queue, open_queue
+from .db import Queue, QueueError, open_queue
 from .store import DataFolder
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,13 @@ def worker_main(commands: Connection, events: Connection, device: str, config: s
         if message["op"] == "stop":
             session.close()
             return
-        run_group(session, config, where, message["jobs"], timeout=message.get("timeout"), cancelled=cancelled,
-                  send=events.send)
+        try:
+            run_group(session, config, where, message["jobs"], timeout=message.get("timeout"),
+                      cancelled=cancelled, send=events.send)
+        except QueueError as err:  # the queue cannot record an end (its disk is full): the jobs go back instead
+            logger.warning("the queue could not record how this group's jobs ended (%s); they go back to the "
+                           "queue and resume from their records", " ".join(str(err).split()))
+            events.send({"event": "released", "jobs": [job["id"] for job in message["jobs"]]})
         events.send({"event": "idle"})
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -16,19 +17,29 @@ from tests.support.serve_harness import Server
 pytest.importorskip("fastapi")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs at ``tmp_path/disk``, unmounted afterwards."""
-    disk = tmp_path / "disk"
+def _mount(disk, size: str):
+    """A tmpfs of ``size`` at ``disk``, unmounted afterwards (skips where mounting is not allowed)."""
     disk.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True,
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip()})")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs at ``tmp_path/disk``."""
+    yield from _mount(tmp_path / "disk", "4m")
+
+
+@pytest.fixture
+def roomy_disk(tmp_path):
+    """A 64 MiB tmpfs at ``tmp_path/disk``: room for a tiny job's records until it is filled."""
+    yield from _mount(tmp_path / "disk", "64m")
 
 
 def _fill(disk) -> None:
@@ -68,5 +79,36 @@ def test_a_full_data_disk_is_a_json_507_in_one_line_leaves_nothing_and_the_serve
         response = server.submit(EXAMPLE.read_bytes(), {"seed": 1})
         assert response.status_code == 202, response.text
         assert server.get("/health").json()["queue"] == 1
+    finally:
+        server.stop()
+
+
+def test_a_data_disk_full_mid_job_then_freed_brings_the_worker_back(tiny_cache, roomy_disk, tmp_path):
+    """The disk fills while a job runs: its next record cannot be written, nor its end in the queue's database
+    (SQLite in --data). The worker process gives the job back (it used to die of the queue's error, again and
+    again) and the device thread waits for the queue; once space is freed the job resumes from its records and is
+    done, and so is the next one, with no traceback in the log."""
+    data, hold = roomy_disk / "data", tmp_path / "hold"
+    server = Server(data, ["--config", str(TINY_CONFIG), "--devices", "cpu", "--threads", "1"], tmp_path / "server.log",
+                    hold=hold)
+    server.launch()
+    try:
+        with server.held("structure"):
+            job = server.submit(EXAMPLE.read_bytes(), {"seed": 1}).json()["id"]
+            server.wait(job, lambda v: v.get("stage") == "structure", timeout=120)
+            _fill(roomy_disk)
+        deadline = time.monotonic() + 60
+        while "is full" not in server.tail():  # the next record, then the job's end, cannot be written
+            assert time.monotonic() < deadline, server.tail()
+            time.sleep(0.2)
+        time.sleep(2)
+        assert server.get("/health").status_code == 200
+        (roomy_disk / "filler").unlink()
+        ended = server.wait(job, timeout=120)  # a full disk costs the job a retry, from its records
+        assert ended["status"] == "done", (ended, server.tail())
+        again = server.submit(EXAMPLE.read_bytes(), {"seed": 2})
+        assert again.status_code == 202, again.text
+        assert server.wait(again.json()["id"], timeout=120)["status"] == "done", server.tail()
+        assert "Traceback" not in server.tail(), server.tail()
     finally:
         server.stop()
