@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from pixal3d.models.views import read_views
+from pixal3d.models.views import ViewsError, read_views
 
 from ..job import plan_key
 from .db import JobRow, Queue, QueueUnavailable
@@ -61,11 +61,16 @@ class Jobs:
         """Write the job's views folder (``write(folder)``: ``views.write_views``), check it as a run will
         (``read_views``: ``ViewsError``, nothing kept), then queue it as ``submit`` does."""
         job_id = new_id()
-        name = self.data.write_views(job_id, write)
+        try:
+            name = self.data.write_views(job_id, write)
+        except ViewsError as err:
+            raise ViewsError(self.data.for_client(str(err))) from None
         try:
             read_views(self.data.folder(job_id) / name, settings.get("num_views"))
-        except BaseException:
+        except BaseException as err:
             self.data.remove(job_id)
+            if isinstance(err, ViewsError):  # in the client's words: the files it sent, not the server's folders
+                raise ViewsError(self.data.for_client(str(err))) from None
             raise
         return self._queue(job_id, name, settings)
 
@@ -85,6 +90,8 @@ class Jobs:
         else:
             view |= job.outcome
             view.setdefault("finished", job.finished)
+            if isinstance(view.get("error"), str):
+                view["error"] = self.data.for_client(view["error"])
         if job.lost:
             view["lost"] = job.lost
         return view
