@@ -26,6 +26,7 @@ from pixal3d.models.preprocess import ImageError
 from pixal3d.parallel import LinkError, ParallelConfigError, PeerFailedError
 from pixal3d.staging import PolicyError, StageGraphError
 from pixal3d.staging.mps_memory import MpsMemoryLimitError
+from pixal3d.staging.stream import WeightsCutShort
 
 from .structure import EmptyStructureError
 from .work_dir import WorkDirError
@@ -47,6 +48,7 @@ KINDS: tuple[tuple[type[BaseException], str], ...] = (
     (WorkDirError, "usage"),
     (ConfigError, "config"),
     (ImageError, "input"), (EmptyStructureError, "input"), (WeightsError, "weights"), (CheckpointError, "weights"),
+    (WeightsCutShort, "weights"),
     (NotEnoughMemoryError, "memory"), (PolicyError, "memory"), (MpsMemoryLimitError, "memory"),
     (StageGraphError, "config"), (MemoryBudgetError, "memory"), (ParallelConfigError, "config"), (PeerFailedError, "parallel"),
     (LinkError, "parallel"),

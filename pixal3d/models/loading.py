@@ -28,8 +28,17 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pixal3d.files import atomic_path, write_json_atomic
-from pixal3d.staging.safetensors_header import read_safetensors_header
-from pixal3d.staging.stream import FileSlice, WeightStream, file_slices, stream_model
+from pixal3d.staging.safetensors_header import (
+    SafetensorsHeaderError,
+    read_safetensors_header,
+)
+from pixal3d.staging.stream import (
+    REFETCH,
+    FileSlice,
+    WeightStream,
+    file_slices,
+    stream_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +117,8 @@ def _open(path: Path, device: torch.device | str):
     except FileNotFoundError:
         raise CheckpointError(f"weights file {path} does not exist") from None
     except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"weights file {path} is not a readable safetensors file ({err}); "
-                              f"delete it and download it again") from None
+        raise CheckpointError(f"weights file {path} is not a readable safetensors file ({err}); {REFETCH}"
+                              ) from None
 
 
 def _check_keys(f: Any, path: Path, model: nn.Module, expected: Mapping[str, torch.Tensor]) -> None:
@@ -136,7 +145,7 @@ def _get(f: Any, path: Path, key: str) -> torch.Tensor:
         return f.get_tensor(key)
     except Exception as err:
         raise CheckpointError(f"weights file {path} is truncated or corrupt at tensor {key!r} ({err}); "
-                              f"delete it and download it again") from None
+                              f"{REFETCH}") from None
 
 
 def _check_loaded(model: nn.Module, path: Path, streamed: set[str] = frozenset()) -> nn.Module:
@@ -185,7 +194,10 @@ def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) 
     sources: dict[str, torch.Tensor | FileSlice] = {}
     slices = None
     if stream.reads_files or pin:
-        header = read_safetensors_header(path)
+        try:
+            header = read_safetensors_header(path)
+        except SafetensorsHeaderError as err:  # cut short or changed since the plan read its header
+            raise CheckpointError(f"{err}; {REFETCH}") from None
         slices = file_slices(path, header.tensors, header.header_bytes)
     with _open(path, "cpu") as f:
         _check_keys(f, path, model, expected)

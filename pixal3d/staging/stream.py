@@ -87,6 +87,14 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
                       "BOOL": torch.bool}
 
 
+REFETCH = "delete it and re-fetch it with pixal3d-fetch"
+"""What to do about a weights file that is cut short or corrupt (every such message ends with it)."""
+
+
+class WeightsCutShort(RuntimeError):
+    """A checkpoint ended before a tensor a stream was reading (the file was truncated after it was checked)."""
+
+
 @dataclass(frozen=True)
 class FileSlice:
     """A tensor's bytes at ``offset`` in the file at ``path`` (a safetensors checkpoint), little-endian as stored.
@@ -116,7 +124,8 @@ class FileSlice:
             while done < len(buffer):
                 count = os.preadv(fd, [buffer[done:]], self.offset + done)
                 if count <= 0:
-                    raise OSError(f"{self.path} ends before byte {self.offset + len(buffer)}: truncated")
+                    raise WeightsCutShort(f"weights file {self.path} ends before byte {self.offset + len(buffer)}: "
+                                          f"it was cut short while this run read it; {REFETCH}")
                 done += count
         finally:
             os.close(fd)

@@ -234,3 +234,60 @@ def test_release_freed_heap_returns_the_pages_malloc_keeps():
     code = "import torch; torch.set_num_threads(1); from tests.pixal3d.staging.test_staging_stream import heap_probe; heap_probe()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _copy_of(toy, folder):
+    import shutil
+
+    folder.mkdir()
+    for suffix in (".json", ".safetensors"):
+        shutil.copyfile(toy.with_suffix(suffix), folder / f"toy{suffix}")
+    return folder / "toy"
+
+
+def _cut_short(stem) -> None:
+    """Keep the header and the first few bytes of the tensor data: every block's bytes are gone."""
+    import os
+
+    path = stem.with_suffix(".safetensors")
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    os.truncate(path, 8 + header + 16)
+
+
+def _one_failure(err):
+    from pipelines.errors import classify
+
+    failure = classify(err, started=True)
+    assert failure is not None and failure.kind == "weights", (failure, err)
+    assert "\n" not in failure.message
+    return failure.message
+
+
+def test_a_checkpoint_cut_short_after_its_check_is_one_line_naming_it_and_pixal3d_fetch(toy, tmp_path):
+    """Issue 44 item 7: the stream reads the header again as it loads; a file cut short since the plan checked it
+    was a SafetensorsHeaderError traceback. Control: the whole copy loads."""
+    from pixal3d.models.loading import CheckpointError
+
+    stem = _copy_of(toy, tmp_path / "copy")
+    load_streamed(stem, WeightStream("cpu", copy=True))
+    _cut_short(stem)
+    with pytest.raises(CheckpointError) as caught:
+        load_streamed(stem, WeightStream("cpu", copy=True))
+    line = _one_failure(caught.value)
+    assert str(stem.with_suffix(".safetensors")) in line and "re-fetch it with pixal3d-fetch" in line
+
+
+def test_a_checkpoint_cut_short_while_a_stream_reads_it_is_one_line_naming_it_and_pixal3d_fetch(toy, tmp_path):
+    from pixal3d.staging.stream import WeightsCutShort
+
+    stem = _copy_of(toy, tmp_path / "copy")
+    stream = WeightStream("cpu", copy=True)
+    streamed = load_streamed(stem, stream)
+    with torch.no_grad():
+        streamed(_x())  # control: it runs while the file is whole
+        _cut_short(stem)
+        with pytest.raises(WeightsCutShort) as caught:
+            streamed(_x())
+    stream.close()
+    line = _one_failure(caught.value)
+    assert str(stem.with_suffix(".safetensors")) in line and "re-fetch it with pixal3d-fetch" in line
