@@ -182,6 +182,14 @@ def why_stale(stored: Mapping[str, Any], expected: StageKey) -> str:
 
 
 # -- the directory --------------------------------------------------------------------------------
+def foreign_entries(folder: Path, ours: Sequence[str] = ()) -> list[str]:
+    """The entries of ``folder`` that neither this kind of folder's making leaves (``ours``: its subfolders) nor a
+    temporary file of ours is (``.NAME.<random>.tmp``): a folder holding only those is one that another process,
+    started at the same moment, is making right now (a fleet started at once), not somebody else's folder."""
+    return [entry.name for entry in folder.iterdir()
+            if entry.name not in ours and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))]
+
+
 class WorkDir:
     """A work directory at ``root`` (created if needed); refuses a non-empty folder that is not one."""
 
@@ -190,7 +198,7 @@ class WorkDir:
         self._tokens: dict[str, str] = {}  # image -> the token this run wrote to its .owner when it opened it
         marker = self.root / MARKER
         try:
-            if self.root.is_dir() and not marker.exists() and any(self.root.iterdir()):
+            if self.root.is_dir() and not marker.exists() and foreign_entries(self.root):
                 raise WorkDirError(f"work directory {self.root} already holds files and is not a pixal3d work "
                                    f"directory (no {MARKER}); choose an empty or new folder")
             self.root.mkdir(parents=True, exist_ok=True)

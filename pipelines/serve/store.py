@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pixal3d.files import sync_folder, write_bytes_atomic, write_json_atomic
 
-from ..work_dir import WorkDir
+from ..work_dir import WorkDir, foreign_entries
 
 MARKER = "pixal3d-serve.json"
 FORMAT = "pixal3d-serve/2"
@@ -63,6 +63,10 @@ def check_id(text: str) -> str | None:
     return text if ID_PATTERN.fullmatch(text) else None
 
 
+SUBFOLDERS = ("jobs", "work", "workers")
+"""What a data folder holds besides its marker (a folder holding only these is one being made)."""
+
+
 class DataFolder:
     """The data folder at ``root`` (created if needed)."""
 
@@ -70,7 +74,7 @@ class DataFolder:
         self.root = Path(root)
         marker = self.root / MARKER
         try:
-            if self.root.is_dir() and not marker.exists() and any(self.root.iterdir()):
+            if self.root.is_dir() and not marker.exists() and foreign_entries(self.root, SUBFOLDERS):
                 raise DataDirError(f"--data {self.root} already holds files and is not a pixal3d-serve data folder "
                                    f"(no {MARKER}); choose an empty or new folder")
             self.jobs.mkdir(parents=True, exist_ok=True)

@@ -80,3 +80,22 @@ def test_two_apis_and_two_workers_started_together_on_an_empty_database_all_answ
         finally:
             for process in processes:
                 process.stop()
+
+
+def test_a_data_folder_another_process_is_making_is_taken_and_somebody_elses_is_refused(tmp_path):
+    """Processes started at once make one data folder: one of them finds the folder with ``jobs/`` made and the
+    work directory's marker still a temporary file, and used to refuse it as "not a data folder" (round 0 of the
+    test above, once). A folder holding anything else is still refused."""
+    from pipelines.serve.store import DataDirError, DataFolder
+    from pipelines.work_dir import MARKER, WorkDir, WorkDirError
+
+    being_made = tmp_path / "data"
+    (being_made / "jobs").mkdir(parents=True)
+    (being_made / "work").mkdir()
+    (being_made / "work" / f".{MARKER}.1a2b3c.tmp").write_text("{")
+    DataFolder(being_made)
+    for maker, refused, error in ((DataFolder, "data2", DataDirError), (WorkDir, "work2", WorkDirError)):
+        (tmp_path / refused).mkdir()
+        (tmp_path / refused / "notes.txt").write_text("mine")
+        with pytest.raises(error, match="already holds files"):
+            maker(tmp_path / refused)
