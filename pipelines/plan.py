@@ -336,9 +336,11 @@ def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | N
     ``machine``'s memory is a warning first: it bounds nothing there (``1000T`` on a 24 GiB machine)."""
     reasons = []
     if budget is not None and machine is not None and budget > machine.device_total:
-        reasons.append(f"warning: the memory budget {format_bytes(budget)} is more than this machine's "
-                       f"{format_bytes(machine.device_total)} of {machine.device} memory, so it bounds nothing; "
-                       f"give memory_budget a size below it, or auto")
+        whose = (f"this process's {format_bytes(machine.device_total)} ({machine.host_bound}, lower than the "
+                 f"machine's RAM)" if machine.unified and machine.host_bound else
+                 f"this machine's {format_bytes(machine.device_total)} of {machine.device} memory")
+        reasons.append(f"warning: the memory budget {format_bytes(budget)} is more than {whose}, so it bounds "
+                       f"nothing; give memory_budget a size below it, or auto")
     elif budget is not None:
         reasons.append(f"memory budget {format_bytes(budget)}: every stage's work is bounded to it")
     modes: dict[str, list[str]] = {}

@@ -19,11 +19,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import psutil
 import torch
+
+from pixal3d.telemetry import linux
 
 from .registry import IdlePlacement
 from .stream import StreamLayout, in_flight_bytes
@@ -69,11 +73,27 @@ class Machine:
     device_available: int
     host_total: int
     host_available: int
+    host_bound: str = ""
+    """What sets ``host_total`` when it is not the machine's RAM (``"cgroup v2 limit"``), else empty."""
+
+
+def host_memory() -> tuple[int, int, str]:
+    """Total and available bytes of the host memory this process may use, and what bounds it: the machine's RAM,
+    or on Linux its memory cgroup's limit where that is lower (a container, ``systemd-run -p MemoryMax``, cgroup
+    v1 or v2): available is then the limit less what the group holds, never more than the machine has free."""
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    group = linux.cgroup_memory() if sys.platform.startswith("linux") else None
+    if group is not None and group.limit is not None and group.limit < total:
+        return group.limit, min(available, max(group.limit - group.usage, 0)), f"cgroup v{group.version} limit"
+    return total, available, ""
 
 
 def detect_machine(device: str | torch.device | None = None) -> Machine:
-    """Describe ``device`` (default: the first CUDA device, else MPS, else CPU) and its free memory."""
-    vm = psutil.virtual_memory()
+    """Describe ``device`` (default: the first CUDA device, else MPS, else CPU) and its free memory; the host's is
+    what this process may use (``host_memory``: a cgroup's limit where it is lower than the RAM)."""
+    host_total, host_available, bound = host_memory()
+    vm = SimpleNamespace(total=host_total, available=host_available)
     if device is None:
         if torch.cuda.is_available():
             device = "cuda"
@@ -84,13 +104,13 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         if props.is_integrated:
-            return Machine(f"cuda:{index}", props.name, True, vm.total, vm.available, vm.total, vm.available)
+            return Machine(f"cuda:{index}", props.name, True, vm.total, vm.available, vm.total, vm.available, bound)
         free, total = torch.cuda.mem_get_info(index)
-        return Machine(f"cuda:{index}", props.name, False, total, free, vm.total, vm.available)
+        return Machine(f"cuda:{index}", props.name, False, total, free, vm.total, vm.available, bound)
     if device.type == "mps":
-        return Machine("mps", "Apple GPU", True, vm.total, vm.available, vm.total, vm.available)
+        return Machine("mps", "Apple GPU", True, vm.total, vm.available, vm.total, vm.available, bound)
     if device.type == "cpu":
-        return Machine("cpu", "CPU", True, vm.total, vm.available, vm.total, vm.available)
+        return Machine("cpu", "CPU", True, vm.total, vm.available, vm.total, vm.available, bound)
     raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
 
 

@@ -110,17 +110,31 @@ def _first_dir(candidates: list[Path], marker: str) -> Path | None:
     return next((path for path in candidates if (path / marker).exists()), None)
 
 
+def _tightest_limit(group: Path, top: Path, name: str) -> int | None:
+    """The lowest ``name`` limit of ``group`` and every cgroup above it up to ``top``: a limit set on a parent
+    (a systemd slice, a container's group) binds its children as their own does. None: unlimited."""
+    limits = []
+    while True:
+        limit = _read_int(group / name)  # v2's "max" reads as None
+        if limit is not None and limit < _UNLIMITED:
+            limits.append(limit)
+        if group == top or top not in group.parents:
+            break
+        group = group.parent
+    return min(limits) if limits else None
+
+
 def cgroup_memory(root: Path = CGROUP_ROOT,
                   proc_cgroup: Path = Path("/proc/self/cgroup")) -> CgroupMemory | None:
-    """Usage, limit and peak of this process's memory cgroup (v2 first, then v1), or None."""
+    """Usage, limit and peak of this process's memory cgroup (v2 first, then v1), or None. The limit is the
+    lowest of its group's and its ancestors' (``memory.max``; v1 ``memory.limit_in_bytes``)."""
     own = _own_cgroup_paths(proc_cgroup)
     # Inside a container the cgroup is often mounted at the root although /proc names a path.
     v2 = _first_dir([root / own.get("", "/").lstrip("/"), root], "memory.current")
     if v2 is not None:
         usage = _read_int(v2 / "memory.current")
         if usage is not None:
-            limit = _read_int(v2 / "memory.max")  # "max" reads as None
-            return CgroupMemory(2, usage, limit, _read_int(v2 / "memory.peak"))
+            return CgroupMemory(2, usage, _tightest_limit(v2, root, "memory.max"), _read_int(v2 / "memory.peak"))
     v1_root = root / "memory"
     v1 = _first_dir([v1_root / own.get("memory", "/").lstrip("/"), v1_root], "memory.usage_in_bytes")
     if v1 is None:
@@ -128,8 +142,7 @@ def cgroup_memory(root: Path = CGROUP_ROOT,
     usage = _read_int(v1 / "memory.usage_in_bytes")
     if usage is None:
         return None
-    limit = _read_int(v1 / "memory.limit_in_bytes")
-    return CgroupMemory(1, usage, limit if limit is not None and limit < _UNLIMITED else None,
+    return CgroupMemory(1, usage, _tightest_limit(v1, v1_root, "memory.limit_in_bytes"),
                         _read_int(v1 / "memory.max_usage_in_bytes"))
 
 

@@ -75,6 +75,29 @@ def test_cgroup_v1_falls_back_to_the_mount_root_and_treats_huge_limits_as_none(t
     assert linux.cgroup_memory(tmp_path / "root", proc) == linux.CgroupMemory(1, 500, None, 900)
 
 
+def test_a_limit_set_on_a_parent_cgroup_binds_its_child_v2_and_v1(tmp_path):
+    """``systemd-run -p MemoryMax`` on a slice, a container's group: the child's own file says "max" (v1: the
+    huge number), its parent's holds the limit; the lowest of the chain is the limit (issue 44 item 8)."""
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text("0::/pixal3d.slice/run.scope\n")
+    v2 = tmp_path / "v2"
+    _write(v2 / "pixal3d.slice" / "run.scope" / "memory.current", "100\n")
+    _write(v2 / "pixal3d.slice" / "run.scope" / "memory.max", "max\n")
+    _write(v2 / "pixal3d.slice" / "memory.max", "3000\n")
+    _write(v2 / "memory.max", "max\n")
+    assert linux.cgroup_memory(v2, proc).limit == 3000
+    _write(v2 / "pixal3d.slice" / "run.scope" / "memory.max", "5000\n")  # a looser child limit binds nothing
+    assert linux.cgroup_memory(v2, proc).limit == 3000
+    proc.write_text("4:memory:/outer/inner\n")
+    v1 = tmp_path / "v1" / "memory"
+    _write(v1 / "outer" / "inner" / "memory.usage_in_bytes", "100\n")
+    _write(v1 / "outer" / "inner" / "memory.limit_in_bytes", "9223372036854771712\n")
+    _write(v1 / "outer" / "memory.limit_in_bytes", "2000\n")
+    assert linux.cgroup_memory(tmp_path / "v1", proc).limit == 2000
+    _write(v1 / "outer" / "memory.limit_in_bytes", "9223372036854771712\n")  # control: no limit anywhere
+    assert linux.cgroup_memory(tmp_path / "v1", proc).limit is None
+
+
 def test_cgroup_is_none_without_a_memory_controller(tmp_path):
     assert linux.cgroup_memory(tmp_path, tmp_path / "missing") is None
 
