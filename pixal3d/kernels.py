@@ -103,6 +103,36 @@ def normalise_pins(env: dict[str, str] | None = None) -> dict[str, str]:
     return pins(env)
 
 
+# Each architecture's ATen levels, lowest first, and the CPU capability (``hardware()``) each needs at least.
+_LEVELS_BY_ARCH = {"x86_64": {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"},
+                   "arm64": {"default": "", "sve256": "sve"}}
+_X86_ORDER = ("DEFAULT", "AVX2", "AVX512")
+
+
+def unsupported_pin(env: Mapping[str, str] | None = None) -> str | None:
+    """A line refusing ``ATEN_CPU_CAPABILITY`` when this CPU cannot run the level it pins, else None. torch takes
+    the level without asking the CPU: ``avx512`` on an AVX2 CPU runs AVX-512 instructions at the first kernel and
+    the process dies of SIGILL (exit -4), with no word why. Reads the CPU's flags, not torch: call it before torch
+    is imported (``pixal3d`` does, on import)."""
+    env = os.environ if env is None else env
+    level = (env.get("ATEN_CPU_CAPABILITY") or "").lower()
+    if not level or level not in ATEN_LEVELS:
+        return None  # unset, or a level torch does not know (normalise_pins names those)
+    machine, have = arch(), hardware()
+    levels = _LEVELS_BY_ARCH.get(machine)
+    if levels is None:
+        return None  # an architecture this check does not know: torch's own behaviour
+    runnable = [name for name, needs in levels.items()
+                if (machine == "x86_64" and _X86_ORDER.index(needs) <= _X86_ORDER.index(have))
+                or (machine == "arm64" and (not needs or needs == have))]
+    if level in runnable:
+        return None
+    why = (f"it is a level of another architecture than this {machine} CPU's" if level not in levels else
+           f"this CPU ({have}) lacks the instructions: torch would stop with SIGILL at its first kernel")
+    return (f"ATEN_CPU_CAPABILITY={level} cannot run here ({why}); unset it, or pin one of "
+            f"{', '.join(runnable)}")
+
+
 def honoured(env: Mapping[str, str] | None = None) -> bool:
     """Whether the running torch uses the ATen level ``env`` pins (True when it pins none): the level torch
     runs, ``torch.backends.cpu.get_cpu_capability()``, is what made the bits, whatever the environment says."""

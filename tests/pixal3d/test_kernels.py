@@ -245,3 +245,37 @@ def test_write_golden_cascade_tiny_mv_writes_the_views_run_apart_from_the_single
     assert main([*folder, "--check"]) == 0 and "this run agrees" in capsys.readouterr().out
     assert main(["--golden-dir", str(tmp_path), "--check"]) == 1
     assert f"run without --check to write {tmp_path / f'tiny_{kernels.key()}.json'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, level, refused", [
+    ({"avx2", "fma"}, "avx512", True),          # the SIGILL of issue 44 item 10: AVX-512 kernels on an AVX2 CPU
+    ({"avx2", "fma"}, "avx2", False),
+    ({"avx2", "fma"}, "AVX512", True),          # any spelling
+    (set(), "avx2", True),                       # a CPU without AVX2
+    (set(), "default", False),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}, "avx512", False),
+    ({"avx2", "fma"}, "sve256", True),          # another architecture's level
+])
+def test_a_pin_this_cpu_cannot_run_is_refused_in_one_line_naming_what_it_can(monkeypatch, flags, level, refused):
+    monkeypatch.setattr(kernels, "arch", lambda: "x86_64")
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
+    line = kernels.unsupported_pin({"ATEN_CPU_CAPABILITY": level})
+    assert (line is not None) == refused, line
+    if refused:
+        assert "\n" not in line and f"ATEN_CPU_CAPABILITY={level.lower()}" in line and "pin one of default" in line
+    assert kernels.unsupported_pin({}) is None
+
+
+def test_the_command_refuses_a_pin_this_cpu_lacks_before_torch_loads(tmp_path):
+    """Real on every machine: a level this CPU lacks (on an AVX2 CPU ``avx512`` itself, which used to end in
+    SIGILL) is one line and exit 2 from the command; control: a level it has runs on."""
+    lacking = "avx512" if kernels.hardware() == "AVX2" else ("sve256" if kernels.arch() == "x86_64" else "avx2")
+    have = "default"
+    for level, code in ((lacking, 2), (have, 0)):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "scripts/image_to_mesh.py", "--help"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == code, (level, proc.returncode, proc.stderr)
+        if code:
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"ATEN_CPU_CAPABILITY={level} cannot run here" in lines[0], proc.stderr
