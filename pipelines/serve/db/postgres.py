@@ -7,6 +7,7 @@ run again (``Queue._run``).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,11 @@ from .rows import QueueError, StorageFull
 ADVISORY_KEY = 0x70697861_6c33640a
 """The advisory lock's key (``pixal3d`` in ASCII, more or less), taken by submissions and the schema's creation."""
 CONNECT_TIMEOUT = 5
+NEVER_CONNECTS = re.compile(r"invalid (?:\w+ )?(?:value|connection option|URI query parameter)|"
+                            r"failed to resolve host .*(?:Name or service not known|nodename nor servname)")
+"""libpq's words for a URL no retry can fix (a misspelt option or value, a host name no resolver knows): the
+queue says so at once instead of retrying for its whole patience. A refused connection, a timeout or a resolver
+that is away for now ("Temporary failure in name resolution") are retried as a restart is."""
 
 
 class PostgresQueue(Queue):
@@ -68,6 +74,8 @@ class PostgresQueue(Queue):
         if state[:2] in ("28", "3D") or "authentication failed" in text or (
                 "database" in text and "does not exist" in text):
             return QueueError(f"the queue database {self.describe()} refused the connection ({text})")
+        if NEVER_CONNECTS.search(text):
+            return QueueError(f"--queue {self.describe()} can never connect ({text}); fix the URL")
         return None
 
     def _has_schema(self, tx: Transaction) -> bool:

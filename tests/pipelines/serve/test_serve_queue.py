@@ -6,6 +6,7 @@ a claim skips the rows another claim holds (and the control without row locks cl
 operation waits for a restarted server and goes on."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -261,3 +262,31 @@ def _attempt(operation):
         return operation()
     except QueueError as err:
         return err
+
+
+@pytest.mark.parametrize("url, words", [
+    ("postgresql://u@127.0.0.1:1/db?sslmode=bogus", "invalid sslmode value"),
+    ("postgresql://u@no-such-host.invalid/db", "failed to resolve host"),
+])
+def test_a_queue_url_that_can_never_connect_fails_at_once_in_one_line(url, words, tmp_path):
+    """Issue 44 item 11: a misspelt option or a host no resolver knows waited the whole patience (20 s from the
+    server) before its error; no retry can fix either. Control: a refused connection (nothing listens on port 1,
+    as while a database restarts) is still retried until the patience is spent."""
+    pytest.importorskip("psycopg")
+    if "no-such-host" in url:
+        try:
+            socket.getaddrinfo("no-such-host.invalid", 5432)
+        except socket.gaierror as err:
+            if err.errno != socket.EAI_NONAME:
+                pytest.skip(f"this machine's resolver is away ({err}): a failure a retry may fix")
+    started = time.monotonic()
+    with pytest.raises(QueueError) as caught:
+        open_queue(url, tmp_path, patience=8)
+    assert time.monotonic() - started < 4, "it waited for the patience"
+    assert not isinstance(caught.value, QueueUnavailable)
+    line = str(caught.value)
+    assert "\n" not in line and words in line and "can never connect" in line and "fix the URL" in line
+    started = time.monotonic()
+    with pytest.raises(QueueUnavailable):
+        open_queue("postgresql://u@127.0.0.1:1/db", tmp_path, patience=2)
+    assert time.monotonic() - started >= 1.5
