@@ -209,6 +209,12 @@ def smallest_budget(stages: Sequence[Any], sizes: Mapping[str, int], machine: Ma
     return on_grid, fits(low) or ""
 
 
+def skipped_by(stage: str) -> str:
+    """What a stage that sets the smallest budget is skipped by, for the line that names it: the camera stage
+    (MoGe-2) runs only to estimate the field of view, so giving one skips it."""
+    return "; give fov=DEGREES to skip the camera stage" if stage == "camera" else ""
+
+
 @dataclass(frozen=True)
 class PolicyFit:
     """What fitting the stages and choosing the policy gave: the stages as they will run, the memory plan of
@@ -237,10 +243,10 @@ def fit_policy(requested: Policy | str, stages: Sequence[Any], sizes: Mapping[st
         except MemoryBudgetError as err:
             if budget is None:
                 raise
-            smallest, _ = smallest_budget(stages, sizes, machine, layouts if can_stream else None)
+            smallest, setter = smallest_budget(stages, sizes, machine, layouts if can_stream else None)
             raise MemoryBudgetError(f"{err}; the smallest budget this cascade plans within is {gib(smallest)} "
-                                    f"(memory_budget={smallest / GIB:.2f}G)", stage=err.stage, need=err.need,
-                                    smallest=smallest) from None
+                                    f"(memory_budget={smallest / GIB:.2f}G){skipped_by(setter)}", stage=err.stage,
+                                    need=err.need, smallest=smallest) from None
         return fitted, MemoryPlan.build(sizes, needs, {s.name: int(s.working_set()) for s in fitted},
                                         streamed=streamed)
 
@@ -413,7 +419,7 @@ def plan_reasons(fit: PolicyFit, sized_reasons: Sequence[str], routed: Sequence[
     if budget is not None:
         smallest, setter = smallest_budget(routed, sizes, machine, fit.memory.streamed or None)
         reasons.append(f"the smallest memory budget this cascade plans within ({fit.policy.value}): "
-                       f"{gib(smallest)}, set by stage {setter!r}")
+                       f"{gib(smallest)}, set by stage {setter!r}{skipped_by(setter)}")
     pinned = False
     if fit.policy is Policy.stream:
         reasons += describe_stream(fit.memory, fit.stages, measure_copy_bandwidth(device))

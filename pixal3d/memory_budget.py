@@ -131,11 +131,31 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_apart(larger: float, smaller: float) -> tuple[str, str]:
+    """A need (``larger`` bytes, rounded up as the smallest budget is: a need is never shown below itself) and a
+    budget (``smaller``, shown as ``format_bytes`` shows it), with more digits where they would read alike
+    (``3.80 GiB`` against ``3.79 GiB``, not ``3.79 GiB`` twice for 3.7949 and 3.79)."""
+    for unit, size, decimals in _SHOWN_UNITS:
+        if abs(larger) >= size:
+            break
+    else:
+        return format_bytes(larger), format_bytes(smaller)
+    shown = format_bytes(smaller)
+    for digits in range(decimals, decimals + 5):
+        need = f"{math.ceil(larger / size * 10**digits) / 10**digits:.{digits}f} {unit}"
+        if need != shown:
+            return need, shown
+        shown = f"{math.floor(smaller / size * 10**(digits + 1)) / 10**(digits + 1):.{digits + 1}f} {unit}"
+    return need, shown
+
+
 def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBudgetError:
     """The one-line refusal: the stage, what the process needs at least for it (``need`` bytes of models and
-    work, and the interpreter), the budget, and what to change."""
-    return MemoryBudgetError(f"stage {stage!r} needs at least {format_bytes(PROCESS_BYTES + need)} ({detail}) but "
-                             f"the memory budget is {format_bytes(budget)}; raise memory_budget or use a smaller "
+    work, and the interpreter), the budget, and what to change. The need is rounded up and the budget down, with
+    the digits that tell them apart: a need shown equal to the budget reads as a refusal of what fits."""
+    shown_need, shown_budget = format_apart(PROCESS_BYTES + need, budget)
+    return MemoryBudgetError(f"stage {stage!r} needs at least {shown_need} ({detail}) but "
+                             f"the memory budget is {shown_budget}; raise memory_budget or use a smaller "
                              f"config", stage=stage, need=PROCESS_BYTES + need)
 
 
