@@ -40,6 +40,7 @@ class CameraStage(CascadeStage):
         self.use_moge = use_moge and fov_deg is None
         self.precision = precision  # CameraConfig.moge_precision
         self.weight_bytes = 0  # MoGe-2's, once fitted (0: unknown)
+        self.device: str | None = None  # the device it runs on, once fitted (None: unknown)
         self.needs = ("moge",) if self.use_moge else ()
 
     @classmethod
@@ -50,20 +51,23 @@ class CameraStage(CascadeStage):
                    precision=config.camera.moge_precision)
 
     def fitted(self, budget: StageBudget) -> CameraStage:
-        """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them)."""
+        """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them) and its device (which
+        decides whether ``auto`` runs float16 autocast or float32)."""
         stage = copy.copy(self)
-        stage.weight_bytes = budget.weight_bytes
+        stage.weight_bytes, stage.device = budget.weight_bytes, budget.device
         return stage
 
     def working_set(self) -> int:
         """MoGe-2's ``infer`` as measured for the released ViT-L (benchmarks/camera.md; its token count does not
-        grow with the image); nothing without it. ``auto`` counts float16 autocast's, the larger: the stage does
-        not know the device. A smaller checkpoint (the demo's) scales it by √(its bytes / the released bytes):
+        grow with the image); nothing without it. What runs is counted: float16 autocast's (the larger: it keeps a
+        float16 copy of the weights) where ``moge_fp16`` says the device runs it, float32's elsewhere (``auto`` on
+        the CPU); before the plan has given the stage its device, float16's, the larger. A smaller checkpoint (the demo's) scales it by √(its bytes / the released bytes):
         activations go with width × depth, weights with width² × depth, so for a model no deeper than the
         release the square root bounds the activations' ratio from above. Unknown bytes (0) count the release."""
         if not self.use_moge:
             return 0
-        measured = CAMERA_FLOAT32_BYTES if self.precision == "float32" else CAMERA_FLOAT16_BYTES
+        half = moge_fp16(self.precision, self.device) if self.device is not None else self.precision != "float32"
+        measured = CAMERA_FLOAT16_BYTES if half else CAMERA_FLOAT32_BYTES
         if 0 < self.weight_bytes < CAMERA_MEASURED_WEIGHT_BYTES:
             return int(measured * math.sqrt(self.weight_bytes / CAMERA_MEASURED_WEIGHT_BYTES))
         return measured

@@ -34,6 +34,7 @@ class StageBudget:
     weight_bytes: int
     explicit: bool = False
     array_bytes: int | None = None  # the largest single tensor the device takes (mps: MPSGraph's 2**32 bytes)
+    device: str | None = None  # the device the stage runs on (``cpu``, ``cuda:0``), where what runs depends on it
 
     @property
     def work_bytes(self) -> int:

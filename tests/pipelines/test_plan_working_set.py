@@ -118,3 +118,19 @@ def test_the_decode_tiles_under_a_budget_smaller_tiles_under_a_smaller_one_and_r
     with pytest.raises(mb.MemoryBudgetError, match=r"stage 'decode' needs at least .* but the memory budget is "
                                                    r"2\.00 GiB; raise memory_budget"):
         decode.fitted(StageBudget(2 * GiB, DECODER_WEIGHTS, explicit=True))
+
+
+def test_the_camera_stage_counts_the_precision_its_device_runs():
+    """Issue 44 item 12: the plan counted MoGe-2's float16 working set (2.14 GiB) on a CPU that runs it in
+    float32 (1.44 GiB measured). Fitted to its device, ``auto`` counts what runs there: float32 on the CPU, float16
+    autocast on CUDA and MPS; an explicit precision is counted as given."""
+    config = load_config(REFERENCE)
+    for device, precision, planned in (("cpu", "auto", mb.CAMERA_FLOAT32_BYTES),
+                                       ("cuda:0", "auto", mb.CAMERA_FLOAT16_BYTES),
+                                       ("mps", "auto", mb.CAMERA_FLOAT16_BYTES),
+                                       ("cpu", "float16", mb.CAMERA_FLOAT16_BYTES),
+                                       ("cuda:0", "float32", mb.CAMERA_FLOAT32_BYTES)):
+        chosen = config.with_overrides(camera=dataclasses.replace(config.camera, moge_precision=precision))
+        fitted = stage("camera", chosen).fitted(StageBudget(8 << 30, mb.CAMERA_MEASURED_WEIGHT_BYTES,
+                                                             device=device))
+        assert fitted.working_set() == planned, (device, precision)
