@@ -170,7 +170,10 @@ def _field(setting: Setting, config: CascadeConfig) -> Any:
     if setting.kind == "choice":
         return gr.Dropdown(list(setting.choices()), value=value, **common)
     if setting.suggested:  # a number with usual values: offered, with the config's among them
-        return gr.Dropdown(sorted({*setting.suggested, value}), value=value, **common)
+        # as text: Gradio's API (gradio_client) offers a dropdown's choices as strings and refused "256" against
+        # the number 256; the job reads the text as the setting's kind (``Job.from_form``)
+        offered = [str(number) for number in sorted({*setting.suggested, value})]
+        return gr.Dropdown(offered, value=str(value), **common)
     if setting.kind in ("int", "float"):
         return gr.Number(value=value, precision=0 if setting.kind == "int" else None, **common)
     return gr.Textbox(value="" if value is None else str(value), placeholder="auto", **common)

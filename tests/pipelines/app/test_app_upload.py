@@ -87,3 +87,23 @@ def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_o
     status = [y[0] for y in yields[1:]]  # after the first yield, which clears the last job's outputs
     assert all(isinstance(s, type(gr.skip())) for s in status[:3]), status  # not written while it runs
     assert status[3] == "**error: injected**"
+
+
+def test_a_number_offered_in_a_dropdown_is_taken_as_the_text_an_api_client_sends(tiny, tmp_path):
+    """Issue 44 item 12: through ``gradio_client`` the texture size's choices are listed as strings, and "256" was
+    refused ("not in the list of choices": they were numbers). The choices are text now, and the job reads them as
+    the setting's number; a value not offered is still refused."""
+    from pipelines.app.ui import build_ui
+    from pipelines.job import Job
+    from pipelines.session import Session
+
+    worker = Session("app", device="cpu")
+    try:
+        page = build_ui(worker, tiny, outputs=tmp_path)
+    finally:
+        worker.close()
+    [field] = [b for b in page.blocks.values() if getattr(b, "elem_id", None) == "texture"]
+    assert field.preprocess("256") == "256"
+    assert Job.from_form({"texture_size": field.preprocess("256")}, tiny).texture_size == 256
+    with pytest.raises(gr.Error):
+        field.preprocess("300")
