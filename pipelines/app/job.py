@@ -17,16 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from pixal3d.models.preprocess import ImageError
-from pixal3d.models.views import RIG_FOV_DEG, read_views, write_views
 
 from ..errors import error_line
+from ..inputs import kind_for
 from ..job import Job
 from ..plan import RunPlan
 from ..result import Result, run_json_path
 from ..session import Session
 
 REFUSAL = "cannot run on this machine: "
-NO_IMAGE = ("no image: upload a PNG, JPEG or WebP (an RGBA image's alpha marks the object), or pick the example")
 
 _job_numbers = itertools.count(1)
 
@@ -138,48 +137,46 @@ def plan_or_refusal(session: Session, job: Job) -> str:
         return REFUSAL + error_line(err)
 
 
-def run_job(session: Session, image: Any, job: Job, *, outputs: Path, name: str | None = None,
-            poll: float = 0.5) -> Iterator[JobUpdate]:
-    """Run ``job`` on ``image`` in ``session``, yielding an update every ``poll`` seconds and a last one with the
-    outputs (written under ``outputs`` by ``Session.write``) or the error. ``image``: a path, a PIL image or an
-    array (None: the "no image" error)."""
-    if image is None:
-        yield JobUpdate(status=f"error: {NO_IMAGE}", error=error_line(ImageError(NO_IMAGE)))
-        return
-    stem = Path(name or (str(image) if isinstance(image, (str, Path)) else "image")).stem or "image"
-    folder = outputs / f"{next(_job_numbers):04d}-{stem}"
-    folder.mkdir(parents=True, exist_ok=True)
-    yield from _run_in(session, image, stem, folder, job, poll)
-
-
 @dataclass(frozen=True)
-class ViewsUpload:
-    """A multi-view page's inputs: the uploaded view files (paths, the main view first), their azimuths (text,
-    degrees) and field of view on the rig, or a transforms.json (a path) giving their cameras instead."""
+class Upload:
+    """What the page's form carries for the config's kind of input: field name (``InputKind.upload``) → its files
+    (``Uploaded``: where Gradio keeps them) or its text or number."""
 
-    files: tuple[str, ...]
-    azimuths: str | None = None
-    fov_deg: float | None = None
-    transforms: str | None = None
+    parts: dict[str, Any]
 
 
-def run_views_job(session: Session, upload: ViewsUpload, job: Job, *, outputs: Path,
-                  poll: float = 0.5) -> Iterator[JobUpdate]:
-    """Run ``job`` (a multi-view config's) on the uploaded views: their views folder is written in the job's folder
-    (``write_views``) and checked (``read_views``: a ``ViewsError`` is the error update, on one line), then run as
-    ``run_job`` runs an image."""
-    folder = outputs / f"{next(_job_numbers):04d}-views"
-    try:
-        views = write_views(folder / "views", [(Path(f).name, Path(f).read_bytes()) for f in upload.files],
-                            transforms=None if upload.transforms is None else Path(upload.transforms).read_bytes(),
-                            azimuths=None if upload.transforms is not None else upload.azimuths,
-                            fov_deg=RIG_FOV_DEG if upload.fov_deg is None else upload.fov_deg)
-        read_views(views, job.num_views)
-    except (ImageError, OSError) as err:
-        message = error_line(err)
-        yield JobUpdate(status=f"error: {message}", error=message)
+def run_job(session: Session, source: Any, job: Job, *, outputs: Path, name: str | None = None,
+            poll: float = 0.5) -> Iterator[JobUpdate]:
+    """Run ``job`` on ``source`` in ``session``, yielding an update every ``poll`` seconds and a last one with the
+    outputs (written under ``outputs`` by ``Session.write``) or the error. ``source``: an input of the job's kind
+    as the library takes it (an image: a path, a PIL image or an array; None: the kind's "nothing uploaded"), or the
+    page's ``Upload``, which the kind turns into one in the job's folder (``InputKind.receive``: its ``ImageError``
+    is the error update, on one line)."""
+    kind = kind_for(job.config)
+    parts = source.parts if isinstance(source, Upload) else {kind.upload[0].name: source}
+    missing = next((f.missing for f in kind.upload if f.required and _absent(parts.get(f.name))), None)
+    if missing is not None:
+        yield JobUpdate(status=f"error: {missing}", error=error_line(ImageError(missing)))
         return
-    yield from _run_in(session, views, "views", folder, job, poll)
+    if isinstance(source, Upload):
+        stem = kind.upload_stem(parts)
+    else:
+        stem = Path(name or (str(source) if isinstance(source, (str, Path)) else kind.name)).stem or kind.name
+    folder = outputs / f"{next(_job_numbers):04d}-{stem}"
+    if isinstance(source, Upload):
+        try:
+            source = kind.receive(parts, folder, {option: getattr(job, option) for option in kind.options})
+        except (ImageError, OSError) as err:
+            message = error_line(err)
+            yield JobUpdate(status=f"error: {message}", error=message)
+            return
+    folder.mkdir(parents=True, exist_ok=True)
+    yield from _run_in(session, source, stem, folder, job, poll)
+
+
+def _absent(value: Any) -> bool:
+    """Nothing given: None, or no files."""
+    return value is None or (isinstance(value, tuple) and not value)
 
 
 def _run_in(session: Session, image: Any, stem: str, folder: Path, job: Job, poll: float) -> Iterator[JobUpdate]:

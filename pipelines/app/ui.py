@@ -7,6 +7,7 @@ unlimited queue and answers while a job runs.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,77 +16,49 @@ from typing import Any
 import gradio as gr
 
 from pixal3d.config import CascadeConfig
-from pixal3d.models.views import RIG_AZIMUTHS, RIG_FOV_DEG
 from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
 from ..errors import error_line
-from ..inputs import VIEWS, kind_for
+from ..inputs import InputKind, Uploaded, UploadField, kind_for
+from ..inputs.kind import IMAGE_FILE, JSON_FILE, NUMBER, TEXT
 from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
 from ..session import Session
-from .job import (
-    REFUSAL,
-    JobUpdate,
-    ViewsUpload,
-    plan_or_refusal,
-    run_job,
-    run_views_job,
-)
+from .job import REFUSAL, JobUpdate, Upload, plan_or_refusal, run_job
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "assets" / "example.png"
-EXAMPLE_VIEWS = Path(__file__).resolve().parents[2] / "assets" / "views_example"
-INTRO = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the plan "
-         "before the run, memory per stage while it runs, and what each stage cost after.")
-VIEWS_INTRO = ("# Pixal3D, staged: several views\nPosed views in (the main view first), one textured 3D mesh (GLB) "
-               "out. Give each view's azimuth on upstream's rig (the cameras on a circle about the object, "
-               f"{RIG_FOV_DEG:g}° field of view; 0, 90, 180, 270 for four) or upload their transforms.json.")
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_FOV = 49.1  # the reference's fallback field of view, the slider's starting point
 NO_ESTIMATOR = ("automatic field of view: not with this config (it names no MoGe-2 weights, or it fixes "
                 "camera.fov_deg): set it on the slider")
 PLOT_EVERY = 1.0  # seconds between redraws of the memory plot: drawing takes CPU from the run
 CSS = "#plan pre, #plan code { font-size: 12px; }"  # the plan's reason lines are long: small, full width
+IMAGE_HEIGHT, IMAGES_HEIGHT, FILE_HEIGHT = 300, 200, 100  # the upload widgets' heights (pixels)
 
 
 def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
-    """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has one field
-    per job setting (``pipelines.job.SETTINGS``), its values read back by ``Job.from_form``."""
+    """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has the fields
+    of the config's kind of input (``InputKind.upload``), then one per job setting (``pipelines.job.SETTINGS``),
+    its values read back by ``Job.from_form``."""
     kind = kind_for(config)
-    takes_views = kind is VIEWS
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
-        gr.Markdown(VIEWS_INTRO if takes_views else INTRO)
+        gr.Markdown(kind.upload_title)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                if takes_views:  # several posed views: the images, and their azimuths or a transforms.json
-                    sources = _views_fields()
-                else:
-                    image = _lenient(gr.Image(label="image (RGBA: the alpha marks the object)", type="filepath",
-                                              image_mode=None, format="png", sources=["upload", "clipboard"],
-                                              elem_id="image", height=300))
-                    gr.Examples([[str(EXAMPLE)]], inputs=[image], label="example")
-                    sources = [image]
-                fields: dict[str, Any] = {}
-                for setting in SETTINGS:
-                    if not setting.applies_to(kind):  # not for this kind of input: no field, always unset
-                        fields[setting.name] = gr.State(None)
-                    elif setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
-                        fov_auto, fields["fov"] = _fov_fields(config)
-                    else:
-                        fields[setting.name] = _field(setting, config)
+                sources = [_upload_field(field) for field in kind.upload]
+                fields, fov_auto = _setting_fields(config, kind)
                 run = gr.Button("Generate", variant="primary", elem_id="run")
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
             with gr.Column(scale=3, min_width=480):
-                status = gr.Markdown("upload the views (or take the example views), then press Generate"
-                                     if takes_views else "upload an image (or pick the example), then press Generate",
-                                     elem_id="status")
+                status = gr.Markdown(kind.upload_prompt, elem_id="status")
                 plot = gr.Plot(label="memory", elem_id="memory", format="png")
                 viewer = gr.Model3D(label="model", elem_id="viewer", height=360,
                                     clear_color=(0.95, 0.95, 0.95, 1.0))
         table = gr.Dataframe(headers=list(STAGE_COLUMNS), label="per stage", interactive=False, elem_id="stages")
         model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
-        names = list(fields)
+        extras = [] if fov_auto is None else [fov_auto]
         planned = [s.name for s in SETTINGS if s.plans]
 
         def show_plan(*values: Any) -> str:
@@ -96,70 +69,120 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
             text = plan_or_refusal(session, job)
             return f"**{text}**" if text.startswith(REFUSAL) else _plan_markdown(text)
 
-        def on_run(image_: str | None, fov_auto_: bool, progress: gr.Progress = gr.Progress(),  # noqa: B008
-                   *values: Any) -> Iterator[tuple]:  # Gradio's way: its progress, then the form's fields
-            form = dict(zip(names, values, strict=True))
-            if fov_auto_:
+        def run_form(uploaded: tuple, extra: tuple, progress: Any, values: tuple) -> Iterator[tuple]:
+            form = dict(zip(fields, values, strict=True))
+            if extra and extra[0]:  # "automatic field of view": the setting unset
                 form["fov"] = None
-            yield from stream(form, progress, lambda job: run_job(session, image_, job, outputs=outputs, poll=poll))
-
-        def on_views(views_: list[str] | None, azimuths_: str, views_fov_: float | None, transforms_: str | None,
-                     progress: gr.Progress = gr.Progress(), *values: Any) -> Iterator[tuple]:  # noqa: B008
-            form = dict(zip(names, values, strict=True))
-            upload = ViewsUpload(tuple(views_ or ()), azimuths_, views_fov_, transforms_)
-            yield from stream(form, progress, lambda job: run_views_job(session, upload, job, outputs=outputs,
-                                                                         poll=poll))
-
-        def stream(form: dict[str, Any], progress: Any, start: Any) -> Iterator[tuple]:
-            yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
-            try:
-                job = Job.from_form(form, config)
-            except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
-                yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-                return
-            drawn, drawn_at = 0, 0.0
-            for update in start(job):
-                figure = gr.skip()
-                if update.records and len(update.records) != drawn and (
-                        update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
-                    figure, drawn, drawn_at = _figure(update), len(update.records), time.monotonic()
-                if update.done:
-                    yield _final(update, figure)
-                    continue
-                # One progress text while it runs: Gradio's bar over the status line says the stage; the status
-                # line itself is written again only with the outcome (two texts, updated apart, disagreed).
-                progress(update.fraction, desc=update.status)
-                yield (gr.skip(), figure, gr.skip(), gr.skip(), gr.skip(),
-                       _plan_markdown(update.plan) if update.plan else gr.skip())
+            upload = Upload({f.name: _uploaded(f, v) for f, v in zip(kind.upload, uploaded, strict=True)})
+            yield from _stream(form, config, progress,
+                               lambda job: run_job(session, upload, job, outputs=outputs, poll=poll))
 
         settings_inputs = [fields[name] for name in planned]
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
         for component in settings_inputs:
             component.change(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
-        if not takes_views:
+        if fov_auto is not None:
             fov_auto.change(lambda auto: gr.Slider(interactive=not auto), fov_auto, fields["fov"], queue=False)
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            on_views if takes_views else on_run, [*sources, *([] if takes_views else [fov_auto]), *fields.values()],
+            _handler(kind, len(extras), run_form), [*sources, *extras, *fields.values()],
             [status, plot, model, files, table, plan], concurrency_limit=1, concurrency_id="models",
             show_progress_on=[status]).then(lambda path: path, model, viewer, queue=False)
     return page
 
 
-def _views_fields() -> list[Any]:
-    """The views (several images, the main view first), their azimuths and field of view on the rig, or their
-    transforms.json; a button that takes the example views."""
-    views = gr.File(label="views (images; the main view first)", file_count="multiple", file_types=["image"],
-                    type="filepath", elem_id="views", height=200)
-    azimuths = gr.Textbox(value=", ".join(f"{a:g}" for a in RIG_AZIMUTHS), elem_id="azimuths",
-                          label="azimuths (degrees, one per view, in the views' order)")
-    views_fov = gr.Number(value=RIG_FOV_DEG, label="views' field of view (degrees)", elem_id="views-fov")
-    transforms = gr.File(label="or their transforms.json (its cameras instead of the azimuths)", file_count="single",
-                         file_types=[".json"], type="filepath", elem_id="transforms", height=100)
-    example = gr.Button("take the example views", elem_id="example-views", size="sm")
-    example.click(lambda: [str(p) for p in sorted(EXAMPLE_VIEWS.glob("*.png"))], None, views, queue=False)
-    return [views, azimuths, views_fov, transforms]
+def _handler(kind: InputKind, extras: int, run_form: Any) -> Any:
+    """The Generate button's handler, ``on_run(<the upload's fields>, <the extra inputs>, progress, *settings)``.
+    Gradio hands its progress tracker to the parameter whose default is a ``gr.Progress`` (it reads the signature),
+    so the signature names the kind's fields before it: one handler for every kind of input."""
+    count = len(kind.upload)
+
+    def on_run(*args: Any) -> Iterator[tuple]:
+        head = count + extras
+        yield from run_form(args[:count], args[count:head], args[head], args[head + 1:])
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    on_run.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(f"{field.name}_", positional) for field in kind.upload]
+        + [inspect.Parameter(f"extra_{i}", positional) for i in range(extras)]
+        + [inspect.Parameter("progress", positional, default=gr.Progress()),
+           inspect.Parameter("values", inspect.Parameter.VAR_POSITIONAL)])
+    return on_run
+
+
+def _stream(form: dict[str, Any], config: CascadeConfig, progress: Any, start: Any) -> Iterator[tuple]:
+    """The job's updates as the page's outputs: cleared first, then the plot while it runs (Gradio's bar says the
+    stage), then the outcome."""
+    yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
+    try:
+        job = Job.from_form(form, config)
+    except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
+        yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return
+    drawn, drawn_at = 0, 0.0
+    for update in start(job):
+        figure = gr.skip()
+        if update.records and len(update.records) != drawn and (
+                update.done or time.monotonic() - drawn_at >= PLOT_EVERY):
+            figure, drawn, drawn_at = _figure(update), len(update.records), time.monotonic()
+        if update.done:
+            yield _final(update, figure)
+            continue
+        # One progress text while it runs: Gradio's bar over the status line says the stage; the status
+        # line itself is written again only with the outcome (two texts, updated apart, disagreed).
+        progress(update.fraction, desc=update.status)
+        yield (gr.skip(), figure, gr.skip(), gr.skip(), gr.skip(),
+               _plan_markdown(update.plan) if update.plan else gr.skip())
+
+
+def _upload_field(field: UploadField) -> Any:
+    """The form's element for one field of the kind's upload, by what it accepts (one image: Gradio's image widget,
+    handing over the file itself; several images or another file: a file box; text and numbers), with its
+    example (one image: Gradio's examples; several: a button that takes them)."""
+    common = {"label": field.label, "elem_id": field.form}
+    if field.accepts == TEXT:
+        return gr.Textbox(value=field.default, **common)
+    if field.accepts == NUMBER:
+        return gr.Number(value=field.default, **common)
+    if field.accepts == IMAGE_FILE and field.most == 1:
+        image = _lenient(gr.Image(type="filepath", image_mode=None, format="png", sources=["upload", "clipboard"],
+                                  height=IMAGE_HEIGHT, **common))
+        if field.example is not None:
+            gr.Examples([[str(ASSETS / field.example)]], inputs=[image], label="example")
+        return image
+    several = field.most > 1
+    types = {IMAGE_FILE: [IMAGE_FILE], JSON_FILE: [".json"]}.get(field.accepts)  # Gradio's words for them
+    box = gr.File(file_count="multiple" if several else "single", file_types=types, type="filepath",
+                  height=IMAGES_HEIGHT if several and field.accepts == IMAGE_FILE else FILE_HEIGHT, **common)
+    if field.example is not None and several:
+        take = gr.Button(f"take the example {field.name}", elem_id=f"example-{field.form}", size="sm")
+        take.click(lambda: [str(p) for p in sorted(ASSETS.glob(field.example))], None, box, queue=False)
+    return box
+
+
+def _uploaded(field: UploadField, value: Any) -> Any:
+    """A form value as the kind's ``receive`` takes it: a file field's files as ``Uploaded`` (where Gradio keeps
+    them), a text or a number as it is."""
+    if not field.file:
+        return value
+    paths = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    return tuple(Uploaded(Path(p).name, path=Path(p)) for p in paths)
+
+
+def _setting_fields(config: CascadeConfig, kind: InputKind) -> tuple[dict[str, Any], Any]:
+    """One field per job setting (``gr.State(None)`` for one that does not apply to ``kind``: always unset), and
+    the field of view's "automatic" checkbox beside its slider (None where the field of view does not apply)."""
+    fields: dict[str, Any] = {}
+    fov_auto = None
+    for setting in SETTINGS:
+        if not setting.applies_to(kind):
+            fields[setting.name] = gr.State(None)
+        elif setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
+            fov_auto, fields["fov"] = _fov_fields(config)
+        else:
+            fields[setting.name] = _field(setting, config)
+    return fields, fov_auto
 
 
 def _field(setting: Setting, config: CascadeConfig) -> Any:

@@ -15,11 +15,11 @@ from typing import Any
 from pixal3d.config import UsageError
 
 from .image import IMAGE, IMAGE_SUFFIXES, READABLE_IMAGES, ImageInput
-from .kind import InputKind, UploadField
+from .kind import InputKind, Uploaded, UploadField
 from .views import VIEWS, ViewsInput
 
 __all__ = ["IMAGE", "IMAGE_SUFFIXES", "KINDS", "READABLE_IMAGES", "VIEWS", "ImageInput", "InputKind", "UploadField",
-           "ViewsInput", "command_kind", "kind_for", "library_kind"]
+           "Uploaded", "ViewsInput", "command_kind", "kind_for", "library_kind", "upload_kind"]
 
 KINDS: tuple[InputKind, ...] = (VIEWS, IMAGE)
 """Every kind of input; the first whose ``takes`` holds for a config is the one its cascade runs on."""
@@ -74,6 +74,16 @@ def command_kind(config: Any, given: Mapping[str, Sequence[Path]]) -> InputKind:
     if refusal is not None:
         raise UsageError(refusal)
     return kind
+
+
+def upload_kind(names: Collection[str], kind: InputKind) -> InputKind | None:
+    """The other kind whose upload a request with the fields ``names`` carries (one of its required fields that
+    ``kind``'s upload has not), or None."""
+    ours = {field.name for field in kind.upload}
+    for other in KINDS:
+        if any(field.required and field.name in names and field.name not in ours for field in other.upload):
+            return other
+    return None
 
 
 def given_kind(given: Mapping[str, Sequence[Path]]) -> InputKind:

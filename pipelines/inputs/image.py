@@ -11,6 +11,9 @@ from .kind import InputKind, UploadField
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 READABLE_IMAGES = "a path, a PIL image or a uint8 numpy array"
+NO_IMAGE = "no image: upload a PNG, JPEG or WebP (an RGBA image's alpha marks the object), or pick the example"
+ONE_IMAGE = ("this server's config ({config}) takes one image in the field 'image'; posed views need a server on a "
+             "multi-view config (pixal3d-serve --config 1024_cascade_mv)")
 
 
 class ImageInput(InputKind):
@@ -23,7 +26,13 @@ class ImageInput(InputKind):
     batch_argument = "images"
     provides = ("input_image",)
     options = ("fov",)
-    upload = (UploadField("image", "image"),)
+    upload = (UploadField("image", "image (RGBA: the alpha marks the object)", example="example.png",
+                          ask="send the image file in the multipart field 'image'", missing=NO_IMAGE),)
+    upload_title = ("# Pixal3D, staged\nOne image in, a textured 3D mesh (GLB) out — with the memory in view: the "
+                    "plan before the run, memory per stage while it runs, and what each stage cost after.")
+    upload_prompt = "upload an image (or pick the example), then press Generate"
+    request_help = "send multipart/form-data with the image in field 'image' (and JSON in 'settings')"
+    upload_noun = "one image"
     default_config = "1024_cascade.yaml"
 
     def takes(self, config: Any, given: Collection[str] = ()) -> bool:
@@ -109,6 +118,26 @@ class ImageInput(InputKind):
         from pixal3d.models.preprocess import as_image
 
         return {"input_image": as_image(source) if reads_input else None}
+
+    def upload_stem(self, parts: Mapping[str, Any]) -> str:
+        """The uploaded file's name (``cup.png``: ``cup``)."""
+        return Path(parts["image"][0].filename).stem or self.name
+
+    def refuse_upload(self, config: Any, other: InputKind | None) -> str:
+        return ONE_IMAGE.format(config=config.name)
+
+    def receive(self, parts: Mapping[str, Any], folder: Path, options: Mapping[str, Any]) -> Any:
+        """The web app's upload where it lies (the run checks it, as the command's); the server's written as
+        ``input.<its format>``, byte for byte (checked from its header before)."""
+        from pixal3d.files import write_bytes_atomic
+
+        [image] = parts["image"]
+        if image.path is not None:
+            return str(image.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"input{image.suffix}"
+        write_bytes_atomic(path, image.data)
+        return path
 
     def expand(self, paths: Sequence[Path]) -> list[Path]:
         """Image files named directly, plus the images inside named folders (sorted; hidden files such as macOS's

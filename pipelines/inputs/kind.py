@@ -7,7 +7,9 @@ A kind owns, for its inputs, everything that used to be an ``if views:`` at each
                     and labels, the check before its first stage (``open``), its digest and the provided fields
                     that key its stages (``provided``), the fields it gives a fresh ``RunState`` (``state``)
     the command     the paths it is given (``expand``) and their check from headers (``probe``)
-    the uploads     what a web form or a request carries for it (``upload``) and the folder it is written to
+    the uploads     the fields a web form or a request carries for it (``upload``), how a request's fields that
+                    do not go together are refused (``refuse_request``, ``refuse_upload``), and how an upload
+                    becomes the run's input, written in the job's folder (``upload_stem``, ``receive``)
 
 Importing a kind imports no torch (the command's ``--help`` and ``pipelines.job`` use the table): what a kind
 needs of the models is imported where it is used.
@@ -19,21 +21,71 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+IMAGE_FILE = "image"
+"""An upload field that takes an image file, checked from its header (Gradio's word for image files too)."""
+ANY_FILE = "file"
+JSON_FILE = "json"
+"""A JSON document: a file, or its text."""
+TEXT = "text"
+NUMBER = "number"
+ACCEPTS = (IMAGE_FILE, ANY_FILE, JSON_FILE, TEXT, NUMBER)
+"""What an upload field can take (``UploadField.accepts``): the front ends build each field's element and check
+from this word alone."""
+
 
 @dataclass(frozen=True)
 class UploadField:
-    """One field of a kind's upload (a multipart request's, a web form's).
+    """One field of a kind's upload (a multipart request's part, a web form's element); the front ends build their
+    form and their parser from these, so a new kind's upload is its ``upload`` and the methods below, nothing else.
 
-    name:     the field's name (the request's part, the form's element id)
-    label:    what the web app's form calls it
-    file:     a file (else text); ``many``: several files; ``required``: the upload needs it
+    name:      the request's part; the form's element id is the name with ``-`` for ``_``
+    label:     what the web app's form calls it
+    accepts:   one of ``ACCEPTS``: ``image`` (a file, checked from its header), ``file`` (any file, e.g. a mesh),
+               ``json`` (a file, or its text), ``text``, ``number``
+    most:      how many files it takes (1: one; more: several, ``item`` naming one of them in messages)
+    required:  the upload needs it; ``ask`` (the server's: how to send it) and ``missing`` (the app's error) say so
+    unit:      a text field's unit, in words; ``default``: the form's starting value
+    example:   an example under the repository's ``assets/`` (a file, or a glob for several files)
     """
 
     name: str
     label: str
-    file: bool = True
-    many: bool = False
+    accepts: str = IMAGE_FILE
+    most: int = 1
     required: bool = True
+    ask: str = ""
+    missing: str = ""
+    item: str = ""
+    unit: str = ""
+    default: Any = None
+    example: str | None = None
+
+    @property
+    def file(self) -> bool:
+        """A file field (a ``json`` one takes the document's text too)."""
+        return self.accepts in (IMAGE_FILE, ANY_FILE, JSON_FILE)
+
+    def __post_init__(self) -> None:
+        if self.accepts not in ACCEPTS:
+            raise ValueError(f"upload field {self.name!r} accepts {self.accepts!r}, not one of {ACCEPTS}")
+
+    @property
+    def form(self) -> str:
+        return self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """One uploaded file: the name it was sent under, and its bytes (the server's) or where it lies (the web app's
+    cached upload); ``suffix``: an image's, from its header."""
+
+    filename: str
+    data: bytes = b""
+    path: Path | None = None
+    suffix: str = ""
+
+    def read(self) -> bytes:
+        return self.data if self.path is None else self.path.read_bytes()
 
 
 class InputKind:
@@ -47,7 +99,11 @@ class InputKind:
     flag: str | None = None    # the command's option (None: the positional inputs)
     provides: tuple[str, ...] = ()  # the ``RunState`` fields a run of this kind provides its first stage
     options: tuple[str, ...] = ()   # the job settings that go with this kind (``pipelines.job.SETTINGS`` rows)
-    upload: tuple[UploadField, ...] = ()
+    upload: tuple[UploadField, ...] = ()  # the fields of its upload, in the form's and the request's order
+    upload_title: str = ""     # the web page's heading (Markdown) for a config of this kind
+    upload_prompt: str = ""    # the page's status line before the first job
+    request_help: str = ""     # the server's answer to a request that is not multipart
+    upload_noun: str = ""      # what one upload of this kind is, in a refusal ("one image", "posed views")
     default_config: str = ""   # the shipped config the command runs when it is given this kind and no --config
 
     # -- which cascade -----------------------------------------------------------------------------
@@ -126,6 +182,27 @@ class InputKind:
 
     def state(self, source: Any, *, reads_input: bool) -> dict[str, Any]:
         """The input fields of a fresh ``RunState`` (``reads_input``: a stage still to run reads them)."""
+        raise NotImplementedError
+
+    # -- the uploads -------------------------------------------------------------------------------
+    def upload_stem(self, parts: Mapping[str, Any]) -> str:
+        """What the outputs of an upload (``parts``: field name → its ``Uploaded`` files, or its text) are called."""
+        return self.name
+
+    def refuse_request(self, parts: Mapping[str, Any]) -> str | None:
+        """Why a request's fields (present: not None or empty) do not go together (a malformed request), or None."""
+        return None
+
+    def refuse_upload(self, config: Any, other: InputKind | None) -> str:
+        """Why a request carrying ``other``'s upload (None: more files than this kind's upload takes) cannot run on
+        ``config`` (of this kind)."""
+        instead = "" if other is None else f", not {other.upload_noun}"
+        return f"this server's config ({config.name}) takes {self.upload_noun}{instead}: {self.request_help}"
+
+    def receive(self, parts: Mapping[str, Any], folder: Path, options: Mapping[str, Any]) -> Any:
+        """The run's input from an upload's ``parts`` (file fields: tuples of ``Uploaded``; text fields: the text,
+        or None), written under ``folder`` where it must be written and checked as a run would check it
+        (``options``: the job's settings of this kind); ``ImageError`` (one line) for an upload that cannot be one."""
         raise NotImplementedError
 
     # -- the command -------------------------------------------------------------------------------

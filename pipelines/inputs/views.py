@@ -11,7 +11,11 @@ from typing import Any
 
 from pixal3d.config import UsageError
 
-from .kind import InputKind, UploadField
+from .kind import JSON_FILE, NUMBER, TEXT, InputKind, UploadField
+
+VIEWS_ASK = ("send each view image in a multipart field 'views' (the main view first), with 'azimuths' (degrees, "
+             "default 0,90,180,270 for four views) or a 'transforms' file (transforms.json)")
+NO_VIEWS = "no views: upload the view images (the main view first) with their azimuths or a transforms.json"
 
 
 class ViewsInput(InputKind):
@@ -25,11 +29,32 @@ class ViewsInput(InputKind):
     flag = "--views"
     provides = ("input_views",)
     options = ("num_views",)
-    upload = (UploadField("views", "views (images; the main view first)", many=True),
-              UploadField("transforms", "transforms.json", required=False),
-              UploadField("azimuths", "azimuths (degrees, one per view, in the views' order)", file=False,
-                          required=False),
-              UploadField("views_fov", "views' field of view (degrees)", file=False, required=False))
+    upload_prompt = "upload the views (or take the example views), then press Generate"
+    request_help = f"send multipart/form-data: {VIEWS_ASK}"
+    upload_noun = "posed views"
+
+    @property
+    def upload(self) -> tuple[UploadField, ...]:
+        """The view images (the main view first), their transforms.json, or their azimuths and field of view on
+        upstream's rig (the defaults: ``pixal3d.models.views``, imported here, not with the table)."""
+        from pixal3d.models.views import MAX_VIEWS, RIG_AZIMUTHS, RIG_FOV_DEG
+
+        return (UploadField("views", "views (images; the main view first)", most=MAX_VIEWS, item="view",
+                            ask=VIEWS_ASK, missing=NO_VIEWS, example="views_example/*.png"),
+                UploadField("azimuths", "azimuths (degrees, one per view, in the views' order)", accepts=TEXT,
+                            required=False, unit="degrees", default=", ".join(f"{a:g}" for a in RIG_AZIMUTHS)),
+                UploadField("views_fov", "views' field of view (degrees)", accepts=NUMBER, required=False,
+                            unit="degrees", default=RIG_FOV_DEG),
+                UploadField("transforms", "or their transforms.json (its cameras instead of the azimuths)",
+                            accepts=JSON_FILE, required=False))
+
+    @property
+    def upload_title(self) -> str:
+        from pixal3d.models.views import RIG_FOV_DEG
+
+        return ("# Pixal3D, staged: several views\nPosed views in (the main view first), one textured 3D mesh (GLB) "
+                "out. Give each view's azimuth on upstream's rig (the cameras on a circle about the object, "
+                f"{RIG_FOV_DEG:g}° field of view; 0, 90, 180, 270 for four) or upload their transforms.json.")
 
     def takes(self, config: Any, given: Collection[str] = ()) -> bool:
         return config.views is not None
@@ -113,6 +138,41 @@ class ViewsInput(InputKind):
 
     def state(self, source: Any, *, reads_input: bool) -> dict[str, Any]:
         return {"input_views": source}
+
+    def refuse_upload(self, config: Any, other: InputKind | None) -> str:
+        instead = "" if other is None else f", not {other.upload_noun}"
+        return f"this server's config ({config.name}) takes {self.upload_noun}{instead}: {VIEWS_ASK}"
+
+    def refuse_request(self, parts: Mapping[str, Any]) -> str | None:
+        if parts.get("transforms") and (parts.get("azimuths") is not None or parts.get("views_fov") is not None):
+            return "send 'transforms' or 'azimuths'/'views_fov', not both: transforms.json gives the cameras"
+        return None
+
+    def receive(self, parts: Mapping[str, Any], folder: Path, options: Mapping[str, Any]) -> Any:
+        """The views folder ``folder/views`` (``write_views``: with the transforms.json, else the rig's cameras at
+        the azimuths and field of view; the azimuths beside a transforms.json are ignored), checked as a run reads
+        it (``read_views``: ``ViewsError``)."""
+        from pixal3d.models.views import (
+            RIG_FOV_DEG,
+            ViewsError,
+            read_views,
+            write_views,
+        )
+
+        transforms = parts.get("transforms") or ()
+        fov = parts.get("views_fov")
+        if isinstance(fov, str):
+            try:
+                fov = float(fov) if fov.strip() else None
+            except ValueError:
+                raise ViewsError(f"views_fov {fov[:40]!r} is not a number of degrees; the rig's is "
+                                 f"{RIG_FOV_DEG:g}") from None
+        views = write_views(folder / "views", [(f.filename, f.read()) for f in parts.get("views") or ()],
+                            transforms=transforms[0].read() if transforms else None,
+                            azimuths=None if transforms else parts.get("azimuths"),
+                            fov_deg=RIG_FOV_DEG if fov is None else fov)
+        read_views(views, options.get("num_views"))
+        return views
 
     def expand(self, paths: Sequence[Path]) -> list[Path]:
         """The views folders the command was given (``--views``): each an existing folder, their names (what the

@@ -18,9 +18,10 @@ from PIL import Image, UnidentifiedImageError
 from starlette.datastructures import UploadFile
 
 from pixal3d.config import CascadeConfig
-from pixal3d.models.preprocess import MIN_SIDE
-from pixal3d.models.views import MAX_VIEWS, RIG_FOV_DEG, ViewsError, write_views
+from pixal3d.models.preprocess import MIN_SIDE, ImageError
 
+from ..inputs import Uploaded, UploadField, kind_for, upload_kind
+from ..inputs.kind import IMAGE_FILE, JSON_FILE
 from ..job import Job, SettingsError
 from .db import ENDED, QueueFull
 from .service import Jobs
@@ -121,52 +122,82 @@ async def generate(request: Request) -> Any:
 
 
 # -- what they share -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Upload:
-    """What a submission carries: one image (``data``, its ``suffix``), or on a multi-view config the views (file
-    names and bytes, the main view first) with their ``transforms.json`` or their azimuths and field of view
-    (``pixal3d.models.views.write_views``)."""
-
-    data: bytes = b""
-    suffix: str = ""
-    views: tuple[tuple[str, bytes], ...] = ()
-    transforms: bytes | None = None
-    azimuths: str | None = None
-    views_fov: float = RIG_FOV_DEG
-
-
-FIELDS = ("image", "settings")
-VIEW_FIELDS = ("views", "transforms", "azimuths", "views_fov", "settings")
-ONE_IMAGE = ("this server's config ({config}) takes one image in the field 'image'; posed views need a server on a "
-             "multi-view config (pixal3d-serve --config 1024_cascade_mv)")
-VIEWS_ASK = ("send each view image in a multipart field 'views' (the main view first), with 'azimuths' (degrees, "
-             "default 0,90,180,270 for four views) or a 'transforms' file (transforms.json)")
-
-
-async def read_job(request: Request, here: Served) -> tuple[Upload, dict[str, Any]]:
-    """The image (or views) and settings of a ``POST /jobs`` or ``/generate``, checked."""
-    takes_views = here.config.views is not None
+async def read_job(request: Request, here: Served) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The upload and settings of a ``POST /jobs`` or ``/generate``, checked. The upload is the fields of the config's
+    kind of input (``InputKind.upload``: field name → its ``Uploaded`` files, or its text), each read and checked as
+    its field says (an image from its header); a field of another kind's upload is refused in that kind's words."""
+    kind = kind_for(here.config)
+    fields = kind.upload
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise Refused(400, f"send multipart/form-data: {VIEWS_ASK}" if takes_views else
-                      "send multipart/form-data with the image in field 'image' (and JSON in 'settings')")
+        raise Refused(400, kind.request_help)
+    most = sum(field.most for field in fields if field.file)
     try:
-        form = await request.form(max_files=MAX_VIEWS + 1 if takes_views else 1,
-                                  max_fields=len(VIEW_FIELDS) if takes_views else 2)
+        form = await request.form(max_files=most, max_fields=len(fields) + 1)
     except Refused:
         raise
     except Exception as err:  # noqa: BLE001 - the multipart parser's own words, on one line
-        if not takes_views and "Too many files" in str(err):
-            raise Refused(400, f"several files were sent; {ONE_IMAGE.format(config=here.config.name)}") from None
+        if most == 1 and "Too many files" in str(err):
+            raise Refused(400, f"several files were sent; {kind.refuse_upload(here.config, None)}") from None
         raise Refused(400, f"the multipart body cannot be read ({err})") from None
-    if takes_views and "image" in form:
-        raise Refused(400, f"this server's config ({here.config.name}) takes posed views, not one image: {VIEWS_ASK}")
-    if not takes_views and "views" in form:
-        raise Refused(400, ONE_IMAGE.format(config=here.config.name))
-    allowed = VIEW_FIELDS if takes_views else FIELDS
+    other = upload_kind(set(form.keys()), kind)
+    if other is not None:
+        raise Refused(400, kind.refuse_upload(here.config, other))
+    allowed = (*(field.name for field in fields), "settings")
     unknown = sorted(set(form.keys()) - set(allowed))
     if unknown:
         raise Refused(400, f"unknown form fields {unknown}; send {', '.join(repr(f) for f in allowed)}")
-    upload = await (_read_views(form, here) if takes_views else _read_image(form, here))
+    parts = {field.name: await _read_files(form, field, here) if field.file else form.get(field.name)
+             for field in fields}
+    refusal = kind.refuse_request(parts)
+    if refusal is not None:
+        raise Refused(400, refusal)
+    _check_texts(parts, [field for field in fields if not field.file])
+    return parts, await _read_settings(form, here)
+
+
+async def _read_files(form: Any, field: UploadField, here: Served) -> tuple[Uploaded, ...]:
+    """The files of one file field: each within --max-upload (a field's files together), an image checked from its
+    header (one of several named in the refusal: ``view 1 (b.png): ...``); a ``json`` field's text taken as its
+    file."""
+    sent = form.getlist(field.name) if field.most > 1 else [p for p in [form.get(field.name)] if p is not None]
+    if not sent and field.required:
+        raise Refused(400, f"no {field.name}: {field.ask}")
+    if field.accepts != JSON_FILE and not all(isinstance(part, UploadFile) for part in sent):
+        raise Refused(400, f"no {field.name}: {field.ask}" if field.most == 1 else
+                      f"each '{field.name}' field must be a file{' (an image)' if field.accepts == IMAGE_FILE else ''}")
+    files, total = [], 0
+    for index, part in enumerate(sent):
+        data = await part.read() if isinstance(part, UploadFile) else part.encode("utf-8")  # a json field's text
+        total += len(data)
+        if total > here.max_upload:
+            raise Refused(413, f"the {field.name} is {len(data)} bytes, more than {here.max_upload} (--max-upload)"
+                          if field.most == 1 else
+                          f"the {field.name} are more than {here.max_upload} bytes together (--max-upload)")
+        filename = (part.filename if isinstance(part, UploadFile) else None) or ""
+        suffix = ""
+        if field.accepts == IMAGE_FILE:
+            try:
+                suffix = check_image(data, here.max_pixels)
+            except Refused as err:
+                if field.most == 1:
+                    raise
+                raise Refused(err.status, f"{field.item} {index} ({(filename or '?')[:40]}): {err}") from None
+        files.append(Uploaded(filename or f"{field.item or field.name}{index:02d}{suffix}", data, suffix=suffix))
+    return tuple(files)
+
+
+def _check_texts(parts: dict[str, Any], texts: list[UploadField]) -> None:
+    """The text fields are text, not files (one refusal naming them all, with their unit when they share one)."""
+    if any(isinstance(parts[field.name], UploadFile) for field in texts):
+        units = {field.unit for field in texts}
+        unit = f" ({units.pop()})" if len(units) == 1 and "" not in units else ""
+        several = len(texts) > 1
+        raise Refused(400, f"{' and '.join(repr(field.name) for field in texts)} "
+                           f"{'are text fields' if several else 'is a text field'}{unit}, not {'files' if several else 'a file'}")
+
+
+async def _read_settings(form: Any, here: Served) -> dict[str, Any]:
+    """The 'settings' field (JSON text, or a file of it) as the job's settings (``Job.from_request``)."""
     settings = form.get("settings")
     if isinstance(settings, UploadFile):
         settings = (await settings.read()).decode("utf-8", "replace")
@@ -176,68 +207,21 @@ async def read_job(request: Request, here: Served) -> tuple[Upload, dict[str, An
         except ValueError as err:
             raise Refused(400, f"settings is not JSON ({err}); send an object such as {{\"seed\": 42}}") from None
     try:
-        values = Job.from_request(settings, here.config).settings()
+        return Job.from_request(settings, here.config).settings()
     except SettingsError as err:
         raise Refused(422, str(err)) from None
-    return upload, values
 
 
-async def _read_image(form: Any, here: Served) -> Upload:
-    upload = form.get("image")
-    if not isinstance(upload, UploadFile):
-        raise Refused(400, "no image: send the image file in the multipart field 'image'")
-    data = await upload.read()
-    if len(data) > here.max_upload:
-        raise Refused(413, f"the image is {len(data)} bytes, more than {here.max_upload} (--max-upload)")
-    return Upload(data, check_image(data, here.max_pixels))
-
-
-async def _read_views(form: Any, here: Served) -> Upload:
-    """The views of a multi-view server's submission: every 'views' file an image (as 'image' is checked), their
-    bytes together within --max-upload; a 'transforms' file, or 'azimuths' (and 'views_fov') as text."""
-    files = form.getlist("views")
-    if not files:
-        raise Refused(400, f"no views: {VIEWS_ASK}")
-    if not all(isinstance(f, UploadFile) for f in files):
-        raise Refused(400, "each 'views' field must be a file (an image)")
-    views, total = [], 0
-    for index, file in enumerate(files):
-        data = await file.read()
-        total += len(data)
-        if total > here.max_upload:
-            raise Refused(413, f"the views are more than {here.max_upload} bytes together (--max-upload)")
-        try:
-            check_image(data, here.max_pixels)
-        except Refused as err:
-            raise Refused(err.status, f"view {index} ({(file.filename or '?')[:40]}): {err}") from None
-        views.append((file.filename or f"view{index:02d}.png", data))
-    transforms = form.get("transforms")
-    if transforms is not None and not isinstance(transforms, UploadFile):
-        transforms = transforms.encode("utf-8")  # sent as text
-    elif transforms is not None:
-        transforms = await transforms.read()
-    azimuths, fov = form.get("azimuths"), form.get("views_fov")
-    if transforms is not None and (azimuths is not None or fov is not None):
-        raise Refused(400, "send 'transforms' or 'azimuths'/'views_fov', not both: transforms.json gives the cameras")
-    if isinstance(azimuths, UploadFile) or isinstance(fov, UploadFile):
-        raise Refused(400, "'azimuths' and 'views_fov' are text fields (degrees), not files")
+def submit(here: Served, parts: dict[str, Any], values: dict[str, Any]) -> Any:
+    """Queue the job: its kind writes the upload in the job's new folder and checks it (``InputKind.receive``: an
+    ``ImageError`` is 422, nothing kept)."""
+    kind = kind_for(here.config)
+    options = {name: values.get(name) for name in kind.options}
     try:
-        views_fov = RIG_FOV_DEG if fov is None or not fov.strip() else float(fov)
-    except ValueError:
-        raise Refused(422, f"views_fov {fov[:40]!r} is not a number of degrees; the rig's is {RIG_FOV_DEG:g}") from None
-    return Upload(views=tuple(views), transforms=transforms, azimuths=azimuths, views_fov=views_fov)
-
-
-def submit(here: Served, upload: Upload, values: dict[str, Any]) -> Any:
-    try:
-        if not upload.views:
-            return here.jobs.submit(upload.data, upload.suffix, values)
-        return here.jobs.submit_views(lambda folder: write_views(
-            folder, upload.views, transforms=upload.transforms, azimuths=upload.azimuths, fov_deg=upload.views_fov),
-            values)
+        return here.jobs.submit_upload(lambda folder: kind.receive(parts, folder, options), values)
     except QueueFull as err:
         raise Refused(429, str(err)) from None
-    except ViewsError as err:
+    except ImageError as err:
         raise Refused(422, str(err)) from None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from pixal3d.models.views import ViewsError, read_views
+from pixal3d.models.preprocess import ImageError
 
 from ..job import plan_key
 from .db import JobRow, Queue, QueueUnavailable
@@ -46,6 +46,18 @@ class Jobs:
         job_id = new_id()
         return self._queue(job_id, self.data.write_input(job_id, image, suffix), settings)
 
+    def submit_upload(self, write: Callable[[Path], Path], settings: dict[str, Any]) -> JobRow:
+        """Write the job's input in its new folder (``write(folder)`` returns its path: the kind's ``receive``,
+        which checks it as a run will, ``ViewsError`` and the like leaving nothing), then queue it as ``submit``
+        does."""
+        job_id = new_id()
+        try:
+            name = self.data.write_upload(job_id, write)
+        except ImageError as err:  # in the client's words: the files it sent, not the server's folders
+            err.args = (self.data.for_client(str(err)),)
+            raise
+        return self._queue(job_id, name, settings)
+
     def _queue(self, job_id: str, name: str, settings: dict[str, Any]) -> JobRow:
         try:
             job = self.queue.submit(job_id, settings, plan_key(settings), name, queue_size=self.queue_size)
@@ -56,23 +68,6 @@ class Jobs:
             raise
         self.wake()
         return job
-
-    def submit_views(self, write: Callable[[Path], Path], settings: dict[str, Any]) -> JobRow:
-        """Write the job's views folder (``write(folder)``: ``views.write_views``), check it as a run will
-        (``read_views``: ``ViewsError``, nothing kept), then queue it as ``submit`` does."""
-        job_id = new_id()
-        try:
-            name = self.data.write_views(job_id, write)
-        except ViewsError as err:
-            raise ViewsError(self.data.for_client(str(err))) from None
-        try:
-            read_views(self.data.folder(job_id) / name, settings.get("num_views"))
-        except BaseException as err:
-            self.data.remove(job_id)
-            if isinstance(err, ViewsError):  # in the client's words: the files it sent, not the server's folders
-                raise ViewsError(self.data.for_client(str(err))) from None
-            raise
-        return self._queue(job_id, name, settings)
 
     def view(self, job_id: str) -> dict[str, Any] | None:
         """What ``GET /jobs/{id}`` shows (None: no such job)."""
@@ -90,8 +85,6 @@ class Jobs:
         else:
             view |= job.outcome
             view.setdefault("finished", job.finished)
-            if isinstance(view.get("error"), str):
-                view["error"] = self.data.for_client(view["error"])
         if job.lost:
             view["lost"] = job.lost
         return view

@@ -10,6 +10,7 @@ Layout::
     DIR/queue.sqlite3             the queue, when it is SQLite (the default)
     DIR/jobs/<id>/input.<ext>     the uploaded image, byte for byte: written and flushed before the job's row is
     DIR/jobs/<id>/views/          a multi-view config's upload instead: the view images and their transforms.json
+                                  (each kind of input writes its own: ``InputKind.receive``)
     DIR/jobs/<id>/result.glb      a done job's GLB, run.json and memory trace
     DIR/work/<id>/<stage>.*       the job's stage records (``pipelines/work_dir.py``): whichever worker runs the job
                                   next resumes there
@@ -40,7 +41,6 @@ FORMAT = "pixal3d-serve/2"
 FILES_ONLY = "pixal3d-serve/1"
 """The format of a data folder whose jobs are files only (before the queue moved into a database)."""
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
-VIEWS = "views"
 RESULTS = ("result.glb", "run.json", "trace.jsonl")
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -118,21 +118,20 @@ class DataFolder:
     def write_input(self, job_id: str, image: bytes, suffix: str) -> str:
         """Write the job's image durably (file and folder flushed); returns its name in the job's folder.
         ``DiskFull`` when the disk is full, with nothing left behind."""
-        name = f"input{suffix}"
-        return self._new_folder(job_id, lambda folder: write_bytes_atomic(folder / name, image), name)
+        def write(folder: Path) -> Path:
+            write_bytes_atomic(folder / f"input{suffix}", image)
+            return folder / f"input{suffix}"
 
-    def write_views(self, job_id: str, write: Callable[[Path], Path]) -> str:
-        """Write the job's views folder (``write(folder)``, each file and the folder flushed); returns its name in
-        the job's folder. ``DiskFull`` as ``write_input``; any other error leaves nothing behind either."""
-        return self._new_folder(job_id, lambda folder: write(folder / VIEWS), VIEWS)
+        return self.write_upload(job_id, write)
 
-    def _new_folder(self, job_id: str, write: Callable[[Path], object], name: str) -> str:
-        """The job's folder made, ``write(folder)`` into it, the folder flushed; returns ``name``. On any error
-        nothing is left behind; a full disk is ``DiskFull``, one line naming --data."""
+    def write_upload(self, job_id: str, write: Callable[[Path], Path]) -> str:
+        """The job's folder made, ``write(folder)`` into it (returning the input's path in it: a file, or a folder
+        such as ``views/``), the folder flushed; returns the input's name in the job's folder. On any error nothing
+        is left behind; a full disk is ``DiskFull``, one line naming --data."""
         folder = self.folder(job_id)
         try:
             folder.mkdir()
-            write(folder)
+            name = Path(write(folder)).relative_to(folder).as_posix()
             sync_folder(self.jobs)
         except OSError as err:
             shutil.rmtree(folder, ignore_errors=True)

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from pipelines.app.job import NO_IMAGE, REFUSAL, plan_or_refusal, run_job
+from pipelines.app.job import REFUSAL, plan_or_refusal, run_job
+from pipelines.inputs.image import NO_IMAGE
 from pipelines.job import Job, SettingsError
 from pipelines.session import Session
 from pixal3d.models.preprocess import ImageError, as_image

@@ -68,7 +68,7 @@ def test_uploaded_views_with_the_rig_or_a_transforms_json_give_the_librarys_run(
         expected = pipe.run(views=EXAMPLE_VIEWS, seed=9).fingerprints()
         control = pipe.run(views=swapped, seed=9).fingerprints()
     session, page = _page(load_config(fast_mv_config), tmp_path / "app")
-    on_views = _handler(page, "on_views")
+    on_views = _handler(page, "on_run")
     try:
         last = _run(on_views, _files(EXAMPLE_VIEWS))[-1]
         assert last[0].startswith("done in"), last[0]
@@ -88,7 +88,7 @@ def test_uploaded_views_with_the_rig_or_a_transforms_json_give_the_librarys_run(
                                   "more views asked for than given", "a frame missing from transforms.json"])
 def test_a_wrong_upload_is_one_line_in_the_status(case, tiny_cache, tmp_path):
     session, page = _page(load_config("tiny_mv"), tmp_path)
-    on_views = _handler(page, "on_views")
+    on_views = _handler(page, "on_run")
     files = _files(EXAMPLE_VIEWS)
     args, form, words = {
         "no views": (([], ), {}, "no views: upload the view images"),
