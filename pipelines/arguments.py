@@ -79,6 +79,13 @@ def check_state_budget(value: Any) -> None:
         raise ValueError(f"state_budget {value} is negative; pass a number of bytes (0: every state waits on disk)")
 
 
+def check_order(order: Any) -> Any:
+    """``order`` when it is a batch order (``image`` or ``stage``)."""
+    if order not in ("image", "stage"):
+        raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
+    return order
+
+
 def check_plan_arguments(config: Any, *, policy: Any, device: Any, replace: Any, until: Any,
                          memory_budget: Any) -> int | str | None:
     """What ``Pixal3D.plan`` takes, before it reads anything (an unknown policy name and a budget that is not a

@@ -51,6 +51,13 @@ IMAGE_KINDS = ("input", "memory")
 """Failure kinds (``pipelines.errors``) that concern one image: it is reported and skipped, the batch goes on."""
 
 
+def image_alone(err: BaseException, stopped: str | None) -> bool:
+    """Whether ``err`` concerns its image alone (``IMAGE_KINDS``), so a batch reports it and goes on; never once a
+    parallel job has ``stopped`` (its other ranks cannot go on)."""
+    failure = classify(err, started=True)
+    return failure is not None and failure.kind in IMAGE_KINDS and stopped is None
+
+
 def default_order(policy: Policy) -> BatchOrder:
     """``stage`` where a model that leaves memory must be read again (staged, offload), else ``image``."""
     return "stage" if policy in (Policy.staged, Policy.offload) else "image"

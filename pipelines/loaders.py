@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from pixal3d.nn.attention import check_route, set_attention_route
 from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import WeightStream
 from pixal3d.weight_sources import MODEL_SOURCES, load_naf_weights  # noqa: F401 -- re-exported
+
+from .preprocess import rembg_loader
 
 STREAM_UNITS: dict[str, str] = {
     "sparse_structure_flow_model": FlowTransformer.stream_unit,
@@ -59,6 +62,18 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
     if remover is not None:
         loaders["rembg"] = remover
     return loaders
+
+
+def planned_loaders(plan: Any, weights: ResolvedWeights, stream: WeightStream | None
+                    ) -> dict[str, Callable[[], nn.Module]]:
+    """``model_loaders`` as a ``RunPlan`` asks for them: MoGe-2 when a stage needs it, the config's background
+    remover, the plan's streamed models through ``stream`` (pinned where it says), copies in process memory where
+    ``runtime.cpu_weights`` says."""
+    config = plan.config
+    remover = rembg_loader(config.weights.rembg) if config.weights.rembg is not None else None
+    return model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover, stream=stream,
+                         streamed=tuple(plan.memory.streamed), pin=plan.stream_pinned,
+                         copied=config.runtime.cpu_weights == "copied")
 
 
 def _copied(load: Callable[[], nn.Module]) -> nn.Module:

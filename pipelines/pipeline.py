@@ -28,30 +28,25 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-import pixal3d
 from pixal3d.config import CascadeConfig, load_config
 from pixal3d.models.preprocess import ImageError
-from pixal3d.nn.attention import resolve_route
-from pixal3d.pipeline_json import ResolvedWeights, resolve_weights
+from pixal3d.pipeline_json import ResolvedWeights
 from pixal3d.staging import Event, Policy, StageRunner, WeightStream, detect_machine
 from pixal3d.staging.executor import Executor
 from pixal3d.staging.mps_memory import apply_mps_memory_limit
 from pixal3d.telemetry import MemoryMeter
 
 from . import arguments, inputs, state_codec
-from .batch import IMAGE_KINDS, BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_items
-from .errors import classify
+from .batch import BatchItem, BatchOrder, Meter, Progress, Relay, default_order, image_alone, image_items
 from .inputs import InputKind
-from .loaders import model_loaders, with_attention_route
+from .loaders import planned_loaders, with_attention_route
 from .parallel import rank_of
-from .plan import (RunPlan, check_device, check_memory, default_device, fit_policy, plan_budget, plan_mps_limit,
-                   plan_reasons, planned_config, planned_stages, stream_layouts, with_attention_route_of)
-from .preprocess import rembg_loader
+from .plan import RunPlan, check_device, default_device, plan_run
 from .ranks import Rank
-from .result import Result
+from .result import Result, item_result
 from .stage import CascadeStage
 from .state import RunState
-from .work_dir import StateStore, WorkDir, stage_keys, weights_digests
+from .work_dir import StateStore, WorkDir, item_keys, weights_digests
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +68,8 @@ class Pixal3D:
             apply_mps_memory_limit(plan.mps_limit)
         copied = self.config.runtime.cpu_weights == "copied"
         self._stream = WeightStream(plan.device, copy=copied) if plan.policy is Policy.stream else None
-        remover = rembg_loader(self.config.weights.rembg) if self.config.weights.rembg is not None else None
-        loaders = model_loaders(weights, plan.device, moge="moge" in plan.model_names(), remover=remover,
-                                stream=self._stream, streamed=tuple(plan.memory.streamed), pin=plan.stream_pinned,
-                                copied=copied)
-        loaders = with_attention_route(self._rank.loaders(loaders, weights, plan.stages),
-                                       self.config.runtime.attention)
+        loaders = with_attention_route(self._rank.loaders(planned_loaders(plan, weights, self._stream), weights,
+                                                          plan.stages), self.config.runtime.attention)
         if wrap_loader is not None:
             loaders = {name: wrap_loader(name, load) for name, load in loaders.items()}
         provides, state_type = self._rank.state()
@@ -114,28 +105,9 @@ class Pixal3D:
         device = check_device(torch.device(device)) if device is not None else default_device()
         role = rank_of(parallel, device)
         device = role.place(device)
-        # 2. the samplers' settings the config leaves to pipeline.json; 3. the stages, this rank's part of them
-        config = planned_config(config)
-        stages = planned_stages(config, kind, role, replace=replace, until=until)
-        # 4. the machine as this rank has it, every model's bytes from safetensors headers (a rank's shards)
-        models = list(dict.fromkeys(m for s in stages for m in s.needs))  # cascade order: errors name the first
-        sized = role.sized(config, stages, models, detect_machine(device))
-        role, machine, sizes = sized.rank, sized.machine, sized.sizes
-        # 5. the budget; the blocks of the models that can stream, from their headers, where the policy may stream
-        budget = plan_budget(budget, machine)
-        layouts = stream_layouts(config, models, policy) if role.streams else {}
-        # 6. every stage fitted to the budget (or the machine's usable memory) and the attention route; the policy
-        #    chosen within it: whole models, or their blocks streamed when whole models do not fit
-        routed = with_attention_route_of(stages, resolve_route(config.runtime.attention, device))
-        fit = fit_policy(policy, routed, sizes, budget, machine, layouts)
-        # 7. refused when one stage's weights alone do not fit; what the budget and the stream cost, in words
-        check_memory(fit.memory, machine.device_available, str(device))
-        reasons, pinned = plan_reasons(fit, sized.reasons, routed, sizes, budget, machine, device,
-                                       config.runtime.attention)
-        # 8. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
-        mps_limit, mps_lines = plan_mps_limit(device)
-        return RunPlan(config, fit.stages, device, fit.memory, machine, fit.policy, (*reasons, *mps_lines),
-                       tuple(sized.notes), mps_limit, role, budget, pinned, kind)
+        # 2. this rank's part of the job planned on this machine: samplers, stages, sizes, budget, policy
+        return plan_run(config, kind, device, role, detect_machine(device), budget, policy=policy, replace=replace,
+                        until=until)
 
     @classmethod
     def from_plan(cls, plan: RunPlan, *, strict: bool = False, preserve_rng: bool = True,
@@ -149,19 +121,11 @@ class Pixal3D:
         """
         rank = plan.role.join()
         try:
-            return cls(plan, cls._weights(plan), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader,
+            return cls(plan, plan.resolved_weights(), strict=strict, preserve_rng=preserve_rng, wrap_loader=wrap_loader,
                        rank=rank)
         except BaseException as err:
             rank.fail_and_close(err)  # joined here: the other ranks stop too
             raise
-
-    @staticmethod
-    def _weights(plan: RunPlan) -> ResolvedWeights:
-        names = plan.model_names()
-        weights = resolve_weights(plan.config.weights, models=names, need_moge="moge" in names,
-                                  config_file=plan.config.source or None)
-        plan.role.check_weights(weights, plan.stages)
-        return weights
 
     @classmethod
     def from_config(cls, config: CascadeConfig | str | Path, *, policy: Policy | str = "auto",
@@ -261,9 +225,7 @@ class Pixal3D:
         arguments.check_optional(work_dir, "work_dir", (str, Path), "a path")
         arguments.check_state_budget(state_budget)
         arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
-        order = order or default_order(self.policy)
-        if order not in ("image", "stage"):
-            raise ValueError(f"batch order {order!r} is neither 'image' nor 'stage'")
+        order = arguments.check_order(order or default_order(self.policy))
         self._rank.check_batch(order, work_dir)
         names = names if names is not None else [kind.default_name(s, i) for i, s in enumerate(sources)]
         items = image_items(sources, seed=seed, fov=fov, default_seed=self.config.seed, names=names,
@@ -274,11 +236,7 @@ class Pixal3D:
 
     def _input(self, given: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[InputKind, Any]:
         """The kind of input given (``pipelines.inputs``: the one this pipeline was planned for) and its value."""
-        kind = inputs.library_kind(self.config, arguments=given, options=options)
-        if kind is not self.run_plan.kind:
-            raise ValueError(f"this pipeline was planned for {self.run_plan.kind.noun} inputs "
-                             f"({self.run_plan.kind.argument}=), not {kind.noun} inputs; plan with input_kind="
-                             f"{kind.name!r}")
+        kind = inputs.library_kind(self.config, arguments=given, options=options, planned=self.run_plan.kind)
         return kind, given.get(kind.argument)
 
     def _execute(self, items: list[BatchItem], order: BatchOrder, *, num_views: int | None = None,
@@ -311,8 +269,8 @@ class Pixal3D:
             except OSError as err:
                 raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
             if keyed:  # what decides each stage's outputs
-                item.keys = stage_keys(stages, self._provided(kind, digest, item), digests,
-                                       {"torch": torch.__version__, "pixal3d": pixal3d.__version__})
+                item.keys = item_keys(stages, kind, digest, item, device=self.device, weights=self.weights,
+                                      digests=digests)
 
         def start(item: BatchItem, k: int) -> RunState:
             reads_input = any(f in s.inputs for s in stages[k:] for f in kind.provides)
@@ -320,9 +278,7 @@ class Pixal3D:
                                   progress=progress, callback=bar.callback_for(item))
 
         def alone(item: BatchItem, err: BaseException) -> bool:
-            """Whether ``err`` is this image's alone (``IMAGE_KINDS``, and no parallel job stopped by it)."""
-            failure = classify(err, started=True)
-            return failure is not None and failure.kind in IMAGE_KINDS and self.job_stopped is None
+            return image_alone(err, self.job_stopped)
 
         executor = Executor(self._runner, start, store=store, open=open_item, isolate=alone if isolate else None,
                             hooks=[bar, meter, *self._hooks],
@@ -330,13 +286,6 @@ class Pixal3D:
         return self._rank.drive(executor, items, order, work)
 
     # -- what runs and batches share -------------------------------------------------------------
-    def _provided(self, kind: InputKind, digest: str | None, item: BatchItem) -> dict[str, Any]:
-        """The provided fields as the stages' keys see them: the input's digest, the seed, the field of view, ..."""
-        return {**{field: None for field in inputs.INPUT_FIELDS}, **kind.provided(digest), "generator": item.seed,
-                "fov_deg": item.fov, "device": str(self.device),
-                "shape_normalization": repr(self.weights.shape_normalization),
-                "tex_normalization": repr(self.weights.tex_normalization)}
-
     def new_state(self, given: Mapping[str, Any], *, seed: int, fov: float | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
         """A fresh ``RunState``: the input's fields (``given``: its kind's ``state``, e.g. ``input_image``, a PIL image
@@ -349,19 +298,9 @@ class Pixal3D:
             progress=progress, callback=callback, parallel=self._rank.runtime)
 
     def _result(self, item: BatchItem, meter: MemoryMeter | None) -> Result:
-        """The ``Result`` of one image: its state, its stage records (peaks filled in from ``meter``'s windows of
-        the same stage names when the record has none) and the meter's rows."""
+        """The ``Result`` of one image (``result.item_result``), with every rank's report of it."""
         rows = meter.report() if meter is not None else []
-        peaks = {row.stage: row for row in rows}
-        for record in item.records:
-            if record.stage in peaks and record.peak_process_bytes is None:
-                record.peak_process_bytes = peaks[record.stage].peak_process
-                record.peak_device_bytes = peaks[record.stage].peak_device
-        parallel = self._rank.report(item, rows)  # every rank's peaks
-        return Result(input=item.label, seed=item.seed, config=self.config, device=self.device, policy=self.policy,
-                      policy_reasons=self.run_plan.reasons, state=item.state, stages=item.records,
-                      memory=[row.to_dict() for row in rows], parallel=parallel, choices=self.run_plan.choices(),
-                      memory_budget=self.run_plan.memory_budget)
+        return item_result(item, self.run_plan, rows, parallel=self._rank.report(item, rows))
 
     def follow(self) -> int:
         """On ranks != 0 of a parallel job: join rank 0's flow stages, image after image, until rank 0

@@ -1,6 +1,6 @@
 """RunPlan: what a run will need and where its idle models will live, decided before any weight is read, and
-the steps ``Pixal3D.plan`` (``pipeline.py``) takes to make it: the device, the samplers, each stage fitted
-to its memory, the refusal when one stage cannot fit."""
+the steps ``Pixal3D.plan`` (``pipeline.py``) takes to make it (``plan_run``): the samplers, the stages, each stage
+fitted to its memory, the policy, the refusal when one stage cannot fit."""
 from __future__ import annotations
 
 import copy
@@ -22,13 +22,15 @@ from pixal3d.memory_budget import (
     format_bytes,
     models_and_work,
 )
-from pixal3d.nn.attention import describe_route, device_array_bytes
+from pixal3d.nn.attention import describe_route, device_array_bytes, resolve_route
 from pixal3d.pipeline_json import (
     STANDING_MODELS,
+    ResolvedWeights,
     planned_pipeline_json,
     planned_sizes,
     planned_tensor_bytes,
     resolve_samplers,
+    resolve_weights,
 )
 from pixal3d.staging import (
     Machine,
@@ -75,6 +77,14 @@ class RunPlan:
     memory_budget: int | None = None         # bytes every stage's work was bounded to (memory_budget)
     stream_pinned: bool = False              # stream policy on CUDA: blocks copied from pinned host copies
     kind: InputKind = IMAGE                  # the kind of input the stages take (``pipelines.inputs``)
+
+    def resolved_weights(self) -> ResolvedWeights:
+        """The weights this plan's models need, fetched (unless offline) and verified; a rank checks its part."""
+        names = self.model_names()
+        weights = resolve_weights(self.config.weights, models=names, need_moge="moge" in names,
+                                  config_file=self.config.source or None)
+        self.role.check_weights(weights, self.stages)
+        return weights
 
     def choices(self) -> dict[str, Any]:
         """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
@@ -383,6 +393,36 @@ def check_memory(plan: MemoryPlan, available: int, device: str) -> None:
 
 
 # -- the steps of Pixal3D.plan ----------------------------------------------------------------------
+def plan_run(config: CascadeConfig, kind: InputKind, device: torch.device, role: Rank, machine: Machine,
+             budget: int | str | None, *, policy: Policy | str, replace: Mapping[str, CascadeStage] | None,
+             until: str | None) -> RunPlan:
+    """The plan of ``role``'s part of a job on ``config`` on ``machine`` (``detect_machine``; the arguments checked
+    by ``Pixal3D.plan``, ``budget`` as ``check_plan_arguments`` parsed it), from ``pipeline.json`` and safetensors
+    headers only."""
+    # 1. the samplers' settings the config leaves to pipeline.json; 2. the stages, this rank's part of them
+    config = planned_config(config)
+    stages = planned_stages(config, kind, role, replace=replace, until=until)
+    # 3. the machine as this rank has it, every model's bytes from safetensors headers (a rank's shards)
+    models = list(dict.fromkeys(m for s in stages for m in s.needs))  # cascade order: errors name the first
+    sized = role.sized(config, stages, models, machine)
+    role, machine, sizes = sized.rank, sized.machine, sized.sizes
+    # 4. the budget; the blocks of the models that can stream, from their headers, where the policy may stream
+    budget = plan_budget(budget, machine)
+    layouts = stream_layouts(config, models, policy) if role.streams else {}
+    # 5. every stage fitted to the budget (or the machine's usable memory) and the attention route; the policy
+    #    chosen within it: whole models, or their blocks streamed when whole models do not fit
+    routed = with_attention_route_of(stages, resolve_route(config.runtime.attention, device))
+    fit = fit_policy(policy, routed, sizes, budget, machine, layouts)
+    # 6. refused when one stage's weights alone do not fit; what the budget and the stream cost, in words
+    check_memory(fit.memory, machine.device_available, str(device))
+    reasons, pinned = plan_reasons(fit, sized.reasons, routed, sizes, budget, machine, device,
+                                   config.runtime.attention)
+    # 7. on MPS, an allocator limit that fails instead of swapping, refused or lowered before any load
+    mps_limit, mps_lines = plan_mps_limit(device)
+    return RunPlan(config, fit.stages, device, fit.memory, machine, fit.policy, (*reasons, *mps_lines),
+                   tuple(sized.notes), mps_limit, role, budget, pinned, kind)
+
+
 def planned_config(config: CascadeConfig) -> CascadeConfig:
     """The config with what its samplers leave unset taken from ``pipeline.json`` (``resolve_samplers``); when the
     file is neither on disk nor reachable, one error naming it and every other missing file."""

@@ -269,6 +269,20 @@ class Result:
         return path
 
 
+def item_result(item: Any, plan: Any, rows: Sequence[Any], *, parallel: dict[str, Any] | None) -> Result:
+    """The ``Result`` of one batch item run on ``plan`` (a ``RunPlan``): its state and stage records, the memory
+    meter's ``rows`` (each record without peaks takes its stage's from them), run.json's ``parallel`` entry."""
+    peaks = {row.stage: row for row in rows}
+    for record in item.records:
+        if record.stage in peaks and record.peak_process_bytes is None:
+            record.peak_process_bytes = peaks[record.stage].peak_process
+            record.peak_device_bytes = peaks[record.stage].peak_device
+    return Result(input=item.label, seed=item.seed, config=plan.config, device=plan.device, policy=plan.policy,
+                  policy_reasons=plan.reasons, state=item.state, stages=item.records,
+                  memory=[row.to_dict() for row in rows], parallel=parallel, choices=plan.choices(),
+                  memory_budget=plan.memory_budget)
+
+
 def _feats(latent: Any) -> Any:
     return None if latent is None else latent.feats
 

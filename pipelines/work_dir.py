@@ -56,6 +56,7 @@ from PIL import Image
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+import pixal3d
 from pixal3d.files import atomic_path, write_json_atomic
 from pixal3d.hub import cache_root
 from pixal3d.models.preprocess import ImageError
@@ -67,7 +68,7 @@ from pixal3d.staging import (
 )
 from pixal3d.staging.executor import Item, Store
 
-from . import state_codec
+from . import inputs, state_codec
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,17 @@ class StoredStage:
 
 
 # -- keys -----------------------------------------------------------------------------------------
+def item_keys(stages: Sequence[Stage], kind: Any, digest: str | None, item: Any, *, device: Any, weights: Any,
+              digests: Mapping[str, Any]) -> list[StageKey]:
+    """The chained keys of a batch item's stages: what decides each stage's outputs, from the input's digest (its
+    kind's provided fields), the seed and field of view, the device, the weights (their normalisations, their
+    files: ``digests``) and the versions."""
+    provided = {**{field: None for field in inputs.INPUT_FIELDS}, **kind.provided(digest), "generator": item.seed,
+                "fov_deg": item.fov, "device": str(device), "shape_normalization": repr(weights.shape_normalization),
+                "tex_normalization": repr(weights.tex_normalization)}
+    return stage_keys(stages, provided, digests, {"torch": torch.__version__, "pixal3d": pixal3d.__version__})
+
+
 def stage_keys(stages: Sequence[Stage], provided: Mapping[str, Any], weights: Mapping[str, Any],
                versions: Mapping[str, str]) -> list[StageKey]:
     """The chained key of every stage: ``provided`` maps the run's provided fields to JSON-ready values that

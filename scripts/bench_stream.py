@@ -225,7 +225,7 @@ def stage_child(name: str, params: dict[str, Any]) -> dict[str, Any]:
     plan = Pixal3D.plan(config, device="cpu", memory_budget=params["budget"], policy=params["policy"])
     stage = next(s for s in plan.stages if s.name == name)
     row = next(r for r in plan.memory.stages if r.name == name)
-    weights = Pixal3D._weights(plan)
+    weights = plan.resolved_weights()
     stream = WeightStream("cpu", copy=True) if plan.memory.streamed else None
     loaders = model_loaders(weights, torch.device("cpu"), stream=stream, streamed=tuple(plan.memory.streamed),
                             copied=True)

@@ -51,10 +51,11 @@ def kind_named(config: Any, name: str | None) -> InputKind:
     return kind
 
 
-def library_kind(config: Any, *, arguments: Mapping[str, Any], options: Mapping[str, Any]) -> InputKind:
+def library_kind(config: Any, *, arguments: Mapping[str, Any], options: Mapping[str, Any],
+                 planned: InputKind | None = None) -> InputKind:
     """The kind ``config`` takes, checked against the library's arguments (kind's argument → value, None: not given)
-    and options (``fov``, ``num_views``: None when not given): its own argument given, no other kind's, and only its
-    own options (``ValueError`` naming what to pass instead)."""
+    and options (``fov``, ``num_views``: None when not given): its own argument given, no other kind's, only its
+    own options, and the kind the pipeline was ``planned`` for (``ValueError`` naming what to pass instead)."""
     kind = kind_for(config, [name for name, value in arguments.items() if value is not None])
     for name, value in arguments.items():
         if name not in kind.arguments and value is not None:
@@ -63,6 +64,9 @@ def library_kind(config: Any, *, arguments: Mapping[str, Any], options: Mapping[
     if missing is not None:
         raise ValueError(missing)
     kind.check_options(config, options)
+    if planned is not None and kind is not planned:
+        raise ValueError(f"this pipeline was planned for {planned.noun} inputs ({planned.argument}=), not {kind.noun} "
+                         f"inputs; plan with input_kind={kind.name!r}")
     return kind
 
 

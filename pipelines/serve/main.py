@@ -29,9 +29,11 @@ import sys
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pixal3d.config import ConfigError, Range, load_config
+from pixal3d.config import CascadeConfig, ConfigError, Range, load_config
 from pixal3d.locks import LockedError, exclusive_lock
 from pixal3d.memory_budget import parse_budget
 from pixal3d.models.preprocess import MAX_DECODE_PIXELS
@@ -151,27 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or socket.gethostname()
     with ExitStack() as held:
         try:
-            config = load_config(args.config)
-            devices, token, max_upload = check_args(args)
-            keep = parse_duration(args.keep)
-            data = DataFolder(args.data)
-            queue = open_queue(args.queue, data.root)
-            held.callback(queue.close)
-            if data.files_only():
-                moved = adopt_folder(queue, data.root, plan_key)
-                data.mark_migrated(queue.describe())
-                print(f"pixal3d-serve: moved {moved} job(s) of {data.root} into the queue {queue.describe()}",
-                      flush=True)
-            if workers:
-                held.enter_context(exclusive_lock(data.worker_lock(name), wait=False, what=f"worker {name} on "
-                                                  f"{data.root}", owner="another pixal3d-serve worker of that name "
-                                                  "(give this one another --name)"))
-            sock = None
-            if api:
-                sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((args.host, args.port))
-                import uvicorn  # here, so that a missing extra is one line
+            opened = _open(args, held, name=name, api=api, workers=workers)
         except (ConfigError, UsageError, DataDirError, LockedError, QueueError) as err:
             print(f"pixal3d-serve: error: {' '.join(str(err).split())}", file=sys.stderr)
             return 2
@@ -184,37 +166,88 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"pip install -e \".[serve]\"", file=sys.stderr)
             return 2
         from .node import Node
-        from .service import Jobs
 
         gc.freeze()
         node = None
         if workers:
-            node = Node(queue, queue_url(args.queue, data.root), data, name=name, role=args.role, devices=devices,
-                        config=str(args.config), group_size=args.group_size, job_timeout=args.job_timeout or None,
-                        threads=args.threads, lease=args.lease)
+            node = Node(opened.queue, queue_url(args.queue, opened.data.root), opened.data, name=name, role=args.role,
+                        devices=opened.devices, config=str(args.config), group_size=args.group_size,
+                        job_timeout=args.job_timeout or None, threads=args.threads, lease=args.lease)
             node.start()
             held.callback(node.stop)
-        where = f"data {data.root}; queue {queue.describe()}"
         if not api:
-            print(f"pixal3d-serve: worker {name} on {', '.join(devices)} ({where})", flush=True)
+            print(f"pixal3d-serve: worker {name} on {', '.join(opened.devices)} ({opened.where})", flush=True)
             wait_for_a_stop()
             return 0
-        from .app import create_app
-
-        jobs = Jobs(queue, data, queue_size=args.queue_size, keep_seconds=keep,
-                    wake=node.wake if node is not None else lambda: None)
-        jobs.start()
-        held.callback(jobs.stop)
-        app = create_app(jobs, config, token=token, max_upload=max_upload, max_pixels=args.max_pixels, local=node)
-        sock.listen(128)
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        ran = f"devices {', '.join(devices)}; " if workers else "API only; "
-        print(f"pixal3d-serve: serving http://{shown}:{port} ({ran}{where}; "
-              f"{'token required' if token else 'no token: this machine only'})", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        server.run(sockets=[sock])
+        _serve(args, opened, held, node)
     return 0
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """What ``main`` opened before anything serves: the checked settings, the data folder, the queue, the socket."""
+
+    config: CascadeConfig
+    devices: list[str]
+    token: str | None
+    max_upload: int
+    keep: float | None
+    data: DataFolder
+    queue: Any
+    sock: socket.socket | None
+
+    @property
+    def where(self) -> str:
+        return f"data {self.data.root}; queue {self.queue.describe()}"
+
+
+def _open(args: argparse.Namespace, held: ExitStack, *, name: str, api: bool, workers: bool) -> _Opened:
+    """The config, the settings (``check_args``), the data folder and its queue (a files-only folder's jobs moved in),
+    this worker's lock, the API's socket bound; what a user can get wrong raises, for ``main``'s one line."""
+    config = load_config(args.config)
+    devices, token, max_upload = check_args(args)
+    keep = parse_duration(args.keep)
+    data = DataFolder(args.data)
+    queue = open_queue(args.queue, data.root)
+    held.callback(queue.close)
+    if data.files_only():
+        moved = adopt_folder(queue, data.root, plan_key)
+        data.mark_migrated(queue.describe())
+        print(f"pixal3d-serve: moved {moved} job(s) of {data.root} into the queue {queue.describe()}", flush=True)
+    if workers:
+        held.enter_context(exclusive_lock(data.worker_lock(name), wait=False, what=f"worker {name} on {data.root}",
+                                          owner="another pixal3d-serve worker of that name (give this one another "
+                                                "--name)"))
+    sock = None
+    if api:
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        import uvicorn  # noqa: F401 - here, so that a missing extra is one line
+    return _Opened(config, devices, token, max_upload, keep, data, queue, sock)
+
+
+def _serve(args: argparse.Namespace, opened: _Opened, held: ExitStack, node: Any) -> None:
+    """The API on ``opened``'s socket, with retention, until interrupted (``node``: this process's workers)."""
+    import uvicorn
+
+    from .app import create_app
+    from .service import Jobs
+
+    jobs = Jobs(opened.queue, opened.data, queue_size=args.queue_size, keep_seconds=opened.keep,
+                wake=node.wake if node is not None else lambda: None)
+    jobs.start()
+    held.callback(jobs.stop)
+    app = create_app(jobs, opened.config, token=opened.token, max_upload=opened.max_upload,
+                     max_pixels=args.max_pixels, local=node)
+    opened.sock.listen(128)
+    host, port = opened.sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    ran = f"devices {', '.join(opened.devices)}; " if node is not None else "API only; "
+    print(f"pixal3d-serve: serving http://{shown}:{port} ({ran}{opened.where}; "
+          f"{'token required' if opened.token else 'no token: this machine only'})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server.run(sockets=[opened.sock])
 
 
 def wait_for_a_stop() -> None:

@@ -26,9 +26,11 @@ import queue
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from pixal3d.config import CascadeConfig, load_config
@@ -160,15 +162,13 @@ def _run(session: Session, group: Job, plan: RunPlan, where: Where, jobs: list[d
         send({"event": "progress", "job": job, **{k: report.get(k) for k in ("kind", "stage", "index", "stages",
                                                                             "step", "steps")}})
 
-    traces = store.root / "traces"
-    traces.mkdir(exist_ok=True)
-    trace = traces / f"{ids[0]}.jsonl"
+    trace = _trace_file(store, ids[0])
     done: list[str] = []
-    loads: dict[str, int] = {}  # model -> loads during this group's run (a group under staged: 1 each)
+    loads: Counter[str] = Counter()  # model -> loads during this group's run (a group under staged: 1 each)
 
     def count(event: Any) -> None:
         if event.kind in ("load", "reload"):
-            loads[event.model] = loads.get(event.model, 0) + 1
+            loads[event.model] += 1
 
     try:
         for item in session.run(group, plan=plan, callback=callback, trace=trace, events=count):
@@ -191,19 +191,32 @@ def _run(session: Session, group: Job, plan: RunPlan, where: Where, jobs: list[d
         _end(where, by_id[current["job"]], {"status": "failed", "error": error_line(err)}, send)
         ended.append(current["job"])
     finally:
-        for job_id in done:  # the group's memory trace (stage order: one for all; image order: one each)
-            own = trace.with_name(f"{trace.stem}.{job_id}{trace.suffix}")
-            source = own if own.exists() else trace
-            if source.exists():
-                with atomic_path(store.folder(job_id) / "trace.jsonl") as tmp:
-                    shutil.copyfile(source, tmp)
-        for leftover in traces.glob(f"{ids[0]}*.jsonl"):
-            leftover.unlink(missing_ok=True)
+        _keep_traces(store, trace, done)
     released = [i for i in ids if i not in ended]
     if released:
         send({"event": "released", "jobs": released})
     for job_id in ids:
         cancelled.pop(job_id, None)
+
+
+def _trace_file(store: DataFolder, first: str) -> Path:
+    """Where a group's run writes its memory trace: ``DATA/traces/<its first job's id>.jsonl``."""
+    traces = store.root / "traces"
+    traces.mkdir(exist_ok=True)
+    return traces / f"{first}.jsonl"
+
+
+def _keep_traces(store: DataFolder, trace: Path, done: list[str]) -> None:
+    """The group's memory trace (stage order: one for all; image order: one per image, ``<stem>.<id>.jsonl``)
+    copied into each done job's folder; the group's trace files removed."""
+    for job_id in done:
+        own = trace.with_name(f"{trace.stem}.{job_id}{trace.suffix}")
+        source = own if own.exists() else trace
+        if source.exists():
+            with atomic_path(store.folder(job_id) / "trace.jsonl") as tmp:
+                shutil.copyfile(source, tmp)
+    for leftover in trace.parent.glob(f"{trace.stem}*.jsonl"):
+        leftover.unlink(missing_ok=True)
 
 
 def _save(session: Session, group: Job, store: DataFolder, item: Any) -> None:

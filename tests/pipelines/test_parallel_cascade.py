@@ -157,7 +157,7 @@ def test_a_follower_rank_fetches_only_the_flow_checkpoints(tiny, monkeypatch, tm
     config = dataclasses.replace(tiny, weights=dataclasses.replace(tiny.weights, dinov3=empty, naf=empty))
     settings = ParallelSettings(mode="pipefusion", pp=2, warmup=1)
     _torchrun_env(monkeypatch, 1, 2)
-    weights = Pixal3D._weights(Pixal3D.plan(config, device="cpu", parallel=settings))
+    weights = Pixal3D.plan(config, device="cpu", parallel=settings).resolved_weights()
     assert weights.path("dinov3") is None and weights.path("naf") is None and set(weights.checkpoints) >= set(FLOWS)
     _torchrun_env(monkeypatch, 0, 2)
     with pytest.raises(MissingWeightsError, match=r"weights\.dinov3"):

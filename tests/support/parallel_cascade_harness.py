@@ -95,10 +95,10 @@ def data_worker(rank: int, cache: str, argv: list[str], folder: str, threads: in
     itself with SIGKILL right after recording its n-th stage (mid-batch)."""
     import signal
 
-    from pipelines import pipeline, work_dir
+    from pipelines import loaders, work_dir
 
     _environment(cache, threads)
-    made = pipeline.model_loaders
+    made = loaders.model_loaders
 
     def recording_loaders(*args, **kwargs):
         def record(name, load):
@@ -109,7 +109,7 @@ def data_worker(rank: int, cache: str, argv: list[str], folder: str, threads: in
             return loader
         return {name: record(name, load) for name, load in made(*args, **kwargs).items()}
 
-    pipeline.model_loaders = recording_loaders
+    loaders.model_loaders = recording_loaders
     saved = work_dir.StateStore.saved
     count = [0]
 
