@@ -139,25 +139,25 @@ def _stream(form: dict[str, Any], config: CascadeConfig, progress: Any, start: A
 def _upload_field(field: UploadField) -> Any:
     """The form's element for one field of the kind's upload, by what it accepts (one image: Gradio's image widget,
     handing over the file itself; several images or another file: a file box; text and numbers), with its
-    example (one image: Gradio's examples; several: a button that takes them)."""
+    example (one file: Gradio's examples; several: a button that takes them)."""
     common = {"label": field.label, "elem_id": field.form}
     if field.accepts == TEXT:
         return gr.Textbox(value=field.default, **common)
     if field.accepts == NUMBER:
         return gr.Number(value=field.default, **common)
-    if field.accepts == IMAGE_FILE and field.most == 1:
-        image = _lenient(gr.Image(type="filepath", image_mode=None, format="png", sources=["upload", "clipboard"],
-                                  height=IMAGE_HEIGHT, **common))
-        if field.example is not None:
-            gr.Examples([[str(ASSETS / field.example)]], inputs=[image], label="example")
-        return image
     several = field.most > 1
-    types = {IMAGE_FILE: [IMAGE_FILE], JSON_FILE: [".json"]}.get(field.accepts)  # Gradio's words for them
-    box = gr.File(file_count="multiple" if several else "single", file_types=types, type="filepath",
-                  height=IMAGES_HEIGHT if several and field.accepts == IMAGE_FILE else FILE_HEIGHT, **common)
+    if field.accepts == IMAGE_FILE and not several:
+        box = _lenient(gr.Image(type="filepath", image_mode=None, format="png", sources=["upload", "clipboard"],
+                                height=IMAGE_HEIGHT, **common))
+    else:
+        types = {IMAGE_FILE: [IMAGE_FILE], JSON_FILE: [".json"]}.get(field.accepts)  # Gradio's words for them
+        box = gr.File(file_count="multiple" if several else "single", file_types=types, type="filepath",
+                      height=IMAGES_HEIGHT if several and field.accepts == IMAGE_FILE else FILE_HEIGHT, **common)
     if field.example is not None and several:
         take = gr.Button(f"take the example {field.name}", elem_id=f"example-{field.form}", size="sm")
         take.click(lambda: [str(p) for p in sorted(ASSETS.glob(field.example))], None, box, queue=False)
+    elif field.example is not None:
+        gr.Examples([[str(ASSETS / field.example)]], inputs=[box], label="example")
     return box
 
 
