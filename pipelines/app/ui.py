@@ -58,7 +58,7 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
                                     clear_color=(0.95, 0.95, 0.95, 1.0))
         table = gr.Dataframe(headers=list(STAGE_COLUMNS), label="per stage", interactive=False, elem_id="stages")
         model = gr.State(None)  # the finished job's GLB, handed to the viewer by a second event (see below)
-        extras = [] if fov_auto is None else [fov_auto]
+        extras = {} if fov_auto is None else {"fov_auto": fov_auto}  # the inputs beside the settings' fields
         planned = [s.name for s in SETTINGS if s.plans]
 
         def show_plan(*values: Any) -> str:
@@ -86,26 +86,26 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            _handler(kind, len(extras), run_form), [*sources, *extras, *fields.values()],
+            _handler(kind, list(extras), run_form), [*sources, *extras.values(), *fields.values()],
             [status, plot, model, files, table, plan], concurrency_limit=1, concurrency_id="models",
             show_progress_on=[status]).then(lambda path: path, model, viewer, queue=False)
     return page
 
 
-def _handler(kind: InputKind, extras: int, run_form: Any) -> Any:
-    """The Generate button's handler, ``on_run(<the upload's fields>, <the extra inputs>, progress, *settings)``.
+def _handler(kind: InputKind, extras: list[str], run_form: Any) -> Any:
+    """The Generate button's handler, ``on_run(<the upload's fields>, <the extras>, progress, *settings)``.
     Gradio hands its progress tracker to the parameter whose default is a ``gr.Progress`` (it reads the signature),
     so the signature names the kind's fields before it: one handler for every kind of input."""
     count = len(kind.upload)
 
     def on_run(*args: Any) -> Iterator[tuple]:
-        head = count + extras
+        head = count + len(extras)
         yield from run_form(args[:count], args[count:head], args[head], args[head + 1:])
 
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     on_run.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(f"{field.name}_", positional) for field in kind.upload]
-        + [inspect.Parameter(f"extra_{i}", positional) for i in range(extras)]
+        + [inspect.Parameter(f"{name}_", positional) for name in extras]
         + [inspect.Parameter("progress", positional, default=gr.Progress()),
            inspect.Parameter("values", inspect.Parameter.VAR_POSITIONAL)])
     return on_run
