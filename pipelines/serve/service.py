@@ -85,6 +85,8 @@ class Jobs:
         else:
             view |= job.outcome
             view.setdefault("finished", job.finished)
+            if isinstance(view.get("error"), str):
+                view["error"] = self.data.for_client(view["error"])
         if job.lost:
             view["lost"] = job.lost
         return view

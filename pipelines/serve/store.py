@@ -152,13 +152,13 @@ class DataFolder:
         return path if path.is_file() else None
 
     def for_client(self, text: str) -> str:
-        """``text``, an error a client will read, in the client's words: a file of a job's upload by its name in the
-        upload (``transforms.json``, ``view00.png``), the job's views folder as "the uploaded views", a stage record
-        by its file name, and any other path under the data folder without the server's layout."""
+        """``text``, an error a client will read, in the client's words: a file inside a job's upload by its name in
+        the upload (``transforms.json``, ``view00.png``), the upload itself as "the uploaded <its name>" (``the
+        uploaded views``, ``the uploaded input``), a stage record by its file name, and any other path under the
+        data folder without the server's layout."""
         jobs, work = re.escape(str(self.jobs)), re.escape(str(self.work.root))
-        text = re.sub(rf"{jobs}/[^/\s]+/{VIEWS}/", "", text)
-        text = re.sub(rf"{jobs}/[^/\s]+/{VIEWS}\b", "the uploaded views", text)
-        text = re.sub(rf"{jobs}/[^/\s]+/input\.[A-Za-z0-9]+\b", "the uploaded image", text)
+        text = re.sub(rf"{jobs}/[^/\s]+/[^/\s]+/", "", text)
+        text = re.sub(rf"{jobs}/[^/\s]+/([A-Za-z0-9_-]+)(?:\.[A-Za-z0-9]+)?\b", r"the uploaded \1", text)
         text = re.sub(rf"(?:{jobs}|{work})/[^/\s]+/", "", text)
         text = re.sub(rf"{jobs}/[^/\s;,)]+", "the job's upload", text)
         return text.replace(str(self.root), "the server's data folder")

@@ -1,6 +1,6 @@
 """What a client reads names the client's files, never the server's data folder (issue 44 item 5): the paths a
 check or a run puts in an error (``<data>/jobs/<id>/views/transforms.json``, a stage record under ``<data>/work``)
-become the names the client sent, "the uploaded views", "the uploaded image"; a failed job's view shows its error
+become the names the client sent, "the uploaded views", "the uploaded input"; a failed job's view shows its error
 so. Control: the raw lines do name the folder."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_paths_under_the_data_folder_become_the_clients_words(tmp_path):
             "transforms.json: frame 3's file v.png does not exist in the uploaded views; check file_path",
         f"num_views=5 is above the 4 frames {job}/views/transforms.json gives":
             "num_views=5 is above the 4 frames transforms.json gives",
-        f"image {job}/input.png: truncated": "image the uploaded image: truncated",
+        f"image {job}/input.png: truncated": "image the uploaded input: truncated",
         f"{work}/structure.safetensors is damaged": "structure.safetensors is damaged",
         f"{data.jobs}/.new-1f2e/views/b.png is no image": "b.png is no image",
         f"cannot write {data.root}/traces/x.jsonl": "cannot write the server's data folder/traces/x.jsonl",
