@@ -169,6 +169,11 @@ class Progress(Hook):
 
     def advanced(self, item: Item, stages: int) -> None:
         self._bar.update(stages)
+        if self._bar.total is not None and self._bar.n >= self._bar.total:
+            # done: end the bar's line now, before the caller prints its tables (the batch is still suspended
+            # inside ``session`` then), or the table's header starts on the bar's line where stderr and stdout
+            # share one (``2>&1 | tee``)
+            self._bar.close()
 
     def callback_for(self, item: Item) -> Callable[[dict[str, Any]], None] | None:
         callback, extra = self.callback, self._image(item)

@@ -194,3 +194,20 @@ def test_a_failed_write_leaves_no_partial_glb_and_no_run_json(tiny_cache, tmp_pa
     code, _, err = run_cli(capsys, EXAMPLE, "--config", _fast_config(tmp_path), "-o", out, "--quiet")
     assert code == 1 and "No space left on device" in one_error_line(err)
     assert files_in(out.parent) == []  # neither the GLB, nor its temporary file, nor a run.json
+
+
+def test_the_stage_table_starts_on_a_line_of_its_own_where_stdout_and_stderr_share_one(tiny_cache, tmp_path):
+    """Issue 44 item 12: with ``2>&1`` (a terminal, ``| tee``) the table's header was glued to the last progress
+    bar: the batch's bar closed only after the command had printed the table. The bar ends its line when the last
+    stage is done."""
+    import os
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "scripts/image_to_mesh.py", str(EXAMPLE), "--config", str(TINY_CONFIG),
+                           "-o", str(tmp_path / "o.glb"), "--texture-size", "128"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    header = next(line for line in proc.stdout.split("\n") if "seconds" in line and "peak memory" in line)
+    assert header.startswith("stage "), repr(header[-300:])
+    assert "100%" in proc.stdout  # control: the bars were drawn into the same stream
