@@ -36,6 +36,7 @@ def test_a_one_kilobyte_budget_is_refused_showing_it_as_a_kilobyte(tiny_cache, t
     code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--memory-budget", "1K")
     line = one_error_line(err)
     assert code == 2 and "the memory budget is 1.0 KiB" in line and "0.00 GiB" not in line, line
+    assert "the smallest budget this cascade plans within is" in line and "(--memory-budget " in line, line
 
 
 def test_a_budget_above_the_machines_memory_is_warned_about_in_the_plan(tiny_cache, tmp_path, capsys):
