@@ -41,6 +41,7 @@ from .loading import CheckpointError, register_model
 from .projection import read_pixels, sample_map
 
 _BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
+_MKLDNN_MIN_ELEMENTS = 20480  # at most this many input elements: PyTorch's own CPU convolution, not oneDNN's
 _SAMPLE_MAP_BYTES = 256 << 20  # one channel chunk of the sparse map ``NAF.sample`` bilinear-samples
 
 
@@ -151,17 +152,23 @@ class NAF(nn.Module):
         return out.view(1, height, width, -1).permute(0, 3, 1, 2)  # channels-last view: no second T×T×C copy
 
     def sample(self, image: torch.Tensor, features: torch.Tensor, output_size: tuple[int, int],
-               grid: torch.Tensor) -> torch.Tensor:
+               grid: torch.Tensor, *, tiled: bool = True) -> torch.Tensor:
         """``sample_map(self(image, features, output_size), grid)`` bit for bit, ``[K, C]``, without the map.
 
         grid_sample treats channels independently and reads only the 2×2 taps of each point, so a map that
         is zero except at those pixels (``read_pixels``) gives the same result, chunk of channels by chunk.
+        ``tiled``: the guidance map by ``TiledEncoder`` (the same bits; one map per encoder branch held instead
+        of every layer's); ``False``: the whole guidance map, as ``forward``.
         """
         self._check(image, features, output_size)
         height, width = output_size
         pixels = read_pixels(grid, height, width)
         rows, cols = pixels[:, 0], pixels[:, 1]
-        queries, keys = self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
+        tiles = TiledEncoder(self.image_encoder, image, output_size, features.shape[-2:]) if tiled else None
+        if tiles is not None and tiles.applies:
+            queries, keys = tiles.queries_and_keys(rows, cols)
+        else:
+            queries, keys = self._queries_and_keys(image, output_size, features.shape[-2:], rows, cols)
         values = self._attend(queries, rows, cols, keys, features, output_size)  # [P, C]
         del queries, keys
         channels = values.shape[1]
@@ -208,17 +215,9 @@ class NAF(nn.Module):
     def _keys(self, encoded: torch.Tensor, patch_grid: torch.Size) -> torch.Tensor:
         """Keys ``[1, dim, h, w]``: the rotated guidance map pooled to the patch grid, a band of rows at a time."""
         _, dim, height, width = encoded.shape
-        rows_per_patch = height // patch_grid[0]
-        band = max(1, (1 << 22) // (rows_per_patch * width * dim)) * rows_per_patch
-        pooled = []
-        for top in range(0, height, band):
-            chunk = encoded[:, :, top:top + band]
-            rows = torch.arange(top, top + chunk.shape[2], device=encoded.device).repeat_interleave(width)
-            cols = torch.arange(width, device=encoded.device).repeat(chunk.shape[2])
-            flat = self.image_encoder.rope.rotate(chunk[0].reshape(dim, -1).T, rows, cols, height, width)
-            rotated = flat.T.reshape(1, dim, chunk.shape[2], width)
-            pooled.append(F.adaptive_avg_pool2d(rotated, (chunk.shape[2] // rows_per_patch, patch_grid[1])))
-        return torch.cat(pooled, dim=2)
+        band = key_band_rows(encoded.shape[1:], patch_grid)
+        return torch.cat([band_keys(self.image_encoder.rope, encoded[:, :, top:top + band], top, height, patch_grid)
+                          for top in range(0, height, band)], dim=2)
 
     def _attend(self, queries: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, output_size: tuple[int, int]) -> torch.Tensor:
@@ -242,6 +241,146 @@ class NAF(nn.Module):
             weights = logits.softmax(dim=-1)
             out[sl] = torch.einsum("pnm,pmnd->pnd", weights, value_flat[index]).reshape(-1, channels)
         return out
+
+
+def key_band_rows(map_shape: torch.Size, patch_grid: torch.Size) -> int:
+    """Guidance-map rows per band of ``NAF._keys`` for a ``[dim, T, T]`` map: whole patch rows, ~4M elements."""
+    dim, height, width = map_shape
+    rows_per_patch = height // patch_grid[0]
+    return max(1, (1 << 22) // (rows_per_patch * width * dim)) * rows_per_patch
+
+
+def band_keys(rope: AxialRoPE, chunk: torch.Tensor, top: int, height: int, patch_grid: torch.Size) -> torch.Tensor:
+    """Keys of the guidance-map rows ``chunk [1, dim, b, T]`` starting at row ``top``: rotated, pooled to patches."""
+    _, dim, rows_in, width = chunk.shape
+    rows = torch.arange(top, top + rows_in, device=chunk.device).repeat_interleave(width)
+    cols = torch.arange(width, device=chunk.device).repeat(rows_in)
+    flat = rope.rotate(chunk[0].reshape(dim, -1).T, rows, cols, height, width)
+    rotated = flat.T.reshape(1, dim, rows_in, width)
+    return F.adaptive_avg_pool2d(rotated, (rows_in // (height // patch_grid[0]), patch_grid[1]))
+
+
+def reduced_image(image: torch.Tensor, output_size: tuple[int, int]) -> torch.Tensor:
+    """The image the encoder reads: as published, never more than 4× the output size (min over both sides)."""
+    height, width = output_size
+    if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
+        reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
+        image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
+    return image
+
+
+class TiledEncoder:
+    """``ImageEncoder``'s guidance map with the reference's bits, holding one map per branch, never the whole map.
+
+    Each branch (the 1×1 ``encoder``, the 3×3 ``sem_encoder``) keeps one ``dim/2``-channel map at the encoder's
+    resolution and takes it through its layers:
+    * GroupNorm in place, one group at a time: ``F.group_norm`` over one group's channels of the whole map is the
+      same kernel over the same numbers in the same order as the whole call, so its statistics and outputs are
+      the same bits (statistics over bands cannot be: PyTorch reduces a group in a kernel- and ISA-specific order);
+    * SiLU over the whole map, in place, as ``EncBlock`` does;
+    * a 3×3 convolution in place over bands of rows with the halo its kernel reads (``halo``), the rows above a
+      band kept from before the previous band overwrote them. A 1×1 convolution runs whole (a new map, the old
+      one freed): oneDNN picks its 1×1 kernel by the map's size, so bands of it are not the same bits.
+    The last 3×3 convolution runs a band of ``NAF._keys`` rows at a time, beside the 1×1 branch's output, with the
+    concatenation, the pooling to T×T, the queries at the chosen pixels and the band's keys. Peak: two maps of
+    ``dim/2`` channels at the encoder's resolution (1 GiB at 1024², where the whole encoder holds ~3.5 GiB) and
+    one group or band. Applies when the (≤4T-reduced) image height is a multiple of T (pooling over bands is
+    then exact) and the encoder has blocks.
+    """
+
+    def __init__(self, encoder: ImageEncoder, image: torch.Tensor, output_size: tuple[int, int],
+                 patch_grid: torch.Size):
+        self.encoder = encoder
+        self.image = reduced_image(image, output_size)
+        self.output_size = tuple(output_size)
+        self.patch_grid = tuple(patch_grid)
+        self.factor = self.image.shape[-2] // output_size[0]
+        self.applies = self.image.shape[-2] == self.factor * output_size[0] and len(encoder.encoder) > 1
+
+    def halo(self, conv: nn.Conv2d) -> int:
+        """Input rows a band's convolution reads beyond each edge of the band: half its kernel."""
+        return conv.kernel_size[0] // 2
+
+    def queries_and_keys(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[P, dim]`` at (rows, cols) of the T×T guidance map and keys ``[1, dim, h, w]``."""
+        enc = self.encoder
+        stacks = (enc.encoder, enc.sem_encoder)
+        maps = [self._through_layers(stack) for stack in stacks]  # 2 × [1, dim/2, H, W]
+        height, width = self.output_size
+        dim = sum(stack[0].out_channels for stack in stacks)
+        band = key_band_rows(torch.Size((dim, height, width)), self.patch_grid)
+        queries = self.image.new_empty(rows.shape[0], dim)
+        keys = []
+        for top in range(0, height, band):
+            bottom = min(top + band, height)
+            x = torch.cat([self._last_rows(m, stack[-1].conv2, top * self.factor, bottom * self.factor)
+                           for m, stack in zip(maps, stacks)], dim=1)  # [1, dim, band·factor, W]
+            if tuple(x.shape[-2:]) != (bottom - top, width):
+                x = F.adaptive_avg_pool2d(x, (bottom - top, width))  # [1, dim, band, T]
+            inside = ((rows >= top) & (rows < bottom)).nonzero().squeeze(1)
+            queries[inside] = x[0][:, rows[inside] - top, cols[inside]].T
+            keys.append(band_keys(enc.rope, x, top, height, self.patch_grid))
+        return enc.rope.rotate(queries, rows, cols, height, width), torch.cat(keys, dim=2)
+
+    def _through_layers(self, stack: nn.Sequential) -> torch.Tensor:
+        """The branch's map after its layers, all but a last 3×3 convolution (that one runs in the final pass)."""
+        x = stack[0](self.image)  # [1, dim/2, H, W]: the stem over the whole (3-channel) image, as the reference
+        last = stack[-1].conv2
+        for block in stack[1:]:
+            for norm, conv in ((block.norm1, block.conv1), (block.norm2, block.conv2)):
+                self._group_norm_in_place(x, norm)
+                F.silu(x, inplace=True)
+                if conv.kernel_size[0] == 1:
+                    x = conv(x)
+                elif conv is not last:
+                    self._conv_in_place(x, conv)
+        return x
+
+    def _last_rows(self, x: torch.Tensor, last: nn.Conv2d, top: int, bottom: int) -> torch.Tensor:
+        """Rows ``[top, bottom)`` of the branch's output: of ``x`` itself, or of its last 3×3 convolution."""
+        if last.kernel_size[0] == 1:
+            return x[:, :, top:bottom]
+        return self._conv_band(x, last, top, bottom, x[:, :, max(0, top - self.halo(last)):top])
+
+    @staticmethod
+    def _group_norm_in_place(x: torch.Tensor, norm: nn.GroupNorm) -> None:
+        """``x = norm(x)``, one group's channels of the whole map at a time (the same bits: see the class)."""
+        per = x.shape[1] // norm.num_groups
+        for first in range(0, x.shape[1], per):
+            group = slice(first, first + per)
+            x[:, group] = F.group_norm(x[:, group], 1, norm.weight[group], norm.bias[group], norm.eps)
+
+    def _conv_in_place(self, x: torch.Tensor, conv: nn.Conv2d) -> None:
+        """``x = conv(x)`` over bands of rows: each band reads the input rows above it from a copy kept before
+        the previous band was written over them, and the rows below it from ``x``, still unchanged."""
+        total, halo = x.shape[-2], self.halo(conv)
+        band = min(total, conv_band_rows(x.shape[1], x.shape[-1], halo))
+        above = x[:, :, :0]
+        for top in range(0, total, band):
+            bottom = min(top + band, total)
+            out = self._conv_band(x, conv, top, bottom, above)
+            above = x[:, :, max(top, bottom - halo):bottom].clone()
+            x[:, :, top:bottom] = out
+
+    def _conv_band(self, x: torch.Tensor, conv: nn.Conv2d, top: int, bottom: int,
+                   above: torch.Tensor) -> torch.Tensor:
+        """Rows ``[top, bottom)`` of ``conv(x)``: ``above`` (the input rows just above ``top``), the band and the
+        ``halo`` rows below it from ``x``; what the map does not give of the kernel's reach is reflected, as
+        ``padding_mode="reflect"`` does at the map's edges."""
+        reach = conv.kernel_size[0] // 2
+        below = x[:, :, bottom:min(x.shape[-2], bottom + self.halo(conv))]
+        rows = torch.cat([above, x[:, :, top:bottom], below], dim=2)
+        rows = F.pad(rows, (reach, reach, reach - above.shape[2], reach - below.shape[2]), mode="reflect")
+        return F.conv2d(rows, conv.weight, conv.bias)
+
+
+def conv_band_rows(channels: int, width: int, halo: int) -> int:
+    """Rows per band of ``TiledEncoder``'s in-place 3×3 convolutions: within ``_BAND_BYTES`` (the band, its padded
+    copy and its output), and never so few that PyTorch would leave oneDNN for its native convolution, which
+    sums in another order (``ConvParams::use_mkldnn``: fp32 input of more than 20480 elements)."""
+    row = channels * (width + 2 * halo)
+    fewest = _MKLDNN_MIN_ELEMENTS // row + 1 - 2 * halo
+    return max(2 * halo + 1, fewest, _BAND_BYTES // (3 * row * 4))
 
 
 class BandedEncoder:
