@@ -41,7 +41,6 @@ from .loading import CheckpointError, register_model
 from .projection import read_pixels, sample_map
 
 _BAND_BYTES = 64 << 20  # activation budget of one band of the banded encoder
-_MKLDNN_MIN_ELEMENTS = 20480  # at most this many input elements: PyTorch's own CPU convolution, not oneDNN's
 _SAMPLE_MAP_BYTES = 256 << 20  # one channel chunk of the sparse map ``NAF.sample`` bilinear-samples
 
 
@@ -308,7 +307,9 @@ class TiledEncoder:
         maps = [self._through_layers(stack) for stack in stacks]  # 2 × [1, dim/2, H, W]
         height, width = self.output_size
         dim = sum(stack[0].out_channels for stack in stacks)
-        band = key_band_rows(torch.Size((dim, height, width)), self.patch_grid)
+        key_band = key_band_rows(torch.Size((dim, height, width)), self.patch_grid)
+        conv_rows = conv_band_rows(maps[1].shape[1], maps[1].shape[-1], 1)
+        band = key_band * -(-conv_rows // (key_band * self.factor))  # whole key bands, at least a conv band
         queries = self.image.new_empty(rows.shape[0], dim)
         keys = []
         for top in range(0, height, band):
@@ -319,7 +320,8 @@ class TiledEncoder:
                 x = F.adaptive_avg_pool2d(x, (bottom - top, width))  # [1, dim, band, T]
             inside = ((rows >= top) & (rows < bottom)).nonzero().squeeze(1)
             queries[inside] = x[0][:, rows[inside] - top, cols[inside]].T
-            keys.append(band_keys(enc.rope, x, top, height, self.patch_grid))
+            keys += [band_keys(enc.rope, x[:, :, first:first + key_band], top + first, height, self.patch_grid)
+                     for first in range(0, bottom - top, key_band)]
         return enc.rope.rotate(queries, rows, cols, height, width), torch.cat(keys, dim=2)
 
     def _through_layers(self, stack: nn.Sequential) -> torch.Tensor:
@@ -354,7 +356,7 @@ class TiledEncoder:
         """``x = conv(x)`` over bands of rows: each band reads the input rows above it from a copy kept before
         the previous band was written over them, and the rows below it from ``x``, still unchanged."""
         total, halo = x.shape[-2], self.halo(conv)
-        band = min(total, conv_band_rows(x.shape[1], x.shape[-1], halo))
+        band = min(total, conv_band_rows(x.shape[1], x.shape[-1], conv.kernel_size[0] // 2))
         above = x[:, :, :0]
         for top in range(0, total, band):
             bottom = min(top + band, total)
@@ -375,12 +377,11 @@ class TiledEncoder:
 
 
 def conv_band_rows(channels: int, width: int, halo: int) -> int:
-    """Rows per band of ``TiledEncoder``'s in-place 3×3 convolutions: within ``_BAND_BYTES`` (the band, its padded
-    copy and its output), and never so few that PyTorch would leave oneDNN for its native convolution, which
-    sums in another order (``ConvParams::use_mkldnn``: fp32 input of more than 20480 elements)."""
-    row = channels * (width + 2 * halo)
-    fewest = _MKLDNN_MIN_ELEMENTS // row + 1 - 2 * halo
-    return max(2 * halo + 1, fewest, _BAND_BYTES // (3 * row * 4))
+    """Rows per band of ``TiledEncoder``'s 3×3 convolutions: the band, its padded copy and its output within
+    ``_BAND_BYTES``. A small map is one band; at the released width (128 channels) oneDNN's 3×3 convolution
+    gives the same bits over bands of any height (tests/pixal3d/models/test_naf.py, 3-row bands), at 8
+    channels it does not (its bits then depend on the band's height: 16-row bands of a 128-wide map differ)."""
+    return max(2 * halo + 1, _BAND_BYTES // (3 * channels * (width + 2 * halo) * 4))
 
 
 class BandedEncoder:

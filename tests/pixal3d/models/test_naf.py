@@ -10,6 +10,7 @@ from pixal3d.models.loading import CheckpointError, build_model, load_model
 from pixal3d.models.naf import (
     NAF,
     BandedEncoder,
+    TiledEncoder,
     load_naf,
     naf_state_names,
     write_tiny_naf,
@@ -233,3 +234,64 @@ def test_read_pixels_include_every_pixel_grid_sample_reads():
     assert not sample_map(poisoned, grid).isnan().any()
     poisoned[0, :, pixels[7, 0], pixels[7, 1]] = float("nan")  # control: one pixel fewer is seen
     assert sample_map(poisoned, grid).isnan().any()
+
+
+def _tiled_and_whole(naf, image, size, patch_grid, pixels, encoder=None):
+    """(queries, keys) of ``TiledEncoder`` (or the subclass ``encoder``) and of the whole guidance map."""
+    tiles = (encoder or TiledEncoder)(naf.image_encoder, image, size, patch_grid)
+    assert tiles.applies
+    with torch.no_grad():
+        tiled = tiles.queries_and_keys(pixels[:, 0], pixels[:, 1])
+        whole = naf._queries_and_keys(image, size, patch_grid, pixels[:, 0], pixels[:, 1])
+    return tiled, whole
+
+
+class HaloOneShort(TiledEncoder):
+    """A 3×3 convolution's band reads one row too few beyond its edges (the rest reflected): the control."""
+
+    def halo(self, conv):
+        return conv.kernel_size[0] // 2 - 1
+
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_tiled_encoder_equals_the_whole_guidance_map_bitwise(factor):
+    """The tiny NAF (8-channel branches, one band: the map is small): GroupNorm a group at a time over the whole
+    map, the 1×1 branch beside the 3×3 one's last convolution, pooled per band to T = S and T = S/2: the queries
+    and keys are the whole guidance map's bits."""
+    naf = tiny_naf(2)
+    gen = torch.Generator().manual_seed(4)
+    size = (72, 80)
+    image = torch.rand(1, 3, size[0] * factor, size[1] * factor, generator=gen) * 3 - 1
+    pixels = torch.cartesian_prod(torch.tensor([0, 7, 8, 9, 35, 63, 64, 71]), torch.tensor([0, 1, 40, 78, 79]))
+    (queries, keys), (ref_q, ref_k) = _tiled_and_whole(naf, image, size, torch.Size((9, 10)), pixels)
+    assert torch.equal(queries, ref_q) and torch.equal(keys, ref_k)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_tiled_sample_equals_the_whole_map_bitwise_at_the_released_width(monkeypatch, factor):
+    """NAF at the released width (dim 256: 128-channel branches, 1024-channel values), thin 3-row bands, full
+    width of a small image: ``sample`` over the tiled encoder == over the whole guidance map, bit for bit; with
+    a halo one row short of the 3×3 kernels' reach the queries and keys differ."""
+    monkeypatch.setattr(naf_module, "_BAND_BYTES", 1)
+    torch.manual_seed(0)
+    naf = NAF().eval()
+    with torch.no_grad():  # GroupNorm's affine away from its (1, 0) initialisation, as trained weights are
+        for module in naf.modules():
+            if isinstance(module, torch.nn.GroupNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.2, 0.2)
+    gen = torch.Generator().manual_seed(1)
+    side = 144
+    image = torch.rand(1, 3, side * factor, side * factor, generator=gen)
+    features = torch.randn(1, 1024, 9, 9, generator=gen)
+    grid = torch.rand(300, 2, generator=gen) * 2 - 1
+    assert naf_module.conv_band_rows(128, side * factor, 1) == 3
+    with torch.no_grad():
+        tiled = naf.sample(image, features, (side, side), grid)
+        whole = naf.sample(image, features, (side, side), grid, tiled=False)
+    assert torch.equal(tiled, whole)
+    pixels = torch.cartesian_prod(torch.arange(0, side, 5), torch.arange(0, side, 7))
+    (short_q, short_k), (ref_q, ref_k) = _tiled_and_whole(naf, image, (side, side), torch.Size((9, 9)), pixels,
+                                                          HaloOneShort)
+    assert not torch.equal(short_q, ref_q) and not torch.equal(short_k, ref_k)  # the control: a halo one short
