@@ -213,7 +213,7 @@ class NAF(nn.Module):
 
     def _keys(self, encoded: torch.Tensor, patch_grid: torch.Size) -> torch.Tensor:
         """Keys ``[1, dim, h, w]``: the rotated guidance map pooled to the patch grid, a band of rows at a time."""
-        _, dim, height, width = encoded.shape
+        height = encoded.shape[2]
         band = key_band_rows(encoded.shape[1:], patch_grid)
         return torch.cat([band_keys(self.image_encoder.rope, encoded[:, :, top:top + band], top, height, patch_grid)
                           for top in range(0, height, band)], dim=2)
