@@ -1,14 +1,15 @@
 """Peak memory and time of the NAF projection modes at real width (random weights), CPU.
 
     python scripts/bench_naf_modes.py [--image-size 512] [--naf-size 512] [--points 20000] [--channels 1024]
-                                      [--modes map full frugal]
+                                      [--modes map whole full frugal]
 
 For each mode, in a fresh process: ``map`` = the reference algorithm as written (whole T×T×C NAF map,
-then bilinear sampling), ``full`` = ``NAF.sample`` (the same values bit for bit, without the map),
-``frugal`` = banded encoder + pointwise sampling. Prints the measured peak RSS increase over the inputs
+then bilinear sampling), ``whole`` = ``NAF.sample(..., tiled=False)`` (the same values bit for bit, without
+the NAF map; the guidance map whole), ``full`` = ``NAF.sample`` (the same bits again, the guidance map by
+``TiledEncoder``: one map per encoder branch), ``frugal`` = banded encoder + pointwise sampling. Prints the measured peak RSS increase over the inputs
 (kernel high-water mark, reset before the call), wall time, whether the result equals ``map``'s bit for
-bit (when ``map`` ran: it takes ~10 min at 512 px on two cores, far longer at 1024), and
-``conditioning.naf_peak_bytes``' estimate.
+bit (when ``map`` ran: it takes ~10 min at 512 px on two cores, far longer at 1024) and ``whole``'s (when it
+ran), and ``conditioning.naf_peak_bytes``' estimate.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("map", "full", "frugal")
+MODES = ("map", "whole", "full", "frugal")
 
 
 def run_one(args) -> None:
@@ -47,15 +48,15 @@ def run_one(args) -> None:
     with torch.no_grad():
         if args.mode == "map":
             out = sample_map(naf(image, features, size), grid)
-        elif args.mode == "full":
-            out = naf.sample(image, features, size, grid)
+        elif args.mode in ("whole", "full"):
+            out = naf.sample(image, features, size, grid, tiled=args.mode == "full")
         else:
             out = sample_pointwise(lambda p: naf.features_at(image, features, size, p), grid, *size)
     seconds = time.perf_counter() - start
     peak = process_memory()[1] - base
     torch.save(out, f"/tmp/bench_naf_{args.mode}.pt")
-    estimate = naf_peak_bytes("frugal" if args.mode == "frugal" else "full", args.image_size, args.naf_size,
-                              channels=args.channels, points=args.points) if args.mode != "map" else 0
+    estimate = naf_peak_bytes(args.mode, args.image_size, args.naf_size, channels=args.channels,
+                              points=args.points) if args.mode != "map" else 0
     print(json.dumps({"mode": args.mode, "peak_gib": peak / 2**30, "seconds": seconds,
                       "estimate_gib": estimate / 2**30}))
 
@@ -80,12 +81,18 @@ def main() -> None:
                str(args.naf_size), "--points", str(args.points), "--channels", str(args.channels)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    reference = torch.load("/tmp/bench_naf_map.pt") if "map" in args.modes else None
+    outputs = {r["mode"]: torch.load(f"/tmp/bench_naf_{r['mode']}.pt") for r in rows}
     print(f"S={args.image_size} T={args.naf_size} C={args.channels} points={args.points}")
-    print(f"{'mode':<8} {'peak GiB':>9} {'estimate':>9} {'seconds':>8}  equals map bitwise")
+    print(f"{'mode':<8} {'peak GiB':>9} {'estimate':>9} {'seconds':>8}  equals map bitwise  equals whole bitwise")
     for r in rows:
-        same = "-" if reference is None else torch.equal(torch.load(f"/tmp/bench_naf_{r['mode']}.pt"), reference)
-        print(f"{r['mode']:<8} {r['peak_gib']:>9.2f} {r['estimate_gib']:>9.2f} {r['seconds']:>8.1f}  {same}")
+        same = [("-" if ref not in outputs else str(torch.equal(outputs[r["mode"]], outputs[ref])))
+                for ref in ("map", "whole")]
+        print(f"{r['mode']:<8} {r['peak_gib']:>9.2f} {r['estimate_gib']:>9.2f} {r['seconds']:>8.1f}  {same[0]:<18}  "
+              f"{same[1]}")
+    if "whole" in outputs and "full" in outputs:
+        by_mode = {r["mode"]: r for r in rows}
+        print(f"full / whole: time {by_mode['full']['seconds'] / by_mode['whole']['seconds']:.2f}x, "
+              f"peak {by_mode['full']['peak_gib'] / by_mode['whole']['peak_gib']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -209,10 +209,13 @@ def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 
     """
     side = min(image_size, 4 * naf_size)
     values = 4 * points * channels * 4
-    if mode == "full":
+    chunk = min(256 << 20, channels * naf_size * naf_size * 4)
+    if mode == "whole":
         encoding = 4 * side * side * dim * 4
-        chunk = min(256 << 20, channels * naf_size * naf_size * 4)
         return max(encoding, naf_size * naf_size * dim * 4 + chunk + values)
+    if mode == "full":
+        encoding = 2 * side * side * dim * 4
+        return max(encoding, chunk + values)
     if mode == "frugal":
         return 4 * (64 << 20) + values
     raise ValueError(f"naf mode must be one of {NAF_MODES}; got {mode!r}")
