@@ -278,13 +278,15 @@ class TiledEncoder:
       the same bits (statistics over bands cannot be: PyTorch reduces a group in a kernel- and ISA-specific order);
     * SiLU over the whole map, in place, as ``EncBlock`` does;
     * a 3×3 convolution in place over bands of rows with the halo its kernel reads (``halo``), the rows above a
-      band kept from before the previous band overwrote them. A 1×1 convolution runs whole (a new map, the old
-      one freed): oneDNN picks its 1×1 kernel by the map's size, so bands of it are not the same bits.
-    The last 3×3 convolution runs a band of ``NAF._keys`` rows at a time, beside the 1×1 branch's output, with the
-    concatenation, the pooling to T×T, the queries at the chosen pixels and the band's keys. Peak: two maps of
-    ``dim/2`` channels at the encoder's resolution (1 GiB at 1024², where the whole encoder holds ~3.5 GiB) and
-    one group or band. Applies when the (≤4T-reduced) image height is a multiple of T (pooling over bands is
-    then exact) and the encoder has blocks.
+      band kept from before the previous band overwrote them. The stems and the 1×1 convolutions run whole (a
+      new map, the old one freed): oneDNN picks their kernels' blocking by the map's size, so bands of them are
+      other bits (on AVX-512, 16- and 100-row bands of a 1024² 1×1 convolution; 30-row bands of the 512² stem).
+    The last 3×3 convolution runs in bands of whole ``NAF._keys`` bands, beside the 1×1 branch's output, with the
+    concatenation, the pooling to T×T, the queries at the chosen pixels and the band's keys. Peak: three
+    ``dim/2``-channel maps at the encoder's resolution (a whole convolution's input, output and oneDNN's blocked
+    copy; the 3×3 stem's beside the 1×1 branch's output): 1.5 GiB at 1024², where the whole encoder holds 3.5.
+    Applies when the (≤4T-reduced) image height is a multiple of T (pooling over bands is then exact) and the
+    encoder has blocks.
     """
 
     def __init__(self, encoder: ImageEncoder, image: torch.Tensor, output_size: tuple[int, int],
@@ -308,7 +310,7 @@ class TiledEncoder:
         height, width = self.output_size
         dim = sum(stack[0].out_channels for stack in stacks)
         key_band = key_band_rows(torch.Size((dim, height, width)), self.patch_grid)
-        conv_rows = conv_band_rows(maps[1].shape[1], maps[1].shape[-1], 1)
+        conv_rows = conv_band_rows(maps[1].shape[1], dim, maps[1].shape[-1], 1)
         band = key_band * -(-conv_rows // (key_band * self.factor))  # whole key bands, at least a conv band
         queries = self.image.new_empty(rows.shape[0], dim)
         keys = []
@@ -326,17 +328,25 @@ class TiledEncoder:
 
     def _through_layers(self, stack: nn.Sequential) -> torch.Tensor:
         """The branch's map after its layers, all but a last 3×3 convolution (that one runs in the final pass)."""
-        x = stack[0](self.image)  # [1, dim/2, H, W]: the stem over the whole (3-channel) image, as the reference
+        x = self._conv(self.image, stack[0])  # [1, dim/2, H, W]
         last = stack[-1].conv2
         for block in stack[1:]:
             for norm, conv in ((block.norm1, block.conv1), (block.norm2, block.conv2)):
                 self._group_norm_in_place(x, norm)
                 F.silu(x, inplace=True)
                 if conv.kernel_size[0] == 1:
-                    x = conv(x)
+                    x = self._conv(x, conv)
                 elif conv is not last:
                     self._conv_in_place(x, conv)
         return x
+
+    def _conv(self, x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        """``conv(x)`` whole, into a new map: a stem (over the 3-channel image, whose oneDNN kernel gives other bits
+        over bands: 30-row bands of a 512² image) or a 1×1 convolution (without the copy its reflect "padding" of
+        0 makes)."""
+        if conv.kernel_size[0] == 1:
+            return F.conv2d(x, conv.weight, conv.bias)
+        return conv(x)
 
     def _last_rows(self, x: torch.Tensor, last: nn.Conv2d, top: int, bottom: int) -> torch.Tensor:
         """Rows ``[top, bottom)`` of the branch's output: of ``x`` itself, or of its last 3×3 convolution."""
@@ -356,7 +366,7 @@ class TiledEncoder:
         """``x = conv(x)`` over bands of rows: each band reads the input rows above it from a copy kept before
         the previous band was written over them, and the rows below it from ``x``, still unchanged."""
         total, halo = x.shape[-2], self.halo(conv)
-        band = min(total, conv_band_rows(x.shape[1], x.shape[-1], conv.kernel_size[0] // 2))
+        band = min(total, conv_band_rows(x.shape[1], conv.out_channels, x.shape[-1], conv.kernel_size[0] // 2))
         above = x[:, :, :0]
         for top in range(0, total, band):
             bottom = min(top + band, total)
@@ -376,12 +386,14 @@ class TiledEncoder:
         return F.conv2d(rows, conv.weight, conv.bias)
 
 
-def conv_band_rows(channels: int, width: int, halo: int) -> int:
-    """Rows per band of ``TiledEncoder``'s 3×3 convolutions: the band, its padded copy and its output within
-    ``_BAND_BYTES``. A small map is one band; at the released width (128 channels) oneDNN's 3×3 convolution
-    gives the same bits over bands of any height (tests/pixal3d/models/test_naf.py, 3-row bands), at 8
-    channels it does not (its bits then depend on the band's height: 16-row bands of a 128-wide map differ)."""
-    return max(2 * halo + 1, _BAND_BYTES // (3 * channels * (width + 2 * halo) * 4))
+def conv_band_rows(in_channels: int, out_channels: int, width: int, reach: int) -> int:
+    """Rows per band of ``TiledEncoder``'s in-place 3×3 convolutions: the band with its halo, its padded copy, the
+    output and oneDNN's blocked copy of it within ``_BAND_BYTES``; a small map is one band. At the released width
+    (128 channels) oneDNN's 3×3 convolution gives the same bits over bands of any height (test_naf.py: 3-row bands;
+    1- to 100-row bands of a 1024² map); at 8 channels it does not (16-row bands of a 128² map differ), so the
+    tiny NAF's small maps are never split."""
+    per_row = 2 * (in_channels + out_channels) * (width + 2 * reach) * 4
+    return max(2 * reach + 1, _BAND_BYTES // per_row)
 
 
 class BandedEncoder:

@@ -286,7 +286,7 @@ def test_tiled_sample_equals_the_whole_map_bitwise_at_the_released_width(monkeyp
     image = torch.rand(1, 3, side * factor, side * factor, generator=gen)
     features = torch.randn(1, 1024, 9, 9, generator=gen)
     grid = torch.rand(300, 2, generator=gen) * 2 - 1
-    assert naf_module.conv_band_rows(128, side * factor, 1) == 3
+    assert naf_module.conv_band_rows(128, 128, side * factor, 1) == 3
     with torch.no_grad():
         tiled = naf.sample(image, features, (side, side), grid)
         whole = naf.sample(image, features, (side, side), grid, tiled=False)
@@ -295,3 +295,4 @@ def test_tiled_sample_equals_the_whole_map_bitwise_at_the_released_width(monkeyp
     (short_q, short_k), (ref_q, ref_k) = _tiled_and_whole(naf, image, (side, side), torch.Size((9, 9)), pixels,
                                                           HaloOneShort)
     assert not torch.equal(short_q, ref_q) and not torch.equal(short_k, ref_k)  # the control: a halo one short
+
