@@ -145,8 +145,9 @@ class SparseFlowStage(CascadeStage):
     mode the plan resolves, chunk sizes within an explicit memory budget, the working-set estimate.
 
     ``naf_mode`` starts as the config's (``auto``, ``full`` or ``frugal``); ``fitted`` resolves ``auto`` to
-    ``full`` (the reference's values, bit for bit) when its peak fits the memory the stage is given, else
-    ``frugal`` (about a third of the memory, ~1e-7 from the reference)."""
+    ``full`` (the reference's values, bit for bit; 1.56 GiB at 1024 px, under the stage's own line) when its peak
+    fits the memory the stage is given, else ``frugal`` (~1e-7 from the reference; at every budget the real
+    cascade plans within, full fits)."""
 
     config: ShapeConfig
     draws = "generator"

@@ -374,7 +374,7 @@ def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | N
         reasons.append(f"NAF full (the reference's values) for {', '.join(modes['full'])}")
     if "frugal" in modes:
         reasons.append(f"NAF frugal (less memory, ~1e-7 from the reference) for {', '.join(modes['frugal'])}: "
-                       f"its full map does not fit")
+                       f"its full mode does not fit")
     return reasons
 
 

@@ -49,7 +49,7 @@ def structure_bytes(noise_resolution: int, *, views: int = 1, image_size: int = 
 def flow_stage_bytes(tokens: int, image_size: int, *, naf_size: int | None, naf_mode: str, views: int = 1) -> int:
     """A sparse flow stage: the measured whole-stage line (frugal NAF, sampling with the condition and its CFG
     negative held; measured with the backbone's forward in the stage, which now runs in the features stage),
-    or NAF's ``full`` mode if that is larger. ``views`` > 1 (the multi-view cascade): the views' tokens ride
+    or NAF's ``full`` mode if that is larger (it runs before the sampling, its maps freed when it ends). ``views`` > 1 (the multi-view cascade): the views' tokens ride
     along and one view's projected features are held while they are added to the sum (``views_extra_bytes``)."""
     stage = tokens * FLOW_BYTES_PER_TOKEN + FLOW_FIXED_BYTES + views_extra_bytes(views, tokens, image_size,
                                                                                   naf=naf_size is not None)

@@ -56,7 +56,7 @@ def run_one(args) -> None:
     peak = process_memory()[1] - base
     torch.save(out, f"/tmp/bench_naf_{args.mode}.pt")
     estimate = naf_peak_bytes(args.mode, args.image_size, args.naf_size, channels=args.channels,
-                              points=args.points) if args.mode != "map" else 0
+                              points=args.points) if args.mode in ("full", "frugal") else 0
     print(json.dumps({"mode": args.mode, "peak_gib": peak / 2**30, "seconds": seconds,
                       "estimate_gib": estimate / 2**30}))
 

@@ -1,16 +1,21 @@
 """The real 1024 cascade planned within 4 GiB from its checkpoints' headers (faked Hub answers, nothing downloaded):
-``auto`` streams the flows' and decoders' blocks, every stage fits with the interpreter, the plan states the
-smallest budget that works and what streaming copies; a budget below that is refused naming the stage and the
-smallest budget; whole models alone cannot meet 4 GiB (the control)."""
+``auto`` streams the flows' and decoders' blocks, every stage fits with the interpreter, NAF runs ``full`` (the
+reference's bits) in all three flow stages, the plan states the smallest budget that works and what streaming
+copies; a budget below that is refused naming the stage and the smallest budget; whole models alone cannot meet
+4 GiB (the control). At 2.5 GiB the stages from the features to the decode plan, NAF full everywhere."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from pipelines import Pixal3D
+from pixal3d.config import load_config
 from pixal3d.memory_budget import GIB, PROCESS_BYTES, MemoryBudgetError
 from pixal3d.staging import Policy
 from tests.support.header_hub import REAL, hub  # noqa: F401
 
+NAF_STAGES = ("shape_512", "shape_1024", "texture")
 STREAMED = {"sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
             "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder"}
 
@@ -27,7 +32,9 @@ def test_four_gib_plans_every_stage_of_the_real_cascade_by_streaming_blocks(hub)
     flows = {r.name: r for r in plan.memory.stages}
     assert flows["shape_1024"].streamed_bytes > 2.5 * GIB  # one forward copies every block of a 1.3B flow
     assert plan.choices()["decode"]["tiles"]["start_level"] >= 1
+    assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
     text = plan.table()
+    assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in text and "frugal" not in text
     assert "the smallest memory budget this cascade plans within (stream)" in text
     assert "of blocks copied per forward" in text and "GB/s" in text
     smallest = next(r for r in plan.reasons if r.startswith("the smallest memory budget"))
@@ -71,3 +78,23 @@ def test_a_need_just_above_the_budget_never_reads_as_the_budget_and_the_camera_n
         need = float(message.split("needs at least ")[1].split(" GiB")[0])
         shown = float(message.split("the memory budget is ")[1].split(" GiB")[0])
         assert shown < need <= smallest, message  # never read as equal; rounded as the smallest budget is
+
+
+def test_two_and_a_half_gib_plans_features_to_decode_with_naf_full_in_every_flow_stage(hub):
+    """Given a field of view (no MoGe-2) and up to the decode (no export), the two parts issue 48 streams and
+    lightens apart from NAF: 2.5 GiB plans every stage with the interpreter, NAF ``full`` in all three flow stages
+    (where the whole encoder, 3.8 GiB, gave ``frugal`` even at 4 GiB), and names the smallest budget. The whole
+    cascade at 2.5 GiB is still refused by the camera stage (MoGe-2 whole: 3.21 GiB with the interpreter on the
+    CPU, which runs it in float32; 3.82 GiB under float16 autocast)."""
+    config = load_config(REAL)
+    config = dataclasses.replace(config, camera=dataclasses.replace(config.camera, fov_deg=40.0))
+    plan = Pixal3D.plan(config, device="cpu", memory_budget="2.5G", until="decode")
+    assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
+    for row in plan.memory.stages:
+        assert row.total_bytes + PROCESS_BYTES <= 2.5 * GIB, row
+    text = plan.table()
+    assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in text and "frugal" not in text
+    smallest = next(r for r in plan.reasons if r.startswith("the smallest memory budget"))
+    assert float(smallest.split(": ")[1].split(" GiB")[0]) <= 2.5
+    with pytest.raises(MemoryBudgetError, match="stage 'camera' needs at least"):
+        Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G")
