@@ -145,9 +145,8 @@ class SparseFlowStage(CascadeStage):
     mode the plan resolves, chunk sizes within an explicit memory budget, the working-set estimate.
 
     ``naf_mode`` starts as the config's (``auto``, ``full`` or ``frugal``); ``fitted`` resolves ``auto`` to
-    ``full`` (the reference's values, bit for bit; 1.56 GiB at 1024 px, under the stage's own line) when its peak
-    fits the memory the stage is given, else ``frugal`` (~1e-7 from the reference; at every budget the real
-    cascade plans within, full fits)."""
+    ``full`` (the reference's values, bit for bit; 1.66 GiB planned at 1024 px) when its peak fits the memory the
+    stage is given, else ``frugal`` (~1e-7 from the reference; on the real cascade only below a 2.30 GiB budget)."""
 
     config: ShapeConfig
     draws = "generator"

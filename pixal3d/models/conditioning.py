@@ -14,11 +14,11 @@ The sparse path projects only the N requested points, and NAF runs only at the p
 taps read, in one of two modes (``NAF_MODES``):
 * ``full``: bit for bit the reference algorithm (the whole T×T NAF map, then bilinear sampling), without
   holding that map (``NAF.sample``) nor the guidance map (``TiledEncoder``: one map per encoder branch, the
-  same bits). Peak ≈ ``naf_peak_bytes``: 1.56 GiB at 1024 px (the whole encoder held 3.5).
+  same bits). Peak ≈ ``naf_peak_bytes``: 1.53 GiB at 1024 px (the whole encoder held 3.52).
 * ``frugal``: the guidance map in bands of rows (``NAF.features_at``); within ~1e-7 of ``full`` (fp32),
   which can round a few bf16 condition values differently; peak a fraction of ``full``'s.
-``select_naf_mode`` resolves ``auto``: ``full`` when its peak fits the memory budget, else ``frugal`` (at
-every budget the real cascade plans within, full fits).
+``select_naf_mode`` resolves ``auto``: ``full`` when its peak fits the memory budget, else ``frugal`` (on the
+real cascade, full fits from a 2.30 GiB budget).
 """
 from __future__ import annotations
 
@@ -200,15 +200,15 @@ def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 
 
     ``full``: the larger of two phases. Encoding (``TiledEncoder``, where the encoder's side = min(S, 4T) is a
     multiple of T): three ``dim / 2``-channel maps of side² (a whole convolution's input, its output and oneDNN's
-    blocked copy) and a band; elsewhere the whole encoder's four dim-channel maps. Sampling: one channel chunk (at
-    most 256 MiB) of the sparse sampling map, the values (about 4 pixels × C per point) and the queries (4 pixels
-    × dim, rotated: twice); with the whole encoder also the T² × dim guidance map. ``frugal``: four band
-    activations (64 MiB each) and the values.
+    blocked copy) and 160 MiB for a band and the allocator's slack, fitted never to fall under the measurements
+    below; elsewhere the whole encoder's four dim-channel maps. Sampling: one channel chunk (at most 256 MiB) of
+    the sparse sampling map, the values (about 4 pixels × C per point) and the queries (4 pixels × dim, rotated:
+    twice); with the whole encoder also the T² × dim guidance map. ``frugal``: four band activations (64 MiB
+    each) and the values.
 
     Measured at real width, NAF alone (``scripts/bench_naf_modes.py --modes whole full``, benchmarks/full_work.md):
-    S = T = 512, 4000 points: full NAF_512_FULL GiB (estimate NAF_512_EST); S = 1024, 20,000 points: full
-    NAF_1024_512 GiB at T = 512, NAF_1024_1024 GiB at T = 1024 (estimate NAF_1024_EST), where the whole encoder
-    held 3.52 GiB.
+    S = T = 512, 4000 points: full 0.51 GiB (estimate 0.53); S = 1024, 20,000 points: full 1.53 GiB at T = 512
+    and at T = 1024 (estimate 1.66), where the whole encoder held 3.52 GiB.
     """
     side = min(image_size, 4 * naf_size)
     values = 4 * points * channels * 4
@@ -216,7 +216,7 @@ def naf_peak_bytes(mode: NafMode, image_size: int, naf_size: int, *, dim: int = 
         chunk = min(256 << 20, channels * naf_size * naf_size * 4)
         sampling = chunk + values + 2 * 4 * points * dim * 4
         if side % naf_size == 0:  # TiledEncoder applies
-            return max(3 * (dim // 2) * side * side * 4 + (128 << 20), sampling)
+            return max(3 * (dim // 2) * side * side * 4 + (160 << 20), sampling)
         return max(4 * side * side * dim * 4, naf_size * naf_size * dim * 4 + sampling)
     if mode == "frugal":
         return 4 * (64 << 20) + values
