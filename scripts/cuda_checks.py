@@ -149,7 +149,9 @@ def check_naf(device: torch.device) -> None:
 
 def check_naf_sample(device: torch.device) -> None:
     """``NAF.sample`` (naf_mode 'full') against the reference algorithm, the whole map then grid_sample:
-    bitwise on the CPU; on CUDA a batch-size-dependent matmul kernel could change the last bits."""
+    bitwise on the CPU; on CUDA a batch-size-dependent matmul kernel could change the last bits. And its tiled
+    encoder against the whole one (``tiled=False``): bitwise on the CPU; on CUDA cuDNN may pick another
+    convolution algorithm for a band than for the whole map."""
     from pixal3d.models.projection import sample_map
 
     torch.manual_seed(3)
@@ -159,14 +161,14 @@ def check_naf_sample(device: torch.device) -> None:
         feats = torch.randn(1, 1024, patches, patches, device=device)
         grid = torch.rand(20000, 2, device=device) * 2 - 1
         peaks = {}
-        for mode in ("map", "sample"):
+        for mode in ("map", "sample", "whole"):
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             with torch.no_grad():
                 out = sample_map(naf(image, feats, (target, target)), grid) if mode == "map" else \
-                    naf.sample(image, feats, (target, target), grid)
+                    naf.sample(image, feats, (target, target), grid, tiled=mode == "sample")
             torch.cuda.synchronize(device)
             peaks[mode] = (out, torch.cuda.max_memory_allocated(device) - base)
         same = torch.equal(peaks["map"][0], peaks["sample"][0])
@@ -174,6 +176,11 @@ def check_naf_sample(device: torch.device) -> None:
         row(f"NAF sample == map+grid_sample S={size} T={target}", "PASS" if diff < 1e-6 else "FAIL",
             f"bitwise {same}, max diff {diff:.1e} | map {peaks['map'][1] / 2**30:.2f} GiB, "
             f"sample {peaks['sample'][1] / 2**30:.2f} GiB")
+        tiled = torch.equal(peaks["whole"][0], peaks["sample"][0])
+        row(f"NAF tiled encoder == whole encoder S={size} T={target}", "PASS" if tiled else "FAIL",
+            f"bitwise {tiled} (on the CPU it is), max diff "
+            f"{float((peaks['whole'][0] - peaks['sample'][0]).abs().max()):.1e} | whole "
+            f"{peaks['whole'][1] / 2**30:.2f} GiB, tiled {peaks['sample'][1] / 2**30:.2f} GiB")
 
 
 def main() -> int:

@@ -18,7 +18,8 @@ Three entry points:
 * ``sample``: ``sample_map(forward(...), grid)`` bit for bit without that map: attention only at the pixels
   the bilinear taps read (a pixel's value does not depend on which other pixels are computed), then
   ``grid_sample`` itself on a zero map holding those pixels, a chunk of channels at a time. The guidance
-  map is still computed whole, as ``forward`` does (its GroupNorms need whole-map statistics).
+  map is never whole either (``TiledEncoder``: one map per encoder branch, in place, GroupNorm a group and a
+  3×3 convolution a band of rows at a time; the same bits at the released width on the CPU).
 * ``features_at``: ``[P, C]`` at chosen pixels with the encoder run over bands of rows (``BandedEncoder``),
   each GroupNorm's statistics gathered in an earlier pass: peak one band, values within ~1e-7 of the
   full map (the statistics are reduced in another order; that order cannot be reproduced in bands, since
@@ -103,11 +104,7 @@ class ImageEncoder(nn.Module):
 
     def encode(self, image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """Un-rotated guidance map ``[1, dim, T, T]`` of ``image [1, 3, H, W]`` in [0, 1]."""
-        height, width = size
-        if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
-            # As published: never encode more than 4× the output size (min over both sides, as upstream).
-            reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
-            image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
+        image = reduced_image(image, size)
         x = torch.cat([self.encoder(image), self.sem_encoder(image)], dim=1)
         if tuple(x.shape[-2:]) == tuple(size):
             return x  # pooling to the same size is the identity (and would copy T×T×dim)
@@ -261,7 +258,8 @@ def band_keys(rope: AxialRoPE, chunk: torch.Tensor, top: int, height: int, patch
 
 
 def reduced_image(image: torch.Tensor, output_size: tuple[int, int]) -> torch.Tensor:
-    """The image the encoder reads: as published, never more than 4× the output size (min over both sides)."""
+    """The image the encoder reads: as published, never more than 4× the output size (min over both sides, as
+    upstream)."""
     height, width = output_size
     if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
         reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
@@ -421,10 +419,7 @@ class BandedEncoder:
                  patch_grid: torch.Size):
         self.encoder = encoder
         height, width = output_size
-        if image.shape[-2] > 4 * height or image.shape[-1] > 4 * width:
-            reduced = (min(image.shape[-2], 4 * height, 4 * width), min(image.shape[-1], 4 * width, 4 * height))
-            image = F.interpolate(image, size=reduced, mode="bilinear", align_corners=False)
-        self.image = image
+        self.image = image = reduced_image(image, output_size)
         self.output_size = output_size
         self.patch_grid = tuple(patch_grid)
         self.factor = image.shape[-2] // height

@@ -254,11 +254,12 @@ class HaloOneShort(TiledEncoder):
 
 
 
-@pytest.mark.parametrize("factor", [1, 2])
+@pytest.mark.parametrize("factor", [1, 2, 5])
 def test_tiled_encoder_equals_the_whole_guidance_map_bitwise(factor):
     """The tiny NAF (8-channel branches, one band: the map is small): GroupNorm a group at a time over the whole
-    map, the 1×1 branch beside the 3×3 one's last convolution, pooled per band to T = S and T = S/2: the queries
-    and keys are the whole guidance map's bits."""
+    map, the 1×1 branch beside the 3×3 one's last convolution, pooled per band to T = S, T = S/2 and (S = 5T,
+    first reduced to 4T as published, its width pooled unevenly) T = S/4: the queries and keys are the whole
+    guidance map's bits."""
     naf = tiny_naf(2)
     gen = torch.Generator().manual_seed(4)
     size = (72, 80)
