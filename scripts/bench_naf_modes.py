@@ -56,9 +56,9 @@ def run_one(args) -> None:
     peak = process_memory()[1] - base
     torch.save(out, f"/tmp/bench_naf_{args.mode}.pt")
     estimate = naf_peak_bytes(args.mode, args.image_size, args.naf_size, channels=args.channels,
-                              points=args.points) if args.mode in ("full", "frugal") else 0
+                              points=args.points) if args.mode in ("full", "frugal") else None  # map, whole: none
     print(json.dumps({"mode": args.mode, "peak_gib": peak / 2**30, "seconds": seconds,
-                      "estimate_gib": estimate / 2**30}))
+                      "estimate_gib": None if estimate is None else estimate / 2**30}))
 
 
 def main() -> None:
@@ -87,8 +87,8 @@ def main() -> None:
     for r in rows:
         same = [("-" if ref not in outputs else str(torch.equal(outputs[r["mode"]], outputs[ref])))
                 for ref in ("map", "whole")]
-        print(f"{r['mode']:<8} {r['peak_gib']:>9.2f} {r['estimate_gib']:>9.2f} {r['seconds']:>8.1f}  {same[0]:<18}  "
-              f"{same[1]}")
+        estimate = "-" if r["estimate_gib"] is None else f"{r['estimate_gib']:.2f}"
+        print(f"{r['mode']:<8} {r['peak_gib']:>9.2f} {estimate:>9} {r['seconds']:>8.1f}  {same[0]:<18}  {same[1]}")
     if "whole" in outputs and "full" in outputs:
         by_mode = {r["mode"]: r for r in rows}
         print(f"full / whole: time {by_mode['full']['seconds'] / by_mode['whole']['seconds']:.2f}x, "
