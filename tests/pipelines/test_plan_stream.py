@@ -98,3 +98,13 @@ def test_two_and_a_half_gib_plans_features_to_decode_with_naf_full_in_every_flow
     assert float(smallest.split(": ")[1].split(" GiB")[0]) <= 2.5
     with pytest.raises(MemoryBudgetError, match="stage 'camera' needs at least"):
         Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G")
+
+
+def test_eight_gib_plans_whole_models_with_naf_full_everywhere_as_the_docs_say(hub):
+    """docs/memory.md's ``--memory-budget 8G`` line (a 16 GB Mac: whole models, no streaming) and its NAF modes,
+    measured again from the real headers (issue 44 item 11: the README said NAF ran ``frugal`` for shape_1024 and
+    texture there, while the plan picked ``full`` for all three)."""
+    plan = Pixal3D.plan(REAL, device="cpu", memory_budget="8G")
+    assert plan.policy.value == "staged"
+    assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
+    assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in plan.table()
