@@ -270,7 +270,7 @@ class Pixal3D:
                 raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
             if keyed:  # what decides each stage's outputs
                 item.keys = item_keys(stages, kind, digest, item, device=self.device, weights=self.weights,
-                                      digests=digests)
+                                      digests=digests, fields=inputs.INPUT_FIELDS)
 
         def start(item: BatchItem, k: int) -> RunState:
             reads_input = any(f in s.inputs for s in stages[k:] for f in kind.provides)

@@ -68,7 +68,7 @@ from pixal3d.staging import (
 )
 from pixal3d.staging.executor import Item, Store
 
-from . import inputs, state_codec
+from . import state_codec
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,11 @@ class StoredStage:
 
 # -- keys -----------------------------------------------------------------------------------------
 def item_keys(stages: Sequence[Stage], kind: Any, digest: str | None, item: Any, *, device: Any, weights: Any,
-              digests: Mapping[str, Any]) -> list[StageKey]:
+              digests: Mapping[str, Any], fields: Sequence[str]) -> list[StageKey]:
     """The chained keys of a batch item's stages: what decides each stage's outputs, from the input's digest (its
-    kind's provided fields), the seed and field of view, the device, the weights (their normalisations, their
-    files: ``digests``) and the versions."""
-    provided = {**{field: None for field in inputs.INPUT_FIELDS}, **kind.provided(digest), "generator": item.seed,
+    kind's provided fields; ``fields``: every kind's, ``inputs.INPUT_FIELDS``, the others None), the seed and field
+    of view, the device, the weights (their normalisations, their files: ``digests``) and the versions."""
+    provided = {**{field: None for field in fields}, **kind.provided(digest), "generator": item.seed,
                 "fov_deg": item.fov, "device": str(device), "shape_normalization": repr(weights.shape_normalization),
                 "tex_normalization": repr(weights.tex_normalization)}
     return stage_keys(stages, provided, digests, {"torch": torch.__version__, "pixal3d": pixal3d.__version__})

@@ -40,6 +40,8 @@ class Kind:
     threaded_waits: its backend's works are waited for in a thread, with the job's timeout (gloo's); NCCL's are
                     waited for on the stream
     live_context:   whether this process holds a live context of it, which a forked child cannot use (CUDA's)
+    host_heap:      its tensors live in the process's heap (the CPU), whose freed pages glibc keeps until
+                    ``release_freed_heap`` gives them back
     """
 
     name: str
@@ -55,6 +57,7 @@ class Kind:
     wire_tensors: bool = False
     threaded_waits: bool = True
     live_context: Callable[[], bool] = lambda: False
+    host_heap: bool = False
 
 
 KINDS: dict[str, Kind] = {
@@ -63,7 +66,7 @@ KINDS: dict[str, Kind] = {
                  threaded_waits=False, live_context=lambda: torch.cuda.is_available() and torch.cuda.is_initialized()),
     "mps": Kind("mps", lambda: torch.backends.mps.is_available(), "asks for Apple MPS, which is not available here; "
                 "use cpu", fp32_attention=True, array_bytes=MPSGRAPH_ARRAY_BYTES, memory_limit=True),
-    "cpu": Kind("cpu", lambda: True, half_default=False),
+    "cpu": Kind("cpu", lambda: True, half_default=False, host_heap=True),
 }
 """The kinds of device a run may use, in the order a process prefers them (``default_device``)."""
 OTHER = Kind("other", lambda: False)

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from ..devices import kind
 from ..nn.limits import current_limits
 from ..staging.stream import release_freed_heap
 from .loading import CheckpointError, register_model
@@ -330,7 +331,7 @@ class TiledEncoder:
     def _release_band(self) -> None:
         """On the CPU, give a band's freed temporaries back to the OS: glibc keeps them (tens of MiB, under its
         mmap threshold) in the heap, where 64 bands of the 1024² pass grew the process by 0.8 GiB."""
-        if self.image.device.type == "cpu":
+        if kind(self.image.device).host_heap:
             release_freed_heap()
 
     def _through_layers(self, stack: nn.Sequential) -> torch.Tensor:
