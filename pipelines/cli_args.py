@@ -31,6 +31,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="torch device (default: cuda, else mps, else cpu)")
     parser.add_argument("--trace", type=Path, default=None, help="write the memory trace (JSONL) here")
     parser.add_argument("--plan", action="store_true", help="print the memory plan and policy, then exit")
+    parser.add_argument("--shape-only", action="store_true",
+                        help="stop after the shape decode: an untextured GLB; with --work-dir, the same command "
+                             "without --shape-only resumes into the texture (docs/shape-first.md)")
     parser.add_argument("--keep-latents", type=Path, default=None, metavar="DIR",
                         help="also save each run's coords and latents to DIR/<name>.latents.pt")
     parser.add_argument("--batch-order", choices=("image", "stage"), default=None,

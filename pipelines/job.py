@@ -279,6 +279,7 @@ class Job:
     work_dir: Path | None = None
     order: str | None = None               # --batch-order (None: the policy's)
     plan_only: bool = False                # --plan
+    shape_only: bool = False               # --shape-only: stop after the shape decode (an untextured GLB)
     quiet: bool = False
     command: tuple[str, ...] = ()          # run.json's ``command``: the front end as typed
 
@@ -299,7 +300,8 @@ class Job:
         return cls.build(config, {s.name: getattr(args, s.name) for s in SETTINGS}, device=args.device,
                          parallel=parallel, inputs=given[kind.name], input_kind=kind.name, output=args.output,
                          keep_latents=args.keep_latents, trace=args.trace, work_dir=args.work_dir,
-                         order=args.batch_order, plan_only=args.plan, quiet=args.quiet, command=tuple(command))
+                         order=args.batch_order, plan_only=args.plan, shape_only=args.shape_only, quiet=args.quiet,
+                         command=tuple(command))
 
     @classmethod
     def from_request(cls, settings: str | Mapping[str, Any] | None, config: CascadeConfig, **fields: Any) -> Job:
@@ -344,6 +346,7 @@ class Job:
         """The job for ``settings`` (name → value; absent or None: the default) over ``config``: each value checked
         (``SettingError``), the export settings applied to the config (checked by ``ExportSettings``)."""
         kind = inputs.kind_named(config, fields.get("input_kind"))
+        check_shape_only(settings, fields)
         values: dict[str, Any] = {}
         for setting in SETTINGS:
             value = settings.get(setting.name)
@@ -400,6 +403,20 @@ def _refused(err: SettingError, config: CascadeConfig, *, key: bool = False) -> 
     if setting is not None and not setting.applies_to(inputs.kind_for(config)):
         return f".{err.setting}: {err}" if key else f": {err.setting}: {err}"
     return f": {err}{setting.automatic if setting is not None else ''}"
+
+
+TEXTURE_SETTINGS = ("texture_size", "texture_format")
+"""The settings that shape only the texture: a shape-only job makes none, so it refuses them."""
+
+
+def check_shape_only(settings: Mapping[str, Any], fields: Mapping[str, Any]) -> None:
+    """Refuse (``UsageError``, one line) a shape-only job that sets the texture: it makes none, so the setting
+    would be silently ignored. Every other setting holds for the shape alike."""
+    if not fields.get("shape_only"):
+        return
+    for name in TEXTURE_SETTINGS:
+        if settings.get(name) is not None:
+            raise UsageError(f"{BY_NAME[name].flag} sets the texture, and --shape-only makes none: drop one of them")
 
 
 def plan_key(settings: Mapping[str, Any]) -> str:

@@ -52,7 +52,7 @@ from pixal3d.staging.policy import (
 )
 
 from . import state_codec
-from .build import build_stages
+from .build import SHAPE_ONLY, build_stages
 from .errors import NotEnoughMemoryError
 from .inputs import IMAGE, InputKind
 from .loaders import STREAM_UNITS
@@ -89,6 +89,11 @@ class RunPlan:
     def choices(self) -> dict[str, Any]:
         """What fitting the stages to memory decided, per stage (NAF mode, decode tiles, chunk sizes)."""
         return {s.name: s.choices() for s in self.stages if getattr(s, "choices", None) and s.choices()}
+
+    @property
+    def shape_only(self) -> bool:
+        """Whether the run ends with the untextured export (``until=SHAPE_ONLY``: no texture stages)."""
+        return any(s.name == SHAPE_ONLY for s in self.stages)
 
     @property
     def rank(self) -> int:

@@ -73,11 +73,13 @@ class Result:
     parallel: dict[str, Any] | None = None
     choices: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None
+    shape_only: bool = False  # the run ended with the untextured export (``--shape-only``)
 
     # -- outputs -----------------------------------------------------------------------------
     @property
     def mesh(self) -> ExportedMesh | None:
-        """The textured mesh, its GLB bytes and the export report (None if the run had no export stage)."""
+        """The mesh (textured; untextured for a shape-only run), its GLB bytes and the export report (None if the
+        run had no export stage)."""
         return self.state.mesh
 
     @property
@@ -238,6 +240,7 @@ class Result:
             "policy": self.policy.value,
             "policy_reasons": list(self.policy_reasons),
             "memory_budget": self.memory_budget,
+            "shape_only": self.shape_only,
             "stage_choices": self.choices,
             "versions": versions(),
             "kernels": kernels.describe(),
@@ -280,7 +283,7 @@ def item_result(item: Any, plan: Any, rows: Sequence[Any], *, parallel: dict[str
     return Result(input=item.label, seed=item.seed, config=plan.config, device=plan.device, policy=plan.policy,
                   policy_reasons=plan.reasons, state=item.state, stages=item.records,
                   memory=[row.to_dict() for row in rows], parallel=parallel, choices=plan.choices(),
-                  memory_budget=plan.memory_budget)
+                  memory_budget=plan.memory_budget, shape_only=plan.shape_only)
 
 
 def _feats(latent: Any) -> Any:

@@ -32,6 +32,7 @@ import torch
 from pixal3d.files import folds_case, write_json_atomic
 
 from .batch import BatchItem, trace_path
+from .build import SHAPE_ONLY
 from .camera import CameraStage
 from .errors import one_line
 from .job import Job, UsageError
@@ -77,7 +78,8 @@ class Session:
         fixed = self.lean and job.fov is not None and all(image.fov is not None for image in job.images)
         replace = {"camera": CameraStage(None, use_moge=False)} if fixed else None  # no camera model to fetch
         return Pixal3D.plan(job.config, policy=job.memory_policy, device=self.device, parallel=self.rank,
-                            memory_budget=job.budget, replace=replace, input_kind=job.kind.name)
+                            memory_budget=job.budget, replace=replace, input_kind=job.kind.name,
+                            until=SHAPE_ONLY if job.shape_only else None)
 
     def prepare(self, job: Job, plan: RunPlan | None = None) -> Pixal3D:
         """The pipeline ``job`` runs on (``plan``: its plan, when made already): the kept one if the plan is the
@@ -155,9 +157,10 @@ class Session:
 
 
 def same_plan(a: RunPlan, b: RunPlan) -> bool:
-    """Same config, resolved policy and device, the stages fitted alike (with the same memory budget asked for,
+    """Same config, resolved policy and device, the same stages fitted alike (with the same memory budget asked for,
     ``auto`` following the memory available when planned): the pipeline built for ``a`` serves ``b``."""
-    return a.config == b.config and a.policy == b.policy and a.device == b.device and a.choices() == b.choices()
+    return (a.config == b.config and a.policy == b.policy and a.device == b.device and a.choices() == b.choices()
+            and [s.name for s in a.stages] == [s.name for s in b.stages])  # a shape-only plan is not the full one
 
 
 # -- what the command will write, checked before the run -------------------------------------------

@@ -8,7 +8,8 @@ setting); 4. simplify to the face budget (in a child process where it can: ``iso
 (+ outward orientation without remesh; the remesh is oriented already; a printable mesh is checked closed);
 6. normals + UV atlas; 7. the shading maps' inputs (tangent frames, per-vertex occlusion, the decoded surface's
 normal field: ``maps.py``); 8. bake; 9. quality metrics against the reference surface; 10. GLB encoding (+ STL
-and 3MF for a printable mesh).
+and 3MF for a printable mesh). ``export_shape``: a shape-only run's steps 1-5, normals and an untextured GLB
+(``SHAPE_STEPS``), the same mesh as ``export_mesh`` makes before its atlas.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from .cleanup import (
 from .distance import SurfaceDistance
 from .dual_grid import dual_grid_to_mesh
 from .fields import DualGridFields, PbrVoxels
-from .glb import build_mesh, encode_glb, vertex_normals
+from .glb import build_mesh, build_plain_mesh, encode_glb, vertex_normals
 from .isolated import run_isolated
 from .narrow_band import RemeshGrid
 from .quality import mesh_quality
@@ -49,16 +50,18 @@ from .uv import UvMesh, uv_unwrap
 log = logging.getLogger(__name__)
 
 STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "maps", "bake", "quality", "glb")
+SHAPE_STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "normals", "glb")
 
 
 class _Steps:
     """Runs named steps, timing each and recording its peak RSS; tells ``on_step`` when each starts."""
 
-    def __init__(self, on_step: Callable[[str], None] | None, progress: bool, exact_rss: bool) -> None:
+    def __init__(self, on_step: Callable[[str], None] | None, progress: bool, exact_rss: bool,
+                 steps: tuple[str, ...] = STEPS) -> None:
         self.reports: list[StepReport] = []
         self.on_step = on_step
         self.exact_rss = exact_rss
-        self.bar = tqdm(total=len(STEPS), desc="export", disable=not progress)
+        self.bar = tqdm(total=len(steps), desc="export", disable=not progress)
 
     def run(self, name: str, fn: Callable[..., tuple], *args):
         """``fn(*args)`` returns ``(result, detail)``; records the step and returns ``result``."""
@@ -220,6 +223,19 @@ def _glb(v: np.ndarray, f: np.ndarray, normals: np.ndarray, uv: UvMesh, tex: Bak
     return (mesh, data, extras), detail
 
 
+def _plain_glb(v: np.ndarray, f: np.ndarray, normals: np.ndarray, settings: ExportSettings):
+    mesh = build_plain_mesh(v, f, normals)
+    data = encode_glb(mesh, compression=settings.compression)
+    extras = {}
+    if settings.printable:
+        from .printable import print_files
+
+        extras = print_files(v, f)
+    detail = {"bytes": len(data), "compression": settings.compression, "textured": False}
+    detail |= {suffix.lstrip("."): len(b) for suffix, b in extras.items()}
+    return (mesh, data, extras), detail
+
+
 def export_glb(fields: DualGridFields, pbr: PbrVoxels, path: str | Path, **kwargs) -> ExportReport:
     """``export_mesh`` (same keyword arguments), then write the GLB to ``path`` atomically."""
     exported = export_mesh(fields, pbr, **kwargs)
@@ -263,4 +279,33 @@ def export_mesh(
     report = ExportReport(steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
                           texture_size=settings.texture_size, coverage=tex.coverage, file_bytes=len(data),
                           quality=quality)
+    return ExportedMesh(mesh, data, report, extras)
+
+
+def export_shape(
+    fields: DualGridFields,
+    *,
+    settings: ExportSettings = ExportSettings(),  # noqa: B008 - frozen: one shared default is safe
+    progress: bool = True,
+    on_step: Callable[[str], None] | None = None,
+    exact_peak_rss: bool = False,
+) -> ExportedMesh:
+    """The untextured mesh of a shape-only run, in memory: ``export_mesh``'s steps 1-5 (the same surface, remesh,
+    simplification and cleanup), then vertex normals and a GLB with one plain material (``SHAPE_STEPS``). The
+    texture settings are not used; the report's ``texture_size`` and ``coverage`` are 0."""
+    if len(fields.coords) == 0:
+        raise ValueError("the shape decoder produced no voxels: nothing to export")
+    steps = _Steps(on_step, progress, exact_peak_rss, SHAPE_STEPS)
+    # 1-5. as export_mesh: raw dual-grid mesh, reference surface, remesh, simplify, cleanup
+    ref_v, ref_f = steps.run("extract", _extract, fields)
+    ref_v, ref_f, _ = steps.run("reference", _reference, ref_v, ref_f, settings)
+    v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings, fields.resolution)
+    del ref_v, ref_f
+    v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)
+    v, f = steps.run("cleanup", _cleanup, v, f, settings)
+    # 6-7. normals, the file
+    normals = steps.run("normals", lambda: (vertex_normals(v, f), {"vertices": len(v)}))
+    mesh, data, extras = steps.run("glb", _plain_glb, v, f, normals, settings)
+    steps.bar.close()
+    report = ExportReport(steps=steps.reports, vertices=len(v), faces=len(f), file_bytes=len(data))
     return ExportedMesh(mesh, data, report, extras)

@@ -94,6 +94,20 @@ def build_mesh(
     return mesh
 
 
+def build_plain_mesh(vertices: np.ndarray, faces: np.ndarray, normals: np.ndarray) -> trimesh.Trimesh:
+    """An untextured trimesh in the GLB frame (a shape-only run's): positions, faces, normals and one plain grey
+    material (no texture, no UVs), so that viewers shade it alike."""
+    import trimesh
+    from trimesh.visual.material import PBRMaterial
+    from trimesh.visual.texture import TextureVisuals
+
+    material = PBRMaterial(baseColorFactor=[200, 200, 200, 255], metallicFactor=0.0, roughnessFactor=1.0,
+                           alphaMode="OPAQUE", doubleSided=False)
+    return trimesh.Trimesh(vertices=vertices.astype(np.float64) @ INTERNAL_TO_GLB.T, faces=faces,
+                           vertex_normals=normals.astype(np.float64) @ INTERNAL_TO_GLB.T,
+                           visual=TextureVisuals(material=material), process=False)
+
+
 def encode_glb(mesh: trimesh.Trimesh, *, texture_format: str = "png", occlusion: bool = False,
                compression: str | None = None) -> bytes:
     """The GLB file's bytes for ``mesh`` (textures encoded as PNG or WebP); ``occlusion``: the red channel of the
