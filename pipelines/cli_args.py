@@ -25,15 +25,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="cascade config: a file, or a shipped one by name (default: 1024_cascade, or "
                              "1024_cascade_mv with --views; tiny and tiny_mv are the offline demos)")
     for setting in SETTINGS:  # the job's settings (pipelines/job.py), as the app and the server take them too
+        if setting.kind == "flag":  # a switch: given, or unset (None: the job's default)
+            parser.add_argument(setting.flag, dest=setting.name, action="store_true", default=None, help=setting.help)
+            continue
         parser.add_argument(setting.flag, dest=setting.name, default=None, metavar=setting.metavar,
                             type={"int": int, "float": float}.get(setting.kind, str), help=setting.help,
                             choices=setting.choices() if setting.choices is not None else None)
     parser.add_argument("--device", default=None, help="torch device (default: cuda, else mps, else cpu)")
     parser.add_argument("--trace", type=Path, default=None, help="write the memory trace (JSONL) here")
     parser.add_argument("--plan", action="store_true", help="print the memory plan and policy, then exit")
-    parser.add_argument("--shape-only", action="store_true",
-                        help="stop after the shape decode: an untextured GLB; with --work-dir, the same command "
-                             "without --shape-only resumes into the texture (docs/shape-first.md)")
     parser.add_argument("--keep-latents", type=Path, default=None, metavar="DIR",
                         help="also save each run's coords and latents to DIR/<name>.latents.pt")
     parser.add_argument("--batch-order", choices=("image", "stage"), default=None,

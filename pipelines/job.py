@@ -75,6 +75,12 @@ def _preset(name: Any) -> str:
     return name
 
 
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SettingError("shape_only", f"{value!r} is not true or false")
+    return value
+
+
 def check_policy(policy: Any) -> str:
     """``policy`` if it names a memory policy (``POLICIES``), else a ``SettingError``."""
     if policy not in POLICIES:
@@ -111,7 +117,8 @@ class Setting:
     """One setting of a job, as every front end names and checks it.
 
     name:     the ``Job`` field, the command's option's ``dest`` and the job server's JSON key
-    kind:     ``int``, ``float``, ``choice`` (one of ``choices``) or ``size`` (a memory size, or ``auto``)
+    kind:     ``int``, ``float``, ``choice`` (one of ``choices``), ``size`` (a memory size, or ``auto``) or ``flag``
+              (a switch: true, or unset; the command's option takes no value, the form's field is a checkbox)
     flag:     the command's option; ``form``: the web app's field (its element id); ``label``: the app's words
     aliases:  other JSON keys taken for it (the hosted Pixal3D endpoint's)
     export:   the ``ExportSettings`` field it overrides (checked there); None: a run or plan setting
@@ -149,7 +156,7 @@ class Setting:
 
     def types(self) -> tuple[type, ...]:
         """The JSON types a request may send for it."""
-        return {"int": (int,), "float": (int, float), "choice": (str,), "size": (str,)}[self.kind]
+        return {"int": (int,), "float": (int, float), "choice": (str,), "size": (str,), "flag": (bool,)}[self.kind]
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -189,6 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
             "compress the GLB's geometry: meshopt (EXT_meshopt_compression, needs the [compress] extra; default: "
             "the config's export.compression, none)", choices=lambda: COMPRESSIONS, export="compression",
             config=lambda config: config.export.compression),
+    Setting("shape_only", "flag", "--shape-only", "shape-only", "shape only (an untextured mesh)",
+            "stop after the shape decode: an untextured GLB; with --work-dir, the same command without --shape-only "
+            "resumes into the texture (docs/shape-first.md)", default=False, check=_flag, plans=True),
 )
 """Every setting a client may give, in the order the app's form shows them."""
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -267,6 +277,7 @@ class Job:
     face_budget: int | None = None
     texture_format: str | None = None
     compression: str | None = None
+    shape_only: bool = False               # stop after the shape decode: an untextured GLB (docs/shape-first.md)
     device: str | None = None
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
@@ -279,7 +290,6 @@ class Job:
     work_dir: Path | None = None
     order: str | None = None               # --batch-order (None: the policy's)
     plan_only: bool = False                # --plan
-    shape_only: bool = False               # --shape-only: stop after the shape decode (an untextured GLB)
     quiet: bool = False
     command: tuple[str, ...] = ()          # run.json's ``command``: the front end as typed
 
@@ -300,8 +310,7 @@ class Job:
         return cls.build(config, {s.name: getattr(args, s.name) for s in SETTINGS}, device=args.device,
                          parallel=parallel, inputs=given[kind.name], input_kind=kind.name, output=args.output,
                          keep_latents=args.keep_latents, trace=args.trace, work_dir=args.work_dir,
-                         order=args.batch_order, plan_only=args.plan, shape_only=args.shape_only, quiet=args.quiet,
-                         command=tuple(command))
+                         order=args.batch_order, plan_only=args.plan, quiet=args.quiet, command=tuple(command))
 
     @classmethod
     def from_request(cls, settings: str | Mapping[str, Any] | None, config: CascadeConfig, **fields: Any) -> Job:
@@ -318,7 +327,8 @@ class Job:
             raise SettingsError(f"unknown settings {unknown}; accepted: {sorted([*BY_NAME, *ALIASES])}")
         for name, value in raw.items():
             kinds = BY_NAME[name].types()
-            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            flag = BY_NAME[name].kind == "flag"
+            if value is not None and (isinstance(value, bool) != flag or not isinstance(value, kinds)):
                 raise SettingsError(f"settings.{name} must be {' or '.join(t.__name__ for t in kinds)} (or null), "
                                     f"not {json.dumps(value)}")
         try:
@@ -346,7 +356,6 @@ class Job:
         """The job for ``settings`` (name → value; absent or None: the default) over ``config``: each value checked
         (``SettingError``), the export settings applied to the config (checked by ``ExportSettings``)."""
         kind = inputs.kind_named(config, fields.get("input_kind"))
-        check_shape_only(settings, fields)
         values: dict[str, Any] = {}
         for setting in SETTINGS:
             value = settings.get(setting.name)
@@ -357,6 +366,7 @@ class Job:
             if value is not None and setting.check is not None:
                 value = setting.check(value)
             values[setting.name] = value
+        check_shape_only(values, settings)
         return cls(config=with_export(config, values), **values, **fields)
 
     # -- what it says -----------------------------------------------------------------------
@@ -409,14 +419,15 @@ TEXTURE_SETTINGS = ("texture_size", "texture_format")
 """The settings that shape only the texture: a shape-only job makes none, so it refuses them."""
 
 
-def check_shape_only(settings: Mapping[str, Any], fields: Mapping[str, Any]) -> None:
-    """Refuse (``UsageError``, one line) a shape-only job that sets the texture: it makes none, so the setting
-    would be silently ignored. Every other setting holds for the shape alike."""
-    if not fields.get("shape_only"):
+def check_shape_only(values: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """Refuse (``SettingError`` naming the texture setting) a shape-only job given a texture setting: it makes no
+    texture, so the setting would be silently ignored. Every other setting holds for the shape alike."""
+    if not values.get("shape_only"):
         return
     for name in TEXTURE_SETTINGS:
-        if settings.get(name) is not None:
-            raise UsageError(f"{BY_NAME[name].flag} sets the texture, and --shape-only makes none: drop one of them")
+        if given.get(name) is not None:
+            raise SettingError(name, f"{BY_NAME[name].label} sets the texture, and a shape-only job makes none: "
+                                     f"drop one of them")
 
 
 def plan_key(settings: Mapping[str, Any]) -> str:

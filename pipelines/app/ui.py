@@ -190,6 +190,8 @@ def _field(setting: Setting, config: CascadeConfig) -> Any:
     default); its element id is the setting's form name."""
     value = setting.config(config) if setting.config is not None else setting.default
     common = {"label": setting.label, "elem_id": setting.form}
+    if setting.kind == "flag":
+        return gr.Checkbox(value=bool(value), **common)
     if setting.kind == "choice":
         return gr.Dropdown(list(setting.choices()), value=value, **common)
     if setting.suggested:  # a number with usual values: offered, with the config's among them

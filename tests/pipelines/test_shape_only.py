@@ -11,6 +11,7 @@ import trimesh
 
 from pipelines import Pixal3D
 from pipelines.build import SHAPE_ONLY, build_stages
+from pipelines.job import Job, SettingsError
 from pipelines.session import same_plan
 from pixal3d.config import load_config
 from pixal3d.memory_budget import GIB, PROCESS_BYTES
@@ -112,11 +113,12 @@ def test_the_command_plans_only_the_stages_that_run_and_refuses_a_texture_settin
     stages = [line.split()[0] for line in out.splitlines() if line.split()[:1] and line.split()[0] in
               {*SHARED, "texture", "decode", "export", "shape_decode", "shape_export"}]
     assert stages == [*SHARED, "shape_decode", "shape_export"]
-    for flag, value in (("--texture-size", "512"), ("--texture-format", "webp")):
+    for flag, value, label in (("--texture-size", "512", "texture size"), ("--texture-format", "webp", "texture format")):
         code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "o.glb", "--shape-only",
                                flag, value)
         assert code == 2
-        assert one_error_line(err).endswith(f"{flag} sets the texture, and --shape-only makes none: drop one of them")
+        assert one_error_line(err).endswith(f"error: {flag}: {label} sets the texture, and a shape-only job makes "
+                                            f"none: drop one of them")
     assert not (tmp_path / "o.glb").exists()
 
 
@@ -130,3 +132,19 @@ def test_the_command_says_shape_only_in_run_json(fast_config, capsys, tmp_path, 
     assert record["shape_only"] is shape_only
     assert [s["stage"] for s in record["stages"]][-2:] == (["shape_decode", "shape_export"] if shape_only else
                                                           ["decode", "export"])
+
+
+def test_shape_only_is_one_setting_row_the_server_and_the_app_take_as_the_command_does(tiny_cache):
+    config = load_config(TINY_CONFIG)
+    assert Job.from_request({"shape_only": True}, config).shape_only is True
+    assert Job.from_request({}, config).settings()["shape_only"] is False  # unset: the full run
+    assert Job.from_form({"shape_only": True}, config).shape_only is True
+    assert Job.from_form({"shape_only": False}, config).shape_only is False
+    for value in ("yes", 1):
+        with pytest.raises(SettingsError, match="settings.shape_only must be bool"):
+            Job.from_request({"shape_only": value}, config)
+    with pytest.raises(SettingsError, match="settings.seed must be int"):
+        Job.from_request({"seed": True}, config)  # control: a bool is still no number
+    with pytest.raises(SettingsError, match="texture size sets the texture, and a shape-only job makes none"):
+        Job.from_request({"shape_only": True, "texture_size": 512}, config)
+    assert Job.from_request({"shape_only": True}, config).plan_key() != Job.from_request({}, config).plan_key()
