@@ -60,6 +60,18 @@ def test_a_shape_only_run_then_the_full_run_resumes_at_texture_and_equals_a_fres
     assert resumed.result.record()["shape_only"] is False
 
 
+def test_a_stage_ordered_shape_only_batch_gives_each_images_shared_fingerprints_of_a_full_single_run(
+        fast_config, batch_images, singles):
+    with Pixal3D.from_config(fast_config, policy="staged", device="cpu", until=SHAPE_ONLY) as pipe:
+        items = list(pipe.run_batch(batch_images[:2], order="stage"))
+    assert [item.failure for item in items] == [None, None]
+    for item, path in zip(items, batch_images[:2]):
+        prints, full = item.result.fingerprints(), singles["prints"][path.stem]
+        assert {s: prints.get(s) for s in SHARED} == {s: full.get(s) for s in SHARED}
+        assert prints["shape_decode"] == {k: v for k, v in full["decode"].items() if k.startswith("fields.")}
+    assert items[0].result.mesh.glb != items[1].result.mesh.glb  # two images, two shapes
+
+
 def test_control_a_changed_seed_does_not_resume_a_shape_only_run_past_the_features(
         fast_config, batch_images, singles, tmp_path):
     work = tmp_path / "work"
