@@ -61,9 +61,10 @@ class CameraStage(CascadeStage):
         """MoGe-2's ``infer`` as measured for the released ViT-L (benchmarks/camera.md; its token count does not
         grow with the image); nothing without it. What runs is counted: float16 autocast's (the larger: it keeps a
         float16 copy of the weights) where ``moge_fp16`` says the device runs it, float32's elsewhere (``auto`` on
-        the CPU); before the plan has given the stage its device, float16's, the larger. A smaller checkpoint (the demo's) scales it by √(its bytes / the released bytes):
-        activations go with width × depth, weights with width² × depth, so for a model no deeper than the
-        release the square root bounds the activations' ratio from above. Unknown bytes (0) count the release."""
+        the CPU); before the plan has given the stage its device, float16's, the larger. A smaller checkpoint
+        (the demo's) scales it by √(its bytes / the released bytes): activations go with width × depth, weights
+        with width² × depth, so for a model no deeper than the release the square root bounds the activations'
+        ratio from above. Unknown bytes (0) count the release."""
         if not self.use_moge:
             return 0
         half = moge_fp16(self.precision, self.device) if self.device is not None else self.precision != "float32"

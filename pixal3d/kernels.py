@@ -103,10 +103,9 @@ def normalise_pins(env: dict[str, str] | None = None) -> dict[str, str]:
     return pins(env)
 
 
-# Each architecture's ATen levels, lowest first, and the CPU capability (``hardware()``) each needs at least.
-_LEVELS_BY_ARCH = {"x86_64": {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"},
-                   "arm64": {"default": "", "sve256": "sve"}}
-_X86_ORDER = ("DEFAULT", "AVX2", "AVX512")
+# Each architecture's ATen levels, lowest first, and the CPU capabilities (``hardware()``) that run each.
+_RUNS_ON = {"x86_64": {"default": ("DEFAULT", "AVX2", "AVX512"), "avx2": ("AVX2", "AVX512"), "avx512": ("AVX512",)},
+            "arm64": {"default": ("apple", "sve", "neon"), "sve256": ("sve",)}}
 
 
 def unsupported_pin(env: Mapping[str, str] | None = None) -> str | None:
@@ -119,12 +118,10 @@ def unsupported_pin(env: Mapping[str, str] | None = None) -> str | None:
     if not level or level not in ATEN_LEVELS:
         return None  # unset, or a level torch does not know (normalise_pins names those)
     machine, have = arch(), hardware()
-    levels = _LEVELS_BY_ARCH.get(machine)
+    levels = _RUNS_ON.get(machine)
     if levels is None:
         return None  # an architecture this check does not know: torch's own behaviour
-    runnable = [name for name, needs in levels.items()
-                if (machine == "x86_64" and _X86_ORDER.index(needs) <= _X86_ORDER.index(have))
-                or (machine == "arm64" and (not needs or needs == have))]
+    runnable = [name for name, runs_on in levels.items() if have in runs_on]
     if level in runnable:
         return None
     why = (f"it is a level of another architecture than this {machine} CPU's" if level not in levels else

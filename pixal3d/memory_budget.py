@@ -151,8 +151,9 @@ def format_apart(larger: float, smaller: float) -> tuple[str, str]:
 
 def budget_error(stage: str, need: float, budget: int, detail: str) -> MemoryBudgetError:
     """The one-line refusal: the stage, what the process needs at least for it (``need`` bytes of models and
-    work, and the interpreter), the budget, and what to change. The need is rounded up and the budget down, with
-    the digits that tell them apart: a need shown equal to the budget reads as a refusal of what fits."""
+    work, and the interpreter), the budget, and what to change. The need is rounded up, as the smallest budget
+    is, with the digits that tell it from the budget (``format_apart``): a need shown equal to the budget reads
+    as a refusal of what fits."""
     shown_need, shown_budget = format_apart(PROCESS_BYTES + need, budget)
     return MemoryBudgetError(f"stage {stage!r} needs at least {shown_need} ({detail}) but "
                              f"the memory budget is {shown_budget}; raise memory_budget or use a smaller "

@@ -22,7 +22,6 @@ import logging
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import psutil
 import torch
@@ -83,17 +82,16 @@ def host_memory() -> tuple[int, int, str]:
     v1 or v2): available is then the limit less what the group holds, never more than the machine has free."""
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
-    group = linux.cgroup_memory() if sys.platform.startswith("linux") else None
-    if group is not None and group.limit is not None and group.limit < total:
-        return group.limit, min(available, max(group.limit - group.usage, 0)), f"cgroup v{group.version} limit"
-    return total, available, ""
+    if not sys.platform.startswith("linux"):
+        return total, available, ""
+    total, available, group = linux.cgroup_bounded(total, available)
+    return total, available, f"cgroup v{group.version} limit" if group is not None else ""
 
 
 def detect_machine(device: str | torch.device | None = None) -> Machine:
     """Describe ``device`` (default: the first CUDA device, else MPS, else CPU) and its free memory; the host's is
     what this process may use (``host_memory``: a cgroup's limit where it is lower than the RAM)."""
-    host_total, host_available, bound = host_memory()
-    vm = SimpleNamespace(total=host_total, available=host_available)
+    host, free, bound = host_memory()
     if device is None:
         if torch.cuda.is_available():
             device = "cuda"
@@ -104,13 +102,13 @@ def detect_machine(device: str | torch.device | None = None) -> Machine:
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         if props.is_integrated:
-            return Machine(f"cuda:{index}", props.name, True, vm.total, vm.available, vm.total, vm.available, bound)
-        free, total = torch.cuda.mem_get_info(index)
-        return Machine(f"cuda:{index}", props.name, False, total, free, vm.total, vm.available, bound)
+            return Machine(f"cuda:{index}", props.name, True, host, free, host, free, bound)
+        free_device, total = torch.cuda.mem_get_info(index)
+        return Machine(f"cuda:{index}", props.name, False, total, free_device, host, free, bound)
     if device.type == "mps":
-        return Machine("mps", "Apple GPU", True, vm.total, vm.available, vm.total, vm.available, bound)
+        return Machine("mps", "Apple GPU", True, host, free, host, free, bound)
     if device.type == "cpu":
-        return Machine("cpu", "CPU", True, vm.total, vm.available, vm.total, vm.available, bound)
+        return Machine("cpu", "CPU", True, host, free, host, free, bound)
     raise PolicyError(f"device {str(device)!r} is not supported; use cuda, mps or cpu")
 
 

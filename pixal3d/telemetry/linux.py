@@ -146,6 +146,16 @@ def cgroup_memory(root: Path = CGROUP_ROOT,
                         _read_int(v1 / "memory.max_usage_in_bytes"))
 
 
+def cgroup_bounded(total: int, available: int) -> tuple[int, int, CgroupMemory | None]:
+    """The machine's ``total`` and ``available`` bytes as this process may use them: its cgroup's limit where that
+    is lower than ``total``, available then the limit less what the group holds (never more than the machine has
+    free); and the group when it is what bounds them (None: the machine's own figures)."""
+    group = cgroup_memory()
+    if group is not None and group.limit is not None and group.limit < total:
+        return group.limit, min(available, max(group.limit - group.usage, 0)), group
+    return total, available, None
+
+
 def is_linux() -> bool:
     """True where /proc/self/status exists (Linux, WSL)."""
     return os.path.exists(STATUS)

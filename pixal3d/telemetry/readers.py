@@ -45,9 +45,7 @@ def system_memory() -> SystemMemory:
         level = macos.memorystatus_level()
         percent = float(level) if level is not None else None
     elif total is not None and available is not None:
-        group = linux.cgroup_memory()
-        if group is not None and group.limit is not None and group.limit < total:
-            total, available = group.limit, min(available, max(group.limit - group.usage, 0))
+        total, available, _ = linux.cgroup_bounded(total, available)
     if percent is None and total and available is not None:
         percent = 100.0 * available / total
     return SystemMemory(total, available, percent, _swap_used())

@@ -18,16 +18,17 @@ def schema_statements(serial_key: str) -> list[str]:
     assigns in insertion order. Every statement is ``IF NOT EXISTS``: processes started together on an empty
     database each run them (under the schema lock), and a table another one just committed is left as it is."""
     real = "DOUBLE PRECISION"
-    jobs = (f"CREATE TABLE IF NOT EXISTS pixal3d_jobs (seq {serial_key}, id TEXT NOT NULL UNIQUE, submitted {real} NOT NULL, "
-            f"settings TEXT NOT NULL, plan TEXT NOT NULL, input TEXT NOT NULL, status TEXT NOT NULL, "
+    jobs = (f"CREATE TABLE IF NOT EXISTS pixal3d_jobs (seq {serial_key}, id TEXT NOT NULL UNIQUE, "
+            f"submitted {real} NOT NULL, settings TEXT NOT NULL, plan TEXT NOT NULL, input TEXT NOT NULL, "
+            f"status TEXT NOT NULL, "
             f"attempt INTEGER NOT NULL DEFAULT 0, lost INTEGER NOT NULL DEFAULT 0, owner TEXT, slot INTEGER, "
             f"device TEXT, started {real}, heartbeat {real}, lease_expires {real}, cancel INTEGER NOT NULL DEFAULT 0, "
             f"progress TEXT, outcome TEXT, finished {real})")
-    attempts = (f"CREATE TABLE IF NOT EXISTS pixal3d_attempts (n {serial_key}, job TEXT NOT NULL, time {real} NOT NULL, "
-                f"event TEXT NOT NULL, worker TEXT, detail TEXT)")
-    workers = (f"CREATE TABLE IF NOT EXISTS pixal3d_workers (name TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, "
-               f"role TEXT NOT NULL, started {real} NOT NULL, heartbeat {real} NOT NULL, expires {real} NOT NULL, "
-               f"slots TEXT)")
+    attempts = (f"CREATE TABLE IF NOT EXISTS pixal3d_attempts (n {serial_key}, job TEXT NOT NULL, "
+                f"time {real} NOT NULL, event TEXT NOT NULL, worker TEXT, detail TEXT)")
+    workers = (f"CREATE TABLE IF NOT EXISTS pixal3d_workers (name TEXT PRIMARY KEY, host TEXT NOT NULL, "
+               f"pid INTEGER NOT NULL, role TEXT NOT NULL, started {real} NOT NULL, heartbeat {real} NOT NULL, "
+               f"expires {real} NOT NULL, slots TEXT)")
     return [
         "CREATE TABLE IF NOT EXISTS pixal3d_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
         jobs,
