@@ -86,6 +86,10 @@ def _check_inputs(fields: DualGridFields, pbr: PbrVoxels) -> None:
         )
     if pbr.attrs.ndim != 2 or pbr.attrs.shape[1] != 6 or pbr.attrs.shape[0] != pbr.coords.shape[0]:
         raise ValueError(f"PbrVoxels.attrs must be [M, 6] matching coords [M, 3], got {tuple(pbr.attrs.shape)}")
+    _check_fields(fields)
+
+
+def _check_fields(fields: DualGridFields) -> None:
     if len(fields.coords) == 0:
         raise ValueError("the shape decoder produced no voxels: nothing to export")
 
@@ -293,8 +297,7 @@ def export_shape(
     """The untextured mesh of a shape-only run, in memory: ``export_mesh``'s steps 1-5 (the same surface, remesh,
     simplification and cleanup), then vertex normals and a GLB with one plain material (``SHAPE_STEPS``). The
     texture settings are not used; the report's ``texture_size`` and ``coverage`` are 0."""
-    if len(fields.coords) == 0:
-        raise ValueError("the shape decoder produced no voxels: nothing to export")
+    _check_fields(fields)
     steps = _Steps(on_step, progress, exact_peak_rss, SHAPE_STEPS)
     # 1-5. as export_mesh: raw dual-grid mesh, reference surface, remesh, simplify, cleanup
     ref_v, ref_f = steps.run("extract", _extract, fields)
