@@ -52,9 +52,9 @@ def model_loaders(weights: ResolvedWeights, device: torch.device, *, moge: bool 
         if stream is None or name not in weights.checkpoints:
             raise ValueError(f"{name} cannot stream: it needs a WeightStream and a checkpoint of its own")
         loaders[name] = functools.partial(load_streamed, weights.checkpoints[name], stream, pin=pin)
-    for row in MODEL_SOURCES:  # DINOv3, NAF, MoGe-2 (asked for with ``moge``): the models with a source of their own
+    for row in MODEL_SOURCES:  # DINOv3, NAF, MoGe-2 (asked for with ``moge``), the shape encoder (when located)
         path = weights.path(row.name)
-        if path is not None and (moge or not row.on_demand):
+        if path is not None and (moge or row.name != "moge"):
             loaders[row.name] = functools.partial(row.load, path, device)
     if copied and device.type == "cpu":
         loaders = {name: (load if name in streamed else functools.partial(_copied, load))

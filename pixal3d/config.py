@@ -192,6 +192,7 @@ class WeightsConfig:
     naf:     the NAF upsampler weights (one file)
     rembg:   the ``rembg`` model name for opaque inputs (``None``: inputs must carry an alpha channel)
     moge:    MoGe-2 (only used when no field of view is given); ``None`` = not configured
+    shape_encoder: TRELLIS.2's shape encoder (only used to texture a given mesh); ``None`` = not configured
     pipeline_json: the file in ``pixal3d`` that names the checkpoints and the normalization
              (``pipeline_mv.json``: upstream's multi-view denoisers, ``ckpts/*_mv``)
     """
@@ -201,6 +202,7 @@ class WeightsConfig:
     naf: WeightSource
     rembg: str | None = "birefnet-general"
     moge: WeightSource | None = None
+    shape_encoder: WeightSource | None = None
     pipeline_json: str = "pipeline.json"
 
 

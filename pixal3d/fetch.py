@@ -32,10 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the cascade config whose weights to fetch (default: the shipped 1024_cascade)")
     parser.add_argument("--no-moge", action="store_true", help="skip MoGe-2 (runs that always pass --fov)")
     parser.add_argument("--no-rembg", action="store_true", help="skip rembg's model (inputs with alpha only)")
+    parser.add_argument("--mesh", action="store_true",
+                        help="also TRELLIS.2's shape encoder (about 0.95 GB), which texturing a given mesh (--mesh) needs")
     return parser
 
 
-def fetch_all(config_file: str | Path, *, moge: bool = True, rembg: bool = True, rounds: int = 3) -> list[Path]:
+def fetch_all(config_file: str | Path, *, moge: bool = True, rembg: bool = True, encoder: bool = False,
+              rounds: int = 3) -> list[Path]:
     """Download what the config at ``config_file`` needs and is not on disk; the files written. Raises
     ``WeightsError`` (``MissingWeightsError`` naming what is still missing when a download failed)."""
     from pixal3d.config import load_config
@@ -45,7 +48,7 @@ def fetch_all(config_file: str | Path, *, moge: bool = True, rembg: bool = True,
     config = load_config(config_file)
     written: list[Path] = []
     for _ in range(rounds):  # pipeline.json first names the checkpoints; a second listing reads it
-        listing = missing_files(config.weights, include_moge=moge)
+        listing = missing_files(config.weights, include_moge=moge, include_encoder=encoder)
         entries = merged_missing(listing.missing)
         if not entries:
             break
@@ -63,7 +66,7 @@ def fetch_all(config_file: str | Path, *, moge: bool = True, rembg: bool = True,
                 online.missing.append(entry)
         online.raise_missing()
     else:
-        missing_files(config.weights, include_moge=moge).raise_missing()
+        missing_files(config.weights, include_moge=moge, include_encoder=encoder).raise_missing()
     if rembg and config.weights.rembg:
         written.extend(fetch_rembg(config.weights.rembg))
     return written
@@ -92,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(the runs afterwards may set it)", file=sys.stderr)
         return 2
     try:
-        written = fetch_all(args.config, moge=not args.no_moge, rembg=not args.no_rembg)
+        written = fetch_all(args.config, moge=not args.no_moge, rembg=not args.no_rembg, encoder=args.mesh)
     except HubUnreachableError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

@@ -125,11 +125,12 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     ``pixal3d-fetch`` command.
     """
     offline = hub_offline() if offline is None else offline
-    models = list(STANDING_MODELS) if models is None else \
-        list(models)
+    models = list(STANDING_MODELS) if models is None else list(models)
+    if need_moge and "moge" not in models:
+        models.append("moge")
     fetch = Fetcher(offline=offline, generate=generate, config_file=config_file)
 
-    pipe_dir, pipeline, checkpoints, sources = _locate(fetch, weights, models, need_moge)
+    pipe_dir, pipeline, checkpoints, sources = _locate(fetch, weights, models)
     fetch.raise_missing()  # everything missing, from every source, in one error
 
     # 3. every safetensors file the run will read must be whole
@@ -144,8 +145,10 @@ def resolve_weights(weights: WeightsConfig, *, models: Iterable[str] | None = No
     return resolved
 
 
-def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge: bool) -> tuple[Any, ...]:
-    """Steps 1-2 of ``resolve_weights``: every file's place, what is missing recorded in ``fetch``."""
+def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str]) -> tuple[Any, ...]:
+    """Steps 1-2 of ``resolve_weights``: every file's place, what is missing recorded in ``fetch`` (a model with a
+    source of its own is located when ``models`` names it; an on-demand one, MoGe-2 or the shape encoder, only
+    then)."""
     wanted = [m for m in models if m in PIPELINE_MODELS]
     # 1. the pipeline file (pipeline.json), then the checkpoints it names for the models this run uses
     name = weights.pipeline_json
@@ -161,10 +164,11 @@ def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge
     else:
         expect_pinned_checkpoints(fetch, weights, wanted)
 
-    # 2. the models with a source of their own (pixal3d.weight_sources): DINOv3, NAF, MoGe-2 when asked for
+    # 2. the models with a source of their own (pixal3d.weight_sources): DINOv3, NAF, MoGe-2 and the shape encoder
+    #    when asked for
     sources: dict[str, Path] = {}
     for row in MODEL_SOURCES:
-        if not (need_moge if row.on_demand else row.name in models):
+        if row.name not in models:
             continue
         source = row.source(weights)
         if source is None:
@@ -175,13 +179,16 @@ def _locate(fetch: Fetcher, weights: WeightsConfig, models: list[str], need_moge
     return pipe_dir, pipeline, checkpoints, sources
 
 
-def missing_files(weights: WeightsConfig, *, include_moge: bool, config_file: str | None = None) -> Fetcher:
+def missing_files(weights: WeightsConfig, *, include_moge: bool, include_encoder: bool = False,
+                  config_file: str | None = None) -> Fetcher:
     """A ``Fetcher`` holding every file a run of ``weights`` needs that is not on disk (its ``missing``; the
     checkpoints of a ``pipeline.json`` not downloaded yet from ``PINNED_CHECKPOINTS``), found without the network:
-    the one list ``pixal3d-fetch`` downloads and a missing-weights error names."""
+    the one list ``pixal3d-fetch`` downloads and a missing-weights error names. MoGe-2 with ``include_moge``, the
+    shape encoder (texturing a given mesh) with ``include_encoder``."""
     fetch = Fetcher(offline=True, generate=None, config_file=config_file)
-    on_demand = include_moge and all(r.source(weights) is not None for r in MODEL_SOURCES if r.on_demand)
-    _locate(fetch, weights, list(STANDING_MODELS), on_demand)
+    asked = {"moge": include_moge, "shape_encoder": include_encoder}
+    on_demand = [r.name for r in MODEL_SOURCES if r.on_demand and r.source(weights) is not None and asked[r.name]]
+    _locate(fetch, weights, [*STANDING_MODELS, *on_demand])
     return fetch
 
 

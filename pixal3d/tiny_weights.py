@@ -7,6 +7,7 @@ code as the real one::
     <root>/dinov3/config.json, model.safetensors                      (transformers DINOv3ViTModel)
     <root>/naf/naf.json, naf.safetensors                              (NAF, registered model json)
     <root>/moge/model.pt                                              (MoGe-2: {model_config, model})
+    <root>/shape_encoder/ckpts/shape_enc_next_dc_f16c32_fp16.*        (TRELLIS.2's shape encoder, for --mesh)
 
 The multi-view demo (``configs/tiny_mv.yaml``, ``generate: tiny-mv``) has its own folder, ``<cache>/tiny/
 tiny-mv-v1/pixal3d``: ``pipeline_mv.json`` naming four flows of their own (``ckpts/*_mv``: the same networks,
@@ -46,7 +47,7 @@ from pixal3d.locks import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
-TINY_VERSION = "tiny-v6"
+TINY_VERSION = "tiny-v7"
 TINY_MEGABYTES = 10  # what the generated folder takes on disk (about 4 MB), with room to spare
 
 DINO_HIDDEN = 64
@@ -133,6 +134,13 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], torch.dtype]] = {
     "tex_slat_decoder": (
         "ckpts/tex_dec_tiny", _decoder("SparseUnetVaeDecoder", out_channels=6, pred_subdiv=False), torch.float32),
 }
+
+SHAPE_ENCODER: tuple[str, dict[str, Any], torch.dtype] = (
+    "ckpts/shape_enc_next_dc_f16c32_fp16", {"name": "FlexiDualGridVaeEncoder", "args": dict(
+        model_channels=[8, 16, 32], latent_channels=LATENT, num_blocks=[1, 1, 1],
+        block_type=["SparseConvNeXtBlock3d"] * 3, down_block_type=["SparseResBlockS2C3d"] * 2, use_fp16=False)},
+    torch.float32)
+"""The mirror of the tiny shape decoder (``tiny-v7``): the 48 grid's dual grid -> the 12 grid's latent."""
 
 # Biases that make random networks produce a usable structure (see the module docstring).
 SPECIAL_SCALES: dict[tuple[str, str], float] = {
@@ -280,6 +288,7 @@ def write_tiny_weights(folder: Path) -> Path:
         _write_dinov3(folder / "dinov3")
         _write_naf(folder / "naf")
         _write_moge(folder / "moge")
+        _write_checkpoint(folder / "shape_encoder", "shape_encoder", table={"shape_encoder": SHAPE_ENCODER})
     return folder
 
 

@@ -97,6 +97,16 @@ def load_naf_weights(path: Path, device: Any) -> Any:
     return load_naf(path, device=device)
 
 
+SHAPE_ENCODER_STEM = "ckpts/shape_enc_next_dc_f16c32_fp16"
+"""TRELLIS.2's shape encoder in ``microsoft/TRELLIS.2-4B`` (its ``texturing_pipeline.json``'s ``shape_slat_encoder``)."""
+
+
+def load_shape_encoder_folder(folder: Path, device: Any) -> Any:
+    from pixal3d.models.loading import load_model
+
+    return load_model(folder / SHAPE_ENCODER_STEM, device=device)
+
+
 def load_moge_folder(folder: Path, device: Any) -> Any:
     from pixal3d.models.moge import load_moge
 
@@ -109,6 +119,11 @@ MODEL_SOURCES: tuple[ModelSource, ...] = (
     ModelSource("moge", load_moge_folder, files=(MOGE_FILE,), tensors=MOGE_FILE, on_demand=True, sized_late=True,
                 absent="no MoGe-2 source is configured (weights.moge) and no field of view was given; pass fov=DEG "
                        "or add weights.moge to the config"),
+    ModelSource("shape_encoder", load_shape_encoder_folder,
+                files=(f"{SHAPE_ENCODER_STEM}.json", f"{SHAPE_ENCODER_STEM}.safetensors"),
+                tensors=f"{SHAPE_ENCODER_STEM}.safetensors", on_demand=True,
+                absent="texturing a given mesh needs TRELLIS.2's shape encoder, and the config names no source for it "
+                       "(weights.shape_encoder: microsoft/TRELLIS.2-4B, as configs/1024_cascade.yaml has)"),
 )
 """Every model with a source of its own, in the order files are located and named in a missing-weights error."""
 

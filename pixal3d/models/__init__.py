@@ -9,3 +9,4 @@ from .sparse_structure_flow import SparseStructureFlowModel
 from .sparse_structure_decoder import SparseStructureDecoder
 from .sparse_unet_vae import FlexiDualGridVaeDecoder, SparseUnetVaeDecoder
 from .naf import NAF
+from .shape_encoder import FlexiDualGridVaeEncoder

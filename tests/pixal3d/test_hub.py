@@ -166,7 +166,7 @@ def test_tiny_weights_are_the_same_bytes_every_time(tmp_path, tiny_cache):
     fresh = write_tiny_weights(tmp_path / "again")
     reference = _tiny_dir(tiny_cache)
     files = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
-    assert len(files) == 7 * 2 + 1 + 2 + 2 + 1  # checkpoints, pipeline.json, DINOv3, NAF, MoGe-2
+    assert len(files) == 7 * 2 + 1 + 2 + 2 + 1 + 2  # checkpoints, pipeline.json, DINOv3, NAF, MoGe-2, shape encoder
     for rel in files:
         assert (fresh / rel).read_bytes() == (reference / rel).read_bytes(), rel
 

@@ -1,0 +1,179 @@
+"""The shape encoder of TRELLIS.2 (``shape_enc_next_dc_f16c32_fp16``): a mesh's flexible dual grid -> shape latent.
+
+The mirror of the shape decoder (``sparse_unet_vae.FlexiDualGridVaeDecoder``): per voxel of the 1024 grid, its
+dual-vertex offset inside the voxel and its three edge flags (``DualGridFields``) go in as six channels
+(``offset - 0.5``, ``flag - 0.5``); stages of ConvNeXt blocks, each but the last ending in a space-to-channel
+residual block (S2C) that folds every 2×2×2 children into their parent, halve the grid four times (1024 -> 64);
+a non-affine layer norm and ``to_latent`` give the posterior's mean and log-variance, of which the mean is the
+latent ``[N, 32]`` (TRELLIS.2's ``encode_shape_slat`` samples no posterior). Structure, key names and precision
+placement follow ``trellis2/models/sc_vaes/sparse_unet_vae.py`` (``SparseUnetVaeEncoder``,
+``SparseResBlockS2C3d``) and ``fdg_vae.py`` (``FlexiDualGridVaeEncoder``): the torso's convolutions and linears
+fp16, ``input_layer``/``to_latent`` and the layer norms fp32.
+
+``encode`` also returns, per S2C block, which children each parent had (``[P, 8]`` bool): the voxels the texture
+decoder must decode back to. TRELLIS.2's texture decoder finds them in the encoder's spatial cache (its C2S blocks
+undo the encoder's S2C); here they are explicit, and ``guide_logits`` turns them into the subdivision logits our
+decoder takes (``guide_subs``), row for row in the decoder's order.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..mesh.fields import DualGridFields
+from ..nn.norms import LayerNorm32
+from ..nn.sparse_conv import SparseConv3d
+from ..nn.sparse_ops import SparseLinear, space_to_channel, subdivide
+from ..nn.sparse_tensor import SparseTensor
+from .loading import register_model
+from .sparse_unet_vae import SparseConvNeXtBlock3d, _block_kwargs
+
+DOWN_BLOCK_TYPES = ("SparseResBlockS2C3d",)
+
+
+class SparseResBlockS2C3d(nn.Module):
+    """Space-to-channel residual block: ``[M, Cin]`` on grid 2R -> ``[P, Cout]`` on grid R (P parents).
+
+    ``h = conv2(silu(norm2(S2C(conv1(silu(norm1(x)))))))`` with ``conv1: Cin -> Cout/8`` on the children, and
+    skip = ``S2C(x)`` ``[P, 8·Cin]`` averaged over groups of ``8·Cin/Cout`` consecutive channels. Absent children
+    are zeros in both (as TRELLIS.2's ``SparseSpatial2Channel``).
+    """
+
+    def __init__(self, channels: int, out_channels: int):
+        super().__init__()
+        if out_channels % 8 or (8 * channels) % out_channels:
+            raise ValueError(f"SparseResBlockS2C3d({channels}, {out_channels}): out_channels must be divisible by 8 "
+                             f"and 8·channels by out_channels")
+        self.channels, self.out_channels = channels, out_channels
+        self.norm1 = LayerNorm32(channels, elementwise_affine=True, eps=1e-6)
+        self.conv1 = SparseConv3d(channels, out_channels // 8, 3)
+        self.norm2 = LayerNorm32(out_channels, elementwise_affine=False, eps=1e-6)
+        self.conv2 = SparseConv3d(out_channels, out_channels, 3)
+
+    def forward(self, x: SparseTensor) -> tuple[SparseTensor, torch.Tensor]:
+        """-> ``(h [P, Cout] on the parents, sorted by (b, x, y, z); children mask [P, 8] bool)``."""
+        h = self.conv1(x.replace(F.silu(self.norm1(x.feats))))
+        h, mask = space_to_channel(h)  # [P, Cout]
+        folded, _ = space_to_channel(x)  # [P, 8·Cin]
+        skip = folded.feats.reshape(folded.feats.shape[0], self.out_channels, -1).mean(dim=-1)
+        h = self.conv2(h.replace(F.silu(self.norm2(h.feats))))
+        return h.replace(h.feats + skip), mask
+
+
+@dataclass
+class EncodedShape:
+    """What ``encode`` gives: the latent ``[N, latent_channels]`` fp32 on the coarse grid, and per S2C block (finest
+    first) the children mask ``[P, 8]`` of its parents with the parents' coordinates ``[P, 4]``."""
+
+    latent: SparseTensor
+    masks: list[torch.Tensor]
+    parents: list[torch.Tensor]
+
+    def guide_logits(self) -> list[SparseTensor]:
+        """The texture decoder's ``guide_subs`` (coarsest first): per C2S block, ``+1`` for a child the mesh has and
+        ``-1`` for one it has not, in the rows of the decoder's coordinates at that stage (its subdivision orders
+        children parent by parent; the encoder's parents are sorted), so it decodes exactly the encoded voxels."""
+        coords = self.latent.coords
+        guides = []
+        for mask, parents in zip(reversed(self.masks), reversed(self.parents)):
+            rows = _rows_of(coords, parents)
+            chosen = mask.index_select(0, rows)
+            guides.append(SparseTensor(torch.where(chosen, 1.0, -1.0).to(torch.float32), coords))
+            coords, _ = subdivide(coords, chosen)
+        return guides
+
+
+def _rows_of(coords: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The row of ``table [P, 4]`` (sorted by (b, x, y, z), unique) holding each of ``coords [N, 4]``."""
+    key = _linear_key(table)
+    rows = torch.searchsorted(key, _linear_key(coords))
+    if rows.numel() and (rows.max() >= key.numel() or not torch.equal(key[rows], _linear_key(coords))):
+        raise ValueError("the decoder's coordinates are not the encoder's parents (a latent of another mesh?)")
+    return rows
+
+
+def _linear_key(coords: torch.Tensor) -> torch.Tensor:
+    c = coords.to(torch.int64)
+    return ((c[:, 0] * 4096 + c[:, 1]) * 4096 + c[:, 2]) * 4096 + c[:, 3]
+
+
+@register_model("FlexiDualGridVaeEncoder")
+class FlexiDualGridVaeEncoder(nn.Module):
+    """Flexible dual grid ``[M, 6]`` on the fine grid -> shape latent ``[N, latent_channels]`` on a ``2^(stages-1)``×
+    coarser grid."""
+
+    stream_unit = r"blocks\.\d+\.\d+\."  # one block of one stage in the checkpoint
+
+    def __init__(self, model_channels: Sequence[int], latent_channels: int, num_blocks: Sequence[int],
+                 block_type: Sequence[str], down_block_type: Sequence[str],
+                 block_args: Sequence[dict[str, Any]] | None = None, use_fp16: bool = False):
+        super().__init__()
+        stages = len(num_blocks)
+        if len(model_channels) != stages or len(block_type) != stages or len(down_block_type) != stages - 1:
+            raise ValueError(f"encoder config: model_channels ({len(model_channels)}), num_blocks ({stages}), "
+                             f"block_type ({len(block_type)}) need one entry per stage and down_block_type "
+                             f"({len(down_block_type)}) one per stage boundary")
+        if any(name != "SparseConvNeXtBlock3d" for name in block_type):
+            raise ValueError(f"block_type {list(block_type)} is not implemented; supported: SparseConvNeXtBlock3d")
+        for name in down_block_type:
+            if name not in DOWN_BLOCK_TYPES:
+                raise ValueError(f"down_block_type {name!r} is not implemented; supported: {DOWN_BLOCK_TYPES}")
+        kwargs = _block_kwargs(block_args, stages)
+        self.latent_channels = latent_channels
+        self.dtype = torch.float16 if use_fp16 else torch.float32
+        self.input_layer = SparseLinear(6, model_channels[0])
+        self.blocks = nn.ModuleList()
+        for i in range(stages):
+            stage = nn.ModuleList(SparseConvNeXtBlock3d(model_channels[i], **kwargs[i]) for _ in range(num_blocks[i]))
+            if i < stages - 1:
+                stage.append(SparseResBlockS2C3d(model_channels[i], model_channels[i + 1]))
+            self.blocks.append(stage)
+        self.to_latent = SparseLinear(model_channels[-1], 2 * latent_channels)
+        for module in self.blocks.modules():  # the torso's convs/linears in fp16; norms and ends stay fp32
+            if isinstance(module, (SparseConv3d, nn.Linear)):
+                module.to(self.dtype)
+
+    @property
+    def num_downsamplings(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def stream_lists(self) -> tuple[str, ...]:
+        return tuple(f"blocks.{i}" for i in range(len(self.blocks)))
+
+    @staticmethod
+    def inputs(fields: DualGridFields) -> SparseTensor:
+        """The encoder's six input channels from a flexible dual grid (one sample, batch index 0): the dual vertex's
+        offset in the voxel less 0.5 and each edge flag less 0.5 (TRELLIS.2's ``FlexiDualGridVaeEncoder.forward``)."""
+        coords = torch.cat([torch.zeros_like(fields.coords[:, :1]), fields.coords], dim=1).to(torch.int32)
+        feats = torch.cat([fields.dual_vertices.float() - 0.5, fields.intersected.float() - 0.5], dim=1)
+        return SparseTensor(feats, coords)
+
+    def forward(self, x: SparseTensor) -> SparseTensor:
+        """``x [M, 6]`` (``inputs``) -> the latent (the posterior's mean) ``[N, latent_channels]`` fp32."""
+        return self.encode_inputs(x).latent
+
+    @torch.no_grad()
+    def encode(self, fields: DualGridFields) -> EncodedShape:
+        """A mesh's flexible dual grid -> its ``EncodedShape`` (latent and the children masks)."""
+        return self.encode_inputs(self.inputs(fields))
+
+    def encode_inputs(self, x: SparseTensor) -> EncodedShape:
+        h = self.input_layer(x.type(self.input_layer.weight.dtype)).type(self.dtype)
+        masks, parents = [], []
+        for i, stage in enumerate(self.blocks):
+            for block in stage[:-1] if i < self.num_downsamplings else stage:
+                h = block(h)
+            if i < self.num_downsamplings:
+                h, mask = stage[-1](h)
+                masks.append(mask)
+                parents.append(h.coords)
+        h = h.type(torch.float32)
+        h = self.to_latent(h.replace(F.layer_norm(h.feats, h.feats.shape[-1:])))
+        mean = h.feats[:, :self.latent_channels]
+        return EncodedShape(latent=h.replace(mean.contiguous()), masks=masks, parents=parents)
