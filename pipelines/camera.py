@@ -16,7 +16,7 @@ from pixal3d.memory_budget import (
     CAMERA_FLOAT32_BYTES,
     CAMERA_MEASURED_WEIGHT_BYTES,
 )
-from pixal3d.models.camera import camera_from_fov, estimate_camera
+from pixal3d.models.camera import camera_from_fov, estimate_camera_and_points
 from pixal3d.staging import preserved_rng
 
 from .stage import CascadeStage, StageBudget
@@ -42,6 +42,7 @@ class CameraStage(CascadeStage):
         self.weight_bytes = 0  # MoGe-2's, once fitted (0: unknown)
         self.device: str | None = None  # the device it runs on, once fitted (None: unknown)
         self.needs = ("moge",) if self.use_moge else ()
+        self.keep_points = False  # a --mesh run's camera also keeps MoGe-2's object points (``with_points``)
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> CameraStage:
@@ -49,6 +50,14 @@ class CameraStage(CascadeStage):
         fov = config.camera.fov_deg
         return cls(fov, use_moge=fov is None and config.weights.moge is not None,
                    precision=config.camera.moge_precision)
+
+    def with_points(self) -> CameraStage:
+        """A copy that also writes ``scene_points``: MoGe-2's points of the object, for ``--mesh-pose estimate``
+        (None when MoGe-2 does not run: a field of view was given)."""
+        stage = copy.copy(self)
+        stage.keep_points = True
+        stage.outputs = (*self.outputs, "scene_points")
+        return stage
 
     def fitted(self, budget: StageBudget) -> CameraStage:
         """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them) and its device (which
@@ -77,12 +86,17 @@ class CameraStage(CascadeStage):
         fov = state.fov_deg if state.fov_deg is not None else self.fov_deg
         if fov is not None:
             state.camera = camera_from_fov(math.radians(fov))
+            if self.keep_points:
+                state.scene_points = None
         else:
             # The reference estimates the camera before seeding: whatever MoGe draws must not move
             # the four noise draws that follow.
             with preserved_rng():
-                state.camera = estimate_camera(state.image, models["moge"] if self.use_moge else None,
-                                               use_fp16=moge_fp16(self.precision, state.device))
+                state.camera, points = estimate_camera_and_points(
+                    state.image, models["moge"] if self.use_moge else None,
+                    use_fp16=moge_fp16(self.precision, state.device), points=self.keep_points)
+            if self.keep_points:
+                state.scene_points = points
 
 
 def moge_fp16(precision: str, device: torch.device | str) -> bool:

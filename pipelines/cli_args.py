@@ -19,6 +19,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--views", nargs="+", type=Path, default=None, metavar="DIR",
                         help="posed views instead of images: folder(s) holding a transforms.json and the view images "
                              "(docs/views.md); default config 1024_cascade_mv")
+    parser.add_argument("--mesh", action="append", type=Path, default=None, metavar="MESH",
+                        help="texture this mesh (GLB, OBJ or PLY) from the image instead of generating one; its "
+                             "vertices and faces are kept, its UVs too when it has them (docs/mesh-input.md)")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="output .glb (one input) or folder (several); default outputs/<name>.glb")
     parser.add_argument("--config", type=Path, default=None,

@@ -81,6 +81,14 @@ def _flag(value: Any) -> bool:
     return value
 
 
+def _mesh_pose(pose: Any) -> str:
+    from .inputs.mesh import MESH_POSES
+
+    if pose not in MESH_POSES:
+        raise SettingError("mesh_pose", f"mesh pose {pose!r} is not one of {list(MESH_POSES)}")
+    return pose
+
+
 def check_policy(policy: Any) -> str:
     """``policy`` if it names a memory policy (``POLICIES``), else a ``SettingError``."""
     if policy not in POLICIES:
@@ -196,6 +204,10 @@ SETTINGS: tuple[Setting, ...] = (
             "compress the GLB's geometry: meshopt (EXT_meshopt_compression, needs the [compress] extra; default: "
             "the config's export.compression, none)", choices=lambda: COMPRESSIONS, export="compression",
             config=lambda config: config.export.compression),
+    Setting("mesh_pose", "choice", "--mesh-pose", "mesh-pose", "mesh pose",
+            "--mesh: how the mesh sits in the image's frame: aligned (as it lies, as --shape-only writes it; the "
+            "default) or estimate (registered to MoGe-2's points of the image; not with --fov)",
+            choices=lambda: ("aligned", "estimate"), check=_mesh_pose, per_kind=True),
     Setting("shape_only", "flag", "--shape-only", "shape-only", "shape only (an untextured mesh)",
             "stop after the shape decode: an untextured GLB; with --work-dir, the same command without --shape-only "
             "resumes into the texture (docs/shape-first.md)", default=False, check=_flag, plans=True),
@@ -278,6 +290,8 @@ class Job:
     texture_format: str | None = None
     compression: str | None = None
     shape_only: bool = False               # stop after the shape decode: an untextured GLB (docs/shape-first.md)
+    mesh_pose: str | None = None           # --mesh: aligned (None: the default) or estimate
+    mesh: Path | None = None               # --mesh: the mesh every image of the job textures
     device: str | None = None
     parallel: ParallelAsk = field(default_factory=ParallelAsk)
     images: tuple[JobImage, ...] = ()
@@ -308,7 +322,8 @@ class Job:
         parallel = ParallelAsk(args.parallel, args.pp, parse_pp_split(args.pp_split), args.patches, args.warmup,
                                args.data_groups, args.parallel_timeout)
         return cls.build(config, {s.name: getattr(args, s.name) for s in SETTINGS}, device=args.device,
-                         parallel=parallel, inputs=given[kind.name], input_kind=kind.name, output=args.output,
+                         parallel=parallel, inputs=tuple(kind.command_inputs(given)), input_kind=kind.name,
+                         mesh=next(iter(given.get("mesh") or ()), None), output=args.output,
                          keep_latents=args.keep_latents, trace=args.trace, work_dir=args.work_dir,
                          order=args.batch_order, plan_only=args.plan, quiet=args.quiet, command=tuple(command))
 

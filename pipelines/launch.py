@@ -18,6 +18,7 @@ The front end speaks through a ``Voice``: what it prints, in its own words.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -330,6 +331,10 @@ def prepare(job: Job, held: ExitStack, rank: Rank, *, voice: Voice) -> Prepared:
     with a field of view given, no camera model). A data job's ranks != 0 leave the locks to rank 0
     and open the work directory after it."""
     kind, options = job.kind, {"num_views": job.num_views}
+    if job.mesh is not None:  # read and checked once, before any weight (MeshError: one line)
+        from .inputs.mesh import read_run_mesh
+
+        job = dataclasses.replace(job, mesh=read_run_mesh(job.mesh, job.mesh_pose))
     inputs = everything = kind.expand(job.inputs)
     refused: list[tuple[Path, ImageError]] = []
     if job.several:

@@ -4,19 +4,19 @@
     result = pipe.run("input.png", seed=42)                   # or a PIL image, or a uint8 array
     result.save("out.glb")
 
-``Pixal3D.plan(config)`` decides before any weight is read what each stage needs (weights from the
-safetensors headers, working sets from the stages' own estimates) and which memory policy to run;
-``from_plan`` then fetches the weights and builds the pipeline on the same stage objects (the command
-prints the plan in between, and ``--plan`` stops there). Models load when their stage first asks for
-them; the policy decides where they live between stages and between runs. ``close()`` releases them.
+``Pixal3D.plan(config)`` decides before any weight is read what each stage needs (weights from the safetensors
+headers, working sets from the stages' own estimates) and which memory policy to run; ``from_plan`` then fetches the
+weights and builds the pipeline on the same stage objects (the command prints the plan in between, and ``--plan``
+stops there). Models load when their stage first asks for them; the policy decides where they live between stages
+and between runs. ``close()`` releases them.
 
-Every run goes through one executor (``pixal3d.staging.executor``): ``run`` is a batch of one, ``run_batch``
-takes several inputs stage by stage (each model loaded once per batch) or one by one and can resume from
-a work directory (``batch.py``, ``work_dir.py``). What an input is (an image, posed views) is its kind's
-(``pipelines.inputs``). Under torchrun the process's rank (``pipelines.ranks``: built per role by
-``pipelines.launch``, or from ``parallel=ParallelSettings(...)``) is consulted at the plan, the loaders, the hooks,
-the sampler and the drive: with CFG / PipeFusion rank 0 runs images and every other rank calls ``follow()``; a data
-group (``--parallel data``) runs its share of the images whole.
+Every run goes through one executor (``pixal3d.staging.executor``): ``run`` is a batch of one, ``run_batch`` takes
+several inputs stage by stage (each model loaded once per batch) or one by one and can resume from a work directory
+(``batch.py``, ``work_dir.py``). What an input is (an image, posed views, an image with a mesh) is its kind's
+(``pipelines.inputs``). Under torchrun the process's rank (``pipelines.ranks``: built per role by ``pipelines.launch``,
+or from ``parallel=ParallelSettings(...)``) is consulted at the plan, the loaders, the hooks, the sampler and the
+drive: with CFG / PipeFusion rank 0 runs images and every other rank calls ``follow()``; a data group (``--parallel
+data``) runs its share of the images whole.
 """
 from __future__ import annotations
 
@@ -172,41 +172,41 @@ class Pixal3D:
         return self.run_plan.follower
 
     # -- running -----------------------------------------------------------------------------
-    def run(self, image: Any = None, *, views: Any = None, num_views: int | None = None, seed: int | None = None,
-            fov: float | None = None, events: Callable[[Event], None] | None = None, progress: bool = False,
+    def run(self, image: Any = None, *, views: Any = None, mesh: Any = None, mesh_pose: str | None = None,
+            num_views: int | None = None, seed: int | None = None, fov: float | None = None,
+            events: Callable[[Event], None] | None = None, progress: bool = False,
             callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
             trace_meta: Mapping[str, Any] | None = None, name: str | None = None) -> Result:
         """Take one image (or, on a multi-view config, one views folder) through every stage and return the
         ``Result`` (nothing is written to disk): a batch of one (``run_batch``), whose errors are raised.
 
         image:     a path, a PIL image or a uint8 array (RGBA: the alpha marks the object)
-        views:     the multi-view cascade's input instead (a config with ``views``): a folder with a
-                   ``transforms.json`` (``pixal3d.models.views``) or a ``ViewSet`` from ``read_views``
-        num_views: use the first N views of the folder (default: all)
+        views:     the multi-view cascade's input instead (a config with ``views``): a folder with a ``transforms.json``
+                   (``pixal3d.models.views``) or a ``ViewSet`` from ``read_views``; ``num_views``: its first N (all)
+        mesh:      a mesh to texture from the image (``pipelines.inputs.mesh``), ``mesh_pose`` aligned or estimate
         seed:      the run's seed (default: the config's); the run owns a CPU generator seeded with it
         fov:       horizontal field of view in degrees (default: the config's, else MoGe-2, else 49.1); not with views
-        events:    also receives this run's registry events (loads, releases, stage changes)
-        progress:  tqdm bars for stages, sampler steps and export steps
-        callback:  ``{"kind": "stage", "stage", "index", "stages", "image", "image_index", "images"}`` as each
-                   stage starts and ``{"kind": "step", "stage", "step", "steps", ...}`` after each sampler step
-        trace:     also write the memory trace (JSONL) there, its start record extended by ``trace_meta``
-        name:      what run.json calls the input (default: the path, or "<image>")
+        events:    also receives this run's registry events (loads, releases, stage changes); progress: tqdm bars
+        callback:  ``{"kind": "stage", "stage", "index", "stages", "image", "image_index", "images"}`` as each stage
+                   starts, ``{"kind": "step", "stage", "step", "steps", ...}`` after each sampler step
+        trace:     also write the memory trace (JSONL) there, its start record extended by ``trace_meta``; name: what
+                   run.json calls the input (default: the path, or "<image>")
         """
-        kind, source = self._input({"image": image, "views": views}, {"fov": fov, "num_views": num_views})
+        kind, source, opens = self._input({"image": image, "views": views, "mesh": mesh},
+                                          {"fov": fov, "num_views": num_views, "mesh_pose": mesh_pose})
         kind.check(source, kind.argument)
         arguments.check_optional(name, "name", (str,), "a string")
         arguments.check_run_arguments(events=events, progress=progress, callback=callback, trace=trace)
         items = image_items([source], seed=seed, fov=fov, default_seed=self.config.seed,
                             labels=[name] if name else [kind.label(source)], names=[kind.default_name(source, 0)])
-        [item] = self._execute(items, "image", num_views=num_views, events=events, progress=progress,
+        [item] = self._execute(items, "image", opens=opens, events=events, progress=progress,
                                callback=callback, trace=trace, trace_meta=trace_meta)
         return item.result
 
-    def run_batch(self, images: Sequence[Any] | None = None, *, views: Sequence[Any] | None = None,
-                  num_views: int | None = None, seed: int | Sequence[int] | None = None,
+    def run_batch(self, images: Sequence[Any] | None = None, *, views: Sequence[Any] | None = None, mesh: Any = None,
+                  mesh_pose: str | None = None, num_views: int | None = None, seed: int | Sequence[int] | None = None,
                   fov: float | Sequence[float | None] | None = None, names: Sequence[str] | None = None,
-                  order: BatchOrder | None = None,
-                  work_dir: str | Path | None = None, state_budget: int | None = None,
+                  order: BatchOrder | None = None, work_dir: str | Path | None = None, state_budget: int | None = None,
                   events: Callable[[Event], None] | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None, trace: str | Path | None = None,
                   trace_meta: Mapping[str, Any] | None = None) -> Iterator[BatchItem]:
@@ -214,12 +214,13 @@ class Pixal3D:
         work directory; yields one ``BatchItem`` per image (its ``Result``, or the error that stopped it) as it
         finishes. ``seed`` and ``fov``: one, or one per image; ``names``: what outputs and records call each image
         (default: the file's stem, else image<i>; a views folder's name); ``views``/``num_views``: views folders
-        instead of images, on a multi-view config (as ``run``); ``order``: default ``default_order(policy)``;
-        ``state_budget``: bytes of states kept in memory between stages (default ``RunPlan.state_budget()``; 0: all on
-        disk); the rest as for ``run`` (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in
-        image order). A data group's rank (``pipelines.launch``) runs only the images its group claims (in
-        ``work_dir``) or is given (i mod K), and yields those."""
-        kind, sources = self._input({"image": images, "views": views}, {"fov": fov, "num_views": num_views})
+        instead of images, on a multi-view config (as ``run``); ``mesh``/``mesh_pose``: one mesh textured from each
+        image (as ``run``); ``order``: default ``default_order(policy)``; ``state_budget``: bytes of states kept in
+        memory between stages (default ``RunPlan.state_budget()``; 0: all on disk); the rest as for ``run``
+        (``trace``: one file in stage order, ``<stem>.<name><suffix>`` per image in image order). A data group's rank
+        (``pipelines.launch``) runs only the images its group claims (in ``work_dir``) or is given (i mod K)."""
+        kind, sources, opens = self._input({"image": images, "views": views, "mesh": mesh},
+                                           {"fov": fov, "num_views": num_views, "mesh_pose": mesh_pose})
         kind.check_batch(sources, kind.batch_argument)
         arguments.check_names(names)
         arguments.check_optional(work_dir, "work_dir", (str, Path), "a path")
@@ -230,16 +231,17 @@ class Pixal3D:
         names = names if names is not None else [kind.default_name(s, i) for i, s in enumerate(sources)]
         items = image_items(sources, seed=seed, fov=fov, default_seed=self.config.seed, names=names,
                             labels=[kind.label(s) for s in sources])
-        return self._execute(items, order, num_views=num_views, work_dir=work_dir, state_budget=state_budget,
+        return self._execute(items, order, opens=opens, work_dir=work_dir, state_budget=state_budget,
                              events=events, progress=progress, callback=callback, trace=trace, trace_meta=trace_meta,
                              isolate=True)
 
-    def _input(self, given: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[InputKind, Any]:
-        """The kind of input given (``pipelines.inputs``: the one this pipeline was planned for) and its value."""
+    def _input(self, given: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[InputKind, Any, dict[str, Any]]:
+        """The kind of input given (``pipelines.inputs``: the one this pipeline was planned for), its value, and what
+        its ``open`` takes (``inputs.open_options``: the views to use, a mesh read once for every input)."""
         kind = inputs.library_kind(self.config, arguments=given, options=options, planned=self.run_plan.kind)
-        return kind, given.get(kind.argument)
+        return kind, given.get(kind.argument), inputs.open_options(kind, given, options)
 
-    def _execute(self, items: list[BatchItem], order: BatchOrder, *, num_views: int | None = None,
+    def _execute(self, items: list[BatchItem], order: BatchOrder, *, opens: Mapping[str, Any],
                  work_dir: str | Path | None = None, state_budget: int | None = None,
                  events: Callable[[Event], None] | None, progress: bool,
                  callback: Callable[[dict[str, Any]], None] | None, trace: str | Path | None,
@@ -258,13 +260,12 @@ class Pixal3D:
                            kinds=state_codec.declared_kinds(RunState))
         keyed = work_dir is not None or (order == "stage" and len(items) > 1)  # records, or states spilled
         digests = weights_digests(self.weights) if keyed else {}
-        options = {"num_views": num_views}
 
         def open_item(item: BatchItem) -> None:
             """Refuse an unusable input before its first stage (its kind's check, then the stages'); key its stages."""
             try:
-                item.source = kind.open(item.source, options)
-                self.run_plan.check_input(item.source)  # e.g. no alpha and no remover
+                item.source = kind.open(item.source, opens)
+                self.run_plan.check_input(kind.checked(item.source))  # e.g. no alpha and no remover
                 digest = kind.digest(item.source) if keyed else None
             except OSError as err:
                 raise ImageError(f"{item.label} cannot be read ({err.strerror or err})") from None
@@ -289,13 +290,12 @@ class Pixal3D:
     def new_state(self, given: Mapping[str, Any], *, seed: int, fov: float | None = None, progress: bool = False,
                   callback: Callable[[dict[str, Any]], None] | None = None) -> RunState:
         """A fresh ``RunState``: the input's fields (``given``: its kind's ``state``, e.g. ``input_image``, a PIL image
-        or None when no stage still to run reads it), a CPU generator seeded with ``seed``, the other provided
-        fields."""
+        or None when no stage still to run reads it), a CPU generator seeded with ``seed``, the provided fields."""
         fields = {name: None for name in inputs.INPUT_FIELDS} | dict(given)
-        return RunState(
-            **fields, generator=torch.Generator().manual_seed(seed), device=self.device, fov_deg=fov,
-            shape_normalization=self.weights.shape_normalization, tex_normalization=self.weights.tex_normalization,
-            progress=progress, callback=callback, parallel=self._rank.runtime)
+        weights = self.weights
+        return RunState(**fields, generator=torch.Generator().manual_seed(seed), device=self.device, fov_deg=fov,
+                        shape_normalization=weights.shape_normalization, tex_normalization=weights.tex_normalization,
+                        progress=progress, callback=callback, parallel=self._rank.runtime)
 
     def _result(self, item: BatchItem, meter: MemoryMeter | None) -> Result:
         """The ``Result`` of one image (``result.item_result``), with every rank's report of it."""

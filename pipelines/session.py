@@ -120,6 +120,8 @@ class Session:
             images = job.images
             sources = [i.source for i in images]
             inputs = {job.kind.batch_argument: sources, "num_views": job.num_views, "fov": [i.fov for i in images]}
+            if "mesh" in job.kind.arguments:  # one mesh, textured from each image
+                inputs |= {"mesh": job.mesh, "mesh_pose": job.mesh_pose}
             with closing(pipe.run_batch(**inputs, names=[i.name for i in images], seed=[i.seed for i in images],
                                         order=order or job.order, work_dir=job.work_dir,
                                         trace_meta={self.front_end: {"settings": job.settings()}}, **options)) as batch:

@@ -1,5 +1,7 @@
 """Shape export stage of a shape-only run: fields → an untextured mesh and its GLB bytes, in memory (the export's
-mesh steps: extraction, cleanup, simplification; no atlas, no bake). Writing the file is the caller's."""
+mesh steps: extraction, cleanup, simplification; no atlas, no bake). Writing the file is the caller's. An uncompressed
+GLB carries the shape latent and the generator state (``pixal3d.mesh.latent_note``): ``--mesh`` of it, unchanged,
+textures it as the full run would have."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,7 +17,7 @@ class ShapeExportStage(ExportStage):
     """``state.mesh``: the untextured ``ExportedMesh`` (no model needed)."""
 
     name = "shape_export"
-    inputs = ("fields", "progress")
+    inputs = ("fields", "shape_latent", "generator", "progress")
     outputs = ("mesh",)
 
     def working_set(self) -> int:
@@ -26,4 +28,10 @@ class ShapeExportStage(ExportStage):
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         from pixal3d.mesh.export import export_shape  # the mesh code: only when it runs
 
-        state.mesh = export_shape(state.fields, settings=self.settings, progress=state.progress)
+        from pixal3d.mesh.latent_note import add_note
+
+        mesh = export_shape(state.fields, settings=self.settings, progress=state.progress)
+        if self.settings.compression is None:  # the note that lets --mesh of this file continue the run exactly
+            mesh.glb = add_note(mesh.glb, state.shape_latent, state.generator.get_state())
+            mesh.report.file_bytes = len(mesh.glb)
+        state.mesh = mesh

@@ -23,7 +23,7 @@ from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.pipeline_json import Normalization
 
-PROVIDED = ("input_image", "input_views", "generator", "device", "fov_deg", "shape_normalization",
+PROVIDED = ("input_image", "input_views", "input_mesh", "generator", "device", "fov_deg", "shape_normalization",
             "tex_normalization", "progress", "callback", "parallel")
 """The fields ``Pixal3D.run`` sets before the first stage."""
 
@@ -48,12 +48,14 @@ class RunState:
     callback: Callable[[dict[str, Any]], None] | None = None  # progress reports (Pixal3D.run)
     parallel: Any = None                      # pixal3d.parallel.ParallelRuntime under torchrun (rank 0), else None
     input_views: Any = None                   # pixal3d.models.views.ViewSet: the multi-view cascade's input, else None
+    input_mesh: Any = None                    # pixal3d.mesh.user_mesh.UserMesh: a --mesh run's mesh, else None
     # preprocess
     image: Any = stored("image")                          # PIL.Image, RGB, object cropped and composited on black
     # views (the multi-view cascade, instead of preprocess and camera)
     views: Any = stored("views")                          # pixal3d.models.multiview.PosedViews: matted, posed
     # camera
     camera: Any = stored("camera")                        # pixal3d.models.camera.Camera
+    scene_points: torch.Tensor | None = stored("tensor")  # [K, 3] f32 MoGe-2's object points (a --mesh run's)
     # features
     features: Any = stored("features")                    # pixal3d.models.conditioning.ImageFeatures
     # structure
@@ -69,6 +71,9 @@ class RunState:
     # shape_1024
     hr_noise: torch.Tensor | None = stored("tensor")      # [N_hr, 32] f32, CPU
     shape_latent: SparseTensor | None = stored("sparse")  # de-normalized shape latent on coords_hr
+    # mesh_encode (a --mesh run: in place of structure .. shape_1024)
+    mesh_voxels: torch.Tensor | None = stored("tensor")   # [M, 3] int32 the mesh's dual-grid voxels at hr_resolution
+    mesh_pose: Any = stored("dataclass")                  # pixal3d.mesh.user_mesh.MeshPose
     # texture
     tex_noise: torch.Tensor | None = stored("tensor")     # [N_hr, 32] f32, CPU
     tex_latent: SparseTensor | None = stored("sparse")    # de-normalized texture latent on coords_hr

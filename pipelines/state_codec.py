@@ -35,12 +35,13 @@ from PIL import Image
 
 from pixal3d.mesh.fields import DualGridFields, PbrVoxels
 from pixal3d.mesh.records import ExportedMesh, ExportReport, StepReport
+from pixal3d.mesh.user_mesh import MeshPose
 from pixal3d.models.camera import Camera
 from pixal3d.models.conditioning import BackboneFeatures, ImageFeatures
 from pixal3d.models.multiview import PosedViews
 from pixal3d.nn.sparse_tensor import SparseTensor
 
-_DATACLASSES: dict[str, type] = {"DualGridFields": DualGridFields, "PbrVoxels": PbrVoxels}
+_DATACLASSES: dict[str, type] = {"DualGridFields": DualGridFields, "PbrVoxels": PbrVoxels, "MeshPose": MeshPose}
 """Dataclasses of tensors (and plain fields) that ``decode`` may rebuild, by name."""
 
 

@@ -77,7 +77,8 @@ class ModelSource:
         tensors = str(self.tensors)
         path = fetch.cached_file(source, tensors, label=self.label)
         if tensors.endswith(".safetensors"):  # on disk: its header; else the Hub's header (nothing downloaded)
-            return fetch.planned_bytes(source, None if path is None else path.parent, tensors, label=self.label)
+            folder = None if path is None else path.parents[tensors.count("/")]  # tensors may lie in a subfolder
+            return fetch.planned_bytes(source, folder, tensors, label=self.label)
         return checkpoint_bytes(path) if path is not None else fetch.repo_file_size(source, tensors, notes=notes)
 
 

@@ -16,12 +16,13 @@ from pixal3d.config import UsageError
 
 from .image import IMAGE, IMAGE_SUFFIXES, READABLE_IMAGES, ImageInput
 from .kind import InputKind, Uploaded, UploadField
+from .mesh import MESH, MeshInput
 from .views import VIEWS, ViewsInput
 
-__all__ = ["IMAGE", "IMAGE_SUFFIXES", "KINDS", "READABLE_IMAGES", "VIEWS", "ImageInput", "InputKind", "UploadField",
-           "Uploaded", "ViewsInput", "command_kind", "kind_for", "library_kind", "upload_kind"]
+__all__ = ["IMAGE", "IMAGE_SUFFIXES", "KINDS", "MESH", "READABLE_IMAGES", "VIEWS", "ImageInput", "InputKind",
+           "MeshInput", "UploadField", "Uploaded", "ViewsInput", "command_kind", "kind_for", "library_kind", "upload_kind"]
 
-KINDS: tuple[InputKind, ...] = (VIEWS, IMAGE)
+KINDS: tuple[InputKind, ...] = (VIEWS, MESH, IMAGE)
 """Every kind of input; the first whose ``takes`` holds for a config is the one its cascade runs on."""
 BY_NAME = {kind.name: kind for kind in KINDS}
 INPUT_FIELDS = tuple(dict.fromkeys(field for kind in KINDS for field in kind.provides))
@@ -45,7 +46,7 @@ def kind_named(config: Any, name: str | None) -> InputKind:
     if name not in BY_NAME:
         raise ValueError(f"input_kind {name!r} is not one of {sorted(BY_NAME)}")
     kind = BY_NAME[name]
-    if not kind.takes(config, [kind.argument]):
+    if not kind.takes(config, kind.arguments):
         raise ValueError(f"{config.source or config.name} does not take {kind.noun} inputs; its cascade takes "
                          f"{kind_for(config).noun} inputs")
     return kind
@@ -68,6 +69,18 @@ def library_kind(config: Any, *, arguments: Mapping[str, Any], options: Mapping[
         raise ValueError(f"this pipeline was planned for {planned.noun} inputs ({planned.argument}=), not {kind.noun} "
                          f"inputs; plan with input_kind={kind.name!r}")
     return kind
+
+
+def open_options(kind: InputKind, given: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``kind.open`` takes for every input of a run (the library's ``given`` arguments and ``options``): the
+    views to use, and a mesh to texture read and checked once (``MeshError``, one line, before any weight)."""
+    opens = {"num_views": options.get("num_views")}
+    if "mesh" in kind.arguments:
+        from .mesh import read_run_mesh
+
+        mesh = given.get("mesh")
+        opens["mesh"] = mesh if hasattr(mesh, "digest") else read_run_mesh(mesh, options.get("mesh_pose"))
+    return opens
 
 
 def command_kind(config: Any, given: Mapping[str, Sequence[Path]]) -> InputKind:

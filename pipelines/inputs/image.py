@@ -78,6 +78,8 @@ class ImageInput(InputKind):
         raise TypeError(f"{argument} must be {READABLE_IMAGES}, not {type(value).__name__}")
 
     def refuse_option(self, config: Any, name: str) -> str:
+        if name == "mesh_pose":
+            return "mesh_pose goes with a mesh to texture: pass mesh= too, or drop mesh_pose"
         return (f"{config.source or config.name} takes one image: views= and num_views= need a multi-view config "
                 f"(one with a 'views' section, e.g. 1024_cascade_mv.yaml)")
 
@@ -85,6 +87,8 @@ class ImageInput(InputKind):
         if name == "num_views":
             return ("a number of views applies to a multi-view config (one with a views section, e.g. "
                     "1024_cascade_mv); this one takes images")
+        if name == "mesh_pose":
+            return "a mesh pose goes with a mesh to texture (--mesh); drop it"
         return super().refuse_setting(name)
 
     def refuse_other(self, config: Any, argument: str) -> str:

@@ -172,6 +172,10 @@ class InputKind:
         """``source`` checked before its first stage, as the stages take it (``ImageError`` for an unusable one)."""
         return source
 
+    def checked(self, source: Any) -> Any:
+        """What the stages' ``check_input`` takes of an opened ``source`` (the image of an image with a mesh)."""
+        return source
+
     def digest(self, source: Any) -> str:
         """sha256 of ``source`` (what keys its stages' records)."""
         raise NotImplementedError
@@ -213,6 +217,10 @@ class InputKind:
     def refuse_other(self, config: Any, argument: str) -> str:
         """Why another kind's library argument cannot run on ``config`` (of this kind)."""
         return f"{config.source or config.name} takes {self.noun} inputs ({self.argument}=), not {argument}="
+
+    def command_inputs(self, given: Mapping[str, Sequence[Path]]) -> Sequence[Path]:
+        """The command's paths that are this kind's inputs (kind name → paths: its own, by default)."""
+        return given.get(self.name) or ()
 
     def expand(self, paths: Sequence[Path]) -> list[Path]:
         """The command's paths as inputs of this kind (``UsageError`` for one that cannot be)."""

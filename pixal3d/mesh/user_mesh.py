@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pixal3d.models.preprocess import ImageError
+
 MESH_SUFFIXES = (".glb", ".gltf", ".obj", ".ply")
 MAX_FACES = 20_000_000
 """More faces than this are refused (a 1024 grid's decoded surface has about 9M; the bake reads every face)."""
@@ -28,20 +30,22 @@ CUBE = 0.5
 """The cascade's grid spans ``[-CUBE, CUBE]`` per axis."""
 
 
-class MeshError(ValueError):
-    """A mesh that cannot be textured; the message is one line naming the file and what to do."""
+class MeshError(ImageError):
+    """A mesh that cannot be textured; the message is one line naming the file and what to do. An ``ImageError``:
+    every front end reports an unusable input of a run the same way, an image or its mesh."""
 
 
 @dataclass
 class UserMesh:
     """A user's mesh in the cascade's grid frame (+Z up): ``vertices [V, 3]`` float64, ``faces [F, 3]`` int64,
-    ``uvs [V, 2]`` float32 (glTF's convention: v down from the image's top) or None, ``source`` (the file's name)."""
+    ``uvs [V, 2]`` float32 (trimesh's convention, as the export's: v up) or None, ``source`` (the file's name)."""
 
     vertices: np.ndarray
     faces: np.ndarray
     uvs: np.ndarray | None
     source: str
-    extras: dict = field(default_factory=dict)  # the file's ``asset.extras`` (this project's shape latent note)
+    extras: dict = field(default_factory=dict)  # ``note``: a shape-only GLB's latent note (``latent_note``)
+    pose: str = "aligned"                        # how the run places it: ``aligned`` or ``estimate`` (``MeshPose``)
 
     def digest(self) -> str:
         """sha256 of the geometry and UVs as read (what keys a run on it)."""
@@ -81,8 +85,13 @@ def read_mesh(path: str | Path) -> UserMesh:
         raise MeshError(f"--mesh {name}: cannot be read as a mesh ({type(err).__name__}: "
                         f"{str(err).splitlines()[0][:120] if str(err) else 'no detail'})") from None
     extras = {}
+    if path.suffix.lower() == ".glb":  # a shape-only output of this project carries its latent
+        from .latent_note import read_note
+
+        note = read_note(path.read_bytes())
+        if note is not None:
+            extras["note"] = note
     if isinstance(loaded, trimesh.Scene):
-        extras = dict(loaded.metadata.get("extras") or {}) if isinstance(loaded.metadata, dict) else {}
         geometries = [g for g in loaded.dump(concatenate=False) if isinstance(g, trimesh.Trimesh)]
         points = [g for g in loaded.geometry.values() if isinstance(g, trimesh.PointCloud)]
         if not geometries:
@@ -160,6 +169,12 @@ class MeshPose:
     scale: float = 1.0
     offset: tuple[float, float, float] = (0.0, 0.0, 0.0)
     residual: float = 0.0
+
+    def fingerprint_parts(self) -> dict:
+        """The pose as numbers (the run's fingerprints): ``estimate`` 1, ``aligned`` 0, and the similarity."""
+        return {"estimate": int(self.kind == "estimate"), "rotation": np.asarray(self.rotation, dtype=np.float64),
+                "scale": float(self.scale), "offset": np.asarray(self.offset, dtype=np.float64),
+                "residual": float(self.residual)}
 
     def apply(self, points: np.ndarray) -> np.ndarray:
         if self.kind == "aligned":

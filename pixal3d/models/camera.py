@@ -59,13 +59,19 @@ def camera_from_degrees(fov_degrees: float) -> Camera:
 
 
 def estimate_camera(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True) -> Camera:
+    """See ``estimate_camera_and_points`` (the camera alone)."""
+    return estimate_camera_and_points(image, estimator, use_fp16=use_fp16)[0]
+
+
+def estimate_camera_and_points(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True,
+                               points: bool = False) -> tuple[Camera, torch.Tensor | None]:
     """Camera for a preprocessed RGB image: MoGe-2's horizontal fov (``infer`` with the reference's defaults;
     ``use_fp16``: its float16 autocast), or the fallback when ``estimator`` is None (a config without MoGe-2)."""
     if estimator is None:
         logger.warning("the config names no MoGe-2 weights (weights.moge) and no field of view: using the "
                        "reference's fallback field of view %.4f rad (%.2f deg); pass fov=DEG to choose one",
                        FALLBACK_FOV, math.degrees(FALLBACK_FOV))
-        return camera_from_fov(FALLBACK_FOV)
+        return camera_from_fov(FALLBACK_FOV), None
     # As the reference: the RGB pixels (its PNG round trip is lossless) / 255 in float32, [3, H, W].
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(next(estimator.parameters()).device)  # [3, H, W]
@@ -79,4 +85,12 @@ def estimate_camera(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bo
     fov = 2 * math.atan(width / (2 * fx))
     logger.info("MoGe-2 estimated a horizontal field of view of %.2f deg (%s)", math.degrees(fov),
                 "float16 autocast" if use_fp16 else "float32")
-    return camera_from_fov(fov)
+    return camera_from_fov(fov), (object_points(output, pixels) if points else None)
+
+
+def object_points(output, pixels: np.ndarray) -> torch.Tensor:
+    """MoGe-2's camera-space points ``[K, 3]`` float32 (CPU) of the object's pixels: valid in its mask and not the
+    black the preprocessed image composites the object on (for ``--mesh-pose estimate``)."""
+    pts = output.points.squeeze(0).float().cpu()  # [H, W, 3]
+    valid = output.mask.squeeze(0).cpu() & torch.from_numpy(pixels.max(axis=2) > 0)
+    return pts[valid & torch.isfinite(pts).all(dim=-1)].contiguous()

@@ -28,7 +28,7 @@ from torch import nn
 from ..mesh.fields import DualGridFields
 from ..nn.norms import LayerNorm32
 from ..nn.sparse_conv import SparseConv3d
-from ..nn.sparse_ops import SparseLinear, space_to_channel, subdivide
+from ..nn.sparse_ops import SparseLinear, child_offsets, space_to_channel, subdivide
 from ..nn.sparse_tensor import SparseTensor
 from .loading import register_model
 from .sparse_unet_vae import SparseConvNeXtBlock3d, _block_kwargs
@@ -86,6 +86,27 @@ class EncodedShape:
             guides.append(SparseTensor(torch.where(chosen, 1.0, -1.0).to(torch.float32), coords))
             coords, _ = subdivide(coords, chosen)
         return guides
+
+
+def guide_to_voxels(coords: torch.Tensor, voxels: torch.Tensor, levels: int) -> list[SparseTensor]:
+    """The texture decoder's ``guide_subs`` that take the latent's ``coords [N, 4]`` (``levels`` ×2 subdivisions
+    coarser) to exactly those of ``voxels [M, 3]`` (x, y, z) under them: per level, ``+1`` for a child with one of
+    ``voxels`` under it, else ``-1``, in the decoder's row order. On an encoder's own latent it is ``guide_logits``."""
+    guides = []
+    fine = voxels.to(torch.int64)
+    for level in range(levels):
+        shift = levels - level - 1  # the children of this level are the voxels shifted right by this much
+        children = torch.unique(torch.cat([torch.zeros_like(fine[:, :1]), fine >> shift], dim=1), dim=0)
+        key = _linear_key(children)
+        parent = coords.to(torch.int64)
+        candidates = (parent[:, None, 1:] * 2 + child_offsets(coords.device).to(torch.int64)[None]).reshape(-1, 3)
+        candidates = torch.cat([parent[:, :1].repeat_interleave(8, dim=0), candidates], dim=1)
+        probe = _linear_key(candidates)
+        at = torch.searchsorted(key, probe).clamp(max=max(len(key) - 1, 0))
+        kept = (key[at] == probe).reshape(-1, 8) if len(key) else torch.zeros(len(coords), 8, dtype=torch.bool)
+        guides.append(SparseTensor(torch.where(kept, 1.0, -1.0).to(torch.float32), coords))
+        coords, _ = subdivide(coords, kept)
+    return guides
 
 
 def _rows_of(coords: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

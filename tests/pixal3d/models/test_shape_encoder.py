@@ -111,3 +111,22 @@ def test_guides_decode_back_to_exactly_the_encoded_voxels_and_a_foreign_latent_i
     encoded.latent = SparseTensor(torch.zeros(len(coarse), 8), coarse)
     with pytest.raises(ValueError, match="not the encoder's parents"):
         encoded.guide_logits()
+
+
+def test_guides_from_the_voxels_are_the_encoders_and_drop_what_no_voxel_is_under():
+    from pixal3d.models.shape_encoder import guide_to_voxels
+
+    model = _tiny_encoder()
+    coords = _voxels(3000, 48, 4)[:, 1:].contiguous()
+    fields = DualGridFields(coords, torch.rand(len(coords), 3), torch.rand(len(coords), 3) > 0.5,
+                            torch.ones(len(coords)), 48)
+    encoded = model.encode(fields)
+    ours = guide_to_voxels(encoded.latent.coords, coords, 2)
+    for a, b in zip(ours, encoded.guide_logits()):
+        assert torch.equal(a.feats, b.feats) and torch.equal(a.coords, b.coords)
+    # fewer voxels: the children with none under them are dropped, and only the given voxels come out
+    half = coords[coords[:, 0] < 24].contiguous()
+    level = encoded.latent.coords
+    for guide in guide_to_voxels(level, half, 2):
+        level, _ = subdivide(level, guide.feats > 0)
+    assert sorted(map(tuple, level[:, 1:].tolist())) == sorted(map(tuple, half.tolist()))
