@@ -382,6 +382,10 @@ class Job:
                 value = setting.check(value)
             values[setting.name] = value
         check_shape_only(values, settings)
+        if values.get("mesh_pose") == "estimate" and (values.get("fov") is not None or config.camera.fov_deg):
+            raise SettingError("mesh_pose", "mesh pose estimate registers MoGe-2's points of the image to the mesh, "
+                                            "and a field of view given skips MoGe-2: drop the field of view, or use "
+                                            "the pose aligned")
         return cls(config=with_export(config, values), **values, **fields)
 
     # -- what it says -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +35,7 @@ class MeshEncodeStage(CascadeStage):
     section = "upsample"  # upsample.hr_resolution: the grid the mesh is voxelised at
     needs = ("shape_encoder",)
     inputs = ("input_mesh", "camera", "scene_points", "generator", "progress")
+    draws = "generator"  # sets its state from a shape-only note: records after it keep the state
     outputs = ("shape_latent", "hr_resolution", "mesh_voxels", "mesh_pose")
 
     def __init__(self, hr_resolution: int, upsample_times: int):
@@ -51,13 +53,15 @@ class MeshEncodeStage(CascadeStage):
     @torch.no_grad()
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         from pixal3d.mesh.latent_note import usable_note
-        from pixal3d.mesh.user_mesh import check_in_cube
+        from pixal3d.mesh.user_mesh import CUBE, check_in_cube
 
         mesh = state.input_mesh
         pose = self.pose(state)
         placed = pose.apply(mesh.vertices)
-        check_in_cube(placed, mesh.source, pose.kind)
-        fields = _voxelise(placed, mesh.faces, self.hr_resolution, state.progress)
+        check_in_cube(placed, mesh.source, pose.kind, tolerance=1.0 / self.hr_resolution)
+        # a decoded surface's dual vertices reach half a voxel past the cube: voxelised clamped into it
+        inside = np.clip(placed, -CUBE, CUBE * (1 - 1e-6))
+        fields = _voxelise(inside, mesh.faces, self.hr_resolution, state.progress)
         state.mesh_voxels = fields.coords
         state.mesh_pose = pose
         state.hr_resolution = self.hr_resolution

@@ -76,7 +76,8 @@ class Session:
         """The memory plan and the policy for ``job`` (headers only; raises ``NotEnoughMemoryError``,
         ``PolicyError``, ``WeightsError``, ``ConfigError`` as ``Pixal3D.plan`` does)."""
         fixed = self.lean and job.fov is not None and all(image.fov is not None for image in job.images)
-        replace = {"camera": CameraStage(None, use_moge=False)} if fixed else None  # no camera model to fetch
+        # no camera model to fetch; the camera stage as the job's kind reads it
+        replace = {"camera": job.kind.adapt(CameraStage(None, use_moge=False), job.config)} if fixed else None
         return Pixal3D.plan(job.config, policy=job.memory_policy, device=self.device, parallel=self.rank,
                             memory_budget=job.budget, replace=replace, input_kind=job.kind.name,
                             until=SHAPE_ONLY if job.shape_only else None)

@@ -18,6 +18,9 @@ from typing import Any
 from .image import ImageInput
 
 MESH_POSES = ("aligned", "estimate")
+READ_TOLERANCE = 1 / 48
+"""How far past the cube an aligned mesh may reach when read: a decoded surface's half voxel at the demo's 48 grid
+(the stage checks its own grid's)."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +123,14 @@ class MeshInput(ImageInput):
 
 def read_run_mesh(path: Any, pose: str | None) -> Any:
     """The run's mesh read and checked (``MeshError``: one line), carrying its pose (default ``aligned``)."""
-    from pixal3d.mesh.user_mesh import read_mesh
+    from pixal3d.mesh.user_mesh import check_in_cube, read_mesh
 
     if pose is not None and pose not in MESH_POSES:
         raise ValueError(f"mesh_pose {pose!r} is not one of {list(MESH_POSES)}")
     mesh = read_mesh(path)
     mesh.pose = pose or "aligned"
+    if mesh.pose == "aligned":  # as it lies: in the cube (the stage checks again at its grid's half voxel)
+        check_in_cube(mesh.vertices, mesh.source, mesh.pose, tolerance=READ_TOLERANCE)
     return mesh
 
 

@@ -3,19 +3,22 @@
 ``read_mesh`` takes a GLB/glTF, OBJ or PLY file (a scene's meshes joined, each with its node transform), keeping its
 UVs when it has one set for every vertex, and refuses in one line (``MeshError``) what cannot be textured: a file
 that is not a mesh, no faces (a point cloud), NaN or infinite vertices, a degenerate extent, more faces than
-``MAX_FACES``, non-manifold edges (an edge shared by more than two faces: the bake's charts and the voxeliser's
-surface would not be one sheet there). It reads only the file: no weight is touched.
+``MAX_FACES``, more than ``NON_MANIFOLD_SHARE`` of its edges non-manifold (shared by more than two faces: a triangle
+soup, not a surface). It reads only the file: no weight is touched.
 
-Frames: the file's coordinates are glTF's (+Y up, as the exports of this project, Blender's glTF exporter and
-TRELLIS.2's ``postprocess_mesh``); the cascade's grid is +Z up. ``to_grid`` is TRELLIS.2's ``preprocess_mesh`` axis
-swap ``(x, y, z) -> (x, -z, y)`` and ``from_grid`` its inverse, so this project's own GLB comes back in the frame it
-was decoded in. ``MeshPose`` maps the user's (grid-frame) vertices into the cascade's unit cube: the identity for
+Frames: the file's coordinates are glTF's (+Y up, as the exports of this project and Blender's glTF exporter).
+The cascade's grid has +Y up too, and this project's export writes it turned half about +Y (``pixal3d.mesh.glb``'s
+``INTERNAL_TO_GLB``: ``(x, y, z) -> (-x, y, -z)``, Pixal3D's own output frame); ``to_grid`` undoes that, so this
+project's own GLB comes back in the frame it was decoded in. (TRELLIS.2's ``preprocess_mesh`` swaps ``(x, -z, y)``
+instead: its grid is +Z up, and it centres and scales every mesh, which a pixel-aligned flow cannot: the mesh must
+stay where the image sees it.) ``MeshPose`` maps the user's (grid-frame) vertices into the cascade's unit cube: the identity for
 ``aligned`` (the mesh already is in the image's frame, as a shape-only output of this project is), a similarity for
 ``estimate`` (``pixal3d.mesh.register``).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +26,17 @@ import numpy as np
 
 from pixal3d.models.preprocess import ImageError
 
+logger = logging.getLogger(__name__)
+
 MESH_SUFFIXES = (".glb", ".gltf", ".obj", ".ply")
 MAX_FACES = 20_000_000
 """More faces than this are refused (a 1024 grid's decoded surface has about 9M; the bake reads every face)."""
 CUBE = 0.5
 """The cascade's grid spans ``[-CUBE, CUBE]`` per axis."""
+NON_MANIFOLD_SHARE = 0.01
+"""A mesh with more than this share of non-manifold edges (more than two faces on one edge) is refused as a triangle
+soup; fewer are textured as they are (with a warning): the dual grid takes any surface, and the export's own meshes
+may have a few where two sheets touch."""
 
 
 class MeshError(ImageError):
@@ -38,7 +47,7 @@ class MeshError(ImageError):
 @dataclass
 class UserMesh:
     """A user's mesh in the cascade's grid frame (+Z up): ``vertices [V, 3]`` float64, ``faces [F, 3]`` int64,
-    ``uvs [V, 2]`` float32 (trimesh's convention, as the export's: v up) or None, ``source`` (the file's name)."""
+    ``uvs [V, 2]`` float32 (glTF's and the baker's: v = 0 at the image's top row) or None, ``source`` (the file's name)."""
 
     vertices: np.ndarray
     faces: np.ndarray
@@ -60,13 +69,13 @@ class UserMesh:
 
 
 def to_grid(points: np.ndarray) -> np.ndarray:
-    """glTF (+Y up) -> the grid's frame (+Z up): ``(x, y, z) -> (x, -z, y)``."""
-    return np.stack([points[:, 0], -points[:, 2], points[:, 1]], axis=1)
+    """The file's glTF frame -> the grid's: ``(x, y, z) -> (-x, y, -z)``, the inverse of the export's
+    ``INTERNAL_TO_GLB`` (its own inverse: a half turn about +Y)."""
+    return np.stack([-points[:, 0], points[:, 1], -points[:, 2]], axis=1)
 
 
-def from_grid(points: np.ndarray) -> np.ndarray:
-    """The grid's frame -> glTF: ``(x, y, z) -> (x, z, -y)`` (the export's own conversion)."""
-    return np.stack([points[:, 0], points[:, 2], -points[:, 1]], axis=1)
+from_grid = to_grid
+"""The grid's frame -> glTF (the export's ``INTERNAL_TO_GLB``)."""
 
 
 def read_mesh(path: str | Path) -> UserMesh:
@@ -129,9 +138,12 @@ def check_mesh(vertices: np.ndarray, faces: np.ndarray, name: str) -> None:
     edges = np.sort(faces[:, [0, 1, 1, 2, 2, 0]].reshape(-1, 2), axis=1)
     _, counts = np.unique(edges[:, 0] * len(vertices) + edges[:, 1], return_counts=True)
     shared = int((counts > 2).sum())
+    if shared > NON_MANIFOLD_SHARE * len(counts):
+        raise MeshError(f"--mesh {name}: {shared} of its {len(counts)} edges are non-manifold (shared by more than two "
+                        f"faces): not one surface; make it manifold first (e.g. Blender: Select > All by Trait > Non "
+                        f"Manifold, then split or delete)")
     if shared:
-        raise MeshError(f"--mesh {name}: {shared} non-manifold edges (shared by more than two faces); make it "
-                        f"manifold first (e.g. Blender: Select > All by Trait > Non Manifold, then split or delete)")
+        logger.warning("--mesh %s: %d non-manifold edges (of %d); textured as they are", name, shared, len(counts))
 
 
 def _uvs(mesh, count: int) -> np.ndarray | None:
@@ -141,7 +153,7 @@ def _uvs(mesh, count: int) -> np.ndarray | None:
     uv = np.asarray(uv, dtype=np.float32)
     if uv.shape != (count, 2) or not np.isfinite(uv).all():
         return None
-    return uv
+    return np.stack([uv[:, 0], 1 - uv[:, 1]], axis=1)  # trimesh's v up -> the baker's (row 0 at v = 0, glTF's)
 
 
 def _joined(meshes: list) -> object:
@@ -182,10 +194,11 @@ class MeshPose:
         return self.scale * points @ np.asarray(self.rotation).T + np.asarray(self.offset)
 
 
-def check_in_cube(points: np.ndarray, name: str, pose: str) -> None:
-    """``MeshError`` unless the mesh, placed, lies in the cascade's cube."""
+def check_in_cube(points: np.ndarray, name: str, pose: str, tolerance: float = 0.0) -> None:
+    """``MeshError`` unless the mesh, placed, lies in the cascade's cube (give or take ``tolerance``: a decoded
+    surface's dual vertices may lie up to half a voxel outside it)."""
     low, high = points.min(axis=0), points.max(axis=0)
-    if low.min() < -CUBE or high.max() > CUBE:
+    if low.min() < -CUBE - tolerance or high.max() > CUBE + tolerance:
         span = ", ".join(f"{a:.3f}..{b:.3f}" for a, b in zip(low, high))
         hint = ("its coordinates are used as they are (--mesh-pose aligned): give a mesh in the image's frame, as "
                 "--shape-only writes it, or pass --mesh-pose estimate") if pose == "aligned" else \

@@ -115,7 +115,7 @@ def test_the_commands_options_are_the_table_and_numeric_options_are_checked_at_o
     assert (args.texture_size, args.face_budget, args.memory_policy) == (512, 9, "eager")
     assert {s.flag for s in SETTINGS} <= {"--seed", "--fov", "--num-views", "--memory-policy", "--memory-budget",
                                           "--texture-size", "--face-budget", "--texture-format", "--preset",
-                                          "--compression", "--shape-only"}
+                                          "--compression", "--shape-only", "--mesh-pose"}
     for flag, value, words in [("--threads", 0, "--threads 0 is not an integer >= 1"),
                                ("--job-timeout", -5.0, "--job-timeout -5.0 is not a number >= 0"),
                                ("--parallel-timeout", 0.0, "--parallel-timeout 0.0 is not a number > 0"),

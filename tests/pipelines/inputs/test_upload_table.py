@@ -21,7 +21,8 @@ from tests.support.cascade_fixtures import EXAMPLE, REPO, tiny, tiny_cache  # no
 FRONT_ENDS = ("pipelines/app/ui.py", "pipelines/app/job.py", "pipelines/serve/routes.py",
               "pipelines/serve/service.py", "pipelines/serve/store.py")
 """Where the app and the server handle uploads (the form, the run of an upload, the parser, the queue, the files)."""
-KIND_MODULES = ("pipelines/inputs/image.py", "pipelines/inputs/views.py", "pixal3d/models/views.py")
+KIND_MODULES = ("pipelines/inputs/image.py", "pipelines/inputs/views.py", "pipelines/inputs/mesh.py",
+                "pixal3d/models/views.py")
 """The kinds' own files, and the library of one of them (the views folder's reader and writer)."""
 BRANCH_WORDS = {"takes_views", "ViewsUpload", "run_views_job", "_read_views", "_read_image", "VIEW_FIELDS"}
 """What the front ends' image-or-views branches were called before their uploads came from the table."""
@@ -91,9 +92,10 @@ def test_controls_a_kinds_name_or_branch_written_back_into_a_front_end_is_found(
     assert kinds_named(source + "\ntakes_views = config.views is not None\n") == {"takes_views", "config.views"}
     assert kinds_named(source + "\nupload = form.get('image')\n") == {"'image'"}
     assert kinds_named(source + "\nfile = form.getlist('transforms')\n") == {"'transforms'"}
+    assert kinds_named(source + "\nmesh = form.get('mesh')\n") == {"'mesh'"}  # the mesh kind's name (issue 45)
     # a kind added to the table is covered too: its field names become words a front end must not hold
-    assert kinds_named(source + "\nmesh = form.get('mesh')\n") == set()
-    assert kinds_named(source + "\nmesh = form.get('mesh')\n", (TOY, *KINDS)) == {"'mesh'"}
+    assert kinds_named(source + "\nnote = form.get('note')\n") == set()
+    assert kinds_named(source + "\nnote = form.get('note')\n", (TOY, *KINDS)) == {"'note'"}
 
 
 # -- a toy kind with an upload of its own (an image and a mesh file, as issue 45's) --------------------------------

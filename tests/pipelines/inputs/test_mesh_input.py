@@ -1,0 +1,147 @@
+"""Texturing a given mesh (issue 45 item 1: ``--mesh``, ``Pixal3D.run(image, mesh=...)``) on the tiny demo weights:
+the kind's cascade, the user's mesh kept, a shape-only output textured as the full run would have, bad meshes
+refused in one line before any weight is read."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trimesh
+
+from pipelines import Pixal3D
+from pipelines.build import SHAPE_ONLY
+from pixal3d.mesh.user_mesh import MeshError, read_mesh
+from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
+from tests.support.cli import one_error_line, run_cli
+
+SEED = 5
+
+
+def _glb_mesh(path) -> trimesh.Trimesh:
+    scene = trimesh.load(path, process=False)
+    [mesh] = scene.geometry.values()
+    return mesh
+
+
+@pytest.fixture(scope="module")
+def shape_and_full(tiny_cache, tmp_path_factory):
+    """A shape-only run's GLB and a full run's texture latent, same image and seed."""
+    folder = tmp_path_factory.mktemp("mesh_input")
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", until=SHAPE_ONLY) as pipe:
+        shape = pipe.run(EXAMPLE, seed=SEED)
+        shape.save(folder / "shape.glb")
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu") as pipe:
+        full = pipe.run(EXAMPLE, seed=SEED)
+    return folder / "shape.glb", full.state.tex_latent
+
+
+def test_the_mesh_cascade_encodes_the_mesh_in_place_of_the_shape_flows(tiny_cache):
+    plan = Pixal3D.plan(TINY_CONFIG, device="cpu", input_kind="mesh")
+    assert [s.name for s in plan.stages] == ["preprocess", "camera", "features", "mesh_encode", "texture",
+                                             "mesh_decode", "mesh_export"]
+    assert plan.stages[3].needs == ("shape_encoder",) and plan.stages[5].needs == ("tex_slat_decoder",)
+    assert "scene_points" in plan.stages[1].outputs
+
+
+def test_a_shape_only_output_textured_aligned_has_the_full_runs_texture_latent_bit_for_bit(shape_and_full, tmp_path):
+    glb, full_latent = shape_and_full
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh") as pipe:
+        result = pipe.run(EXAMPLE, mesh=glb, seed=SEED)
+        assert torch.equal(result.state.tex_latent.coords, full_latent.coords)
+        assert torch.equal(result.state.tex_latent.feats, full_latent.feats)
+        # control: the same mesh with one vertex moved is no longer the file's own: it is encoded, and the texture
+        # latent is another
+        mesh = _glb_mesh(glb)
+        moved = mesh.vertices.copy()
+        moved[0] += 1e-3
+        trimesh.Trimesh(moved, mesh.faces, process=False).export(tmp_path / "moved.glb")
+        other = pipe.run(EXAMPLE, mesh=tmp_path / "moved.glb", seed=SEED)
+    assert read_mesh(glb).extras["note"].matches and not read_mesh(tmp_path / "moved.glb").extras
+    assert not torch.equal(other.state.tex_latent.feats[:len(full_latent.feats)], full_latent.feats) \
+        or other.state.tex_latent.feats.shape != full_latent.feats.shape
+
+
+def _uv_sheet(tmp_path):
+    """A wavy sheet with its own UVs, written as OBJ."""
+    n = 12
+    u, v = np.meshgrid(np.linspace(0, 1, n), np.linspace(0, 1, n), indexing="ij")
+    vertices = np.stack([u - 0.5, 0.1 * np.sin(6 * u) * np.cos(4 * v), v - 0.5], axis=-1).reshape(-1, 3) * 0.8
+    quads = [(i * n + j, (i + 1) * n + j, (i + 1) * n + j + 1, i * n + j + 1) for i in range(n - 1) for j in range(n - 1)]
+    faces = np.array([f for a, b, c, d in quads for f in ((a, b, c), (a, c, d))])
+    uvs = np.stack([u, v], axis=-1).reshape(-1, 2)
+    mesh = trimesh.Trimesh(vertices, faces, process=False, visual=trimesh.visual.TextureVisuals(uv=uvs))
+    path = tmp_path / "sheet.obj"
+    mesh.export(path)
+    return path
+
+
+def test_the_users_mesh_comes_back_with_its_vertices_faces_and_uvs(tiny_cache, tmp_path):
+    path = _uv_sheet(tmp_path)
+    given = read_mesh(path)
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh") as pipe:
+        result = pipe.run(EXAMPLE, mesh=path, seed=SEED)
+    result.save(tmp_path / "out.glb")
+    out = _glb_mesh(tmp_path / "out.glb")
+    source = trimesh.load(path, process=False)
+    assert np.allclose(out.vertices, source.vertices, atol=1e-6) and np.array_equal(out.faces, source.faces)
+    assert np.allclose(out.visual.uv, source.visual.uv, atol=1e-6)  # as trimesh reads both files
+    assert np.allclose(given.uvs[:, 1], 1 - source.visual.uv[:, 1])  # the baker's v is glTF's
+    image = np.asarray(out.visual.material.baseColorTexture)
+    assert result.mesh.report.coverage > 0.5 and image[..., :3].std() > 1  # a texture, not one flat colour
+
+
+def test_a_mesh_without_uvs_gets_an_atlas_and_keeps_its_positions(shape_and_full, tmp_path):
+    ball = trimesh.creation.icosphere(subdivisions=2, radius=0.3)
+    ball.export(tmp_path / "ball.ply")
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh") as pipe:
+        result = pipe.run(EXAMPLE, mesh=tmp_path / "ball.ply", seed=SEED)
+    out = result.mesh.mesh
+    assert out.visual.uv is not None and len(out.faces) == len(ball.faces)
+    # each output vertex is one of the input's (split only at the atlas's seams), as the glTF frame stores it
+    glb_frame = np.stack([ball.vertices[:, 0], ball.vertices[:, 1], ball.vertices[:, 2]], axis=1)
+    nearest = np.abs(out.vertices[:, None, :] - glb_frame[None]).max(axis=2).min(axis=1)
+    assert nearest.max() < 1e-6
+
+
+BAD = {
+    "empty.ply": (b"ply\nformat ascii 1.0\nelement vertex 0\nelement face 0\nproperty list uchar int vertex_indices\n"
+                  b"end_header\n", "no faces|point cloud|no mesh|cannot be read"),
+    "cloud.ply": (b"ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\nproperty float z\n"
+                  b"end_header\n0 0 0\n0.1 0 0\n0 0.1 0\n", "point cloud|no faces"),
+    "nan.obj": (b"v 0 0 0\nv nan 0 0\nv 0 0.1 0\nf 1 2 3\n", "NaN or infinite"),
+    "fin.obj": (b"v 0 0 0\nv 0.1 0 0\nv 0 0.1 0\nv 0 0 0.1\nv 0 0 -0.1\nf 1 2 3\nf 1 2 4\nf 1 2 5\n",
+                "edges are non-manifold"),
+    "huge.obj": (b"v -2 0 0\nv 2 0 0\nv 0 1 0\nf 1 2 3\n", "outside the \\[-0.5, 0.5\\] cube"),
+    "mesh.txt": (b"hello", "not a mesh file"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_mesh_is_refused_in_one_line_before_any_weight_is_read(name, tmp_path, capsys, monkeypatch):
+    data, words = BAD[name]
+    (tmp_path / name).write_bytes(data)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the released config's weights are not here: a weight read would fail
+    code, _, err = run_cli(capsys, EXAMPLE, "--mesh", tmp_path / name, "-o", tmp_path / "out.glb", "--plan")
+    line = one_error_line(err)
+    assert code != 0 and name in line, line
+    import re
+    assert re.search(words, line), line
+
+
+def test_a_mesh_with_more_faces_than_the_limit_is_refused(tmp_path, monkeypatch):
+    import pixal3d.mesh.user_mesh as user_mesh
+
+    trimesh.creation.icosphere(subdivisions=2, radius=0.3).export(tmp_path / "ball.ply")
+    monkeypatch.setattr(user_mesh, "MAX_FACES", 100)
+    with pytest.raises(MeshError, match="320 faces, more than 100"):
+        read_mesh(tmp_path / "ball.ply")
+
+
+def test_estimate_with_a_field_of_view_and_a_pose_without_a_mesh_are_refused(tiny_cache, tmp_path, capsys):
+    trimesh.creation.icosphere(subdivisions=1, radius=0.3).export(tmp_path / "ball.glb")
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--mesh", tmp_path / "ball.glb", "--mesh-pose",
+                           "estimate", "--fov", "40", "-o", tmp_path / "o.glb")
+    assert code != 0 and "MoGe-2" in one_error_line(err)
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--mesh-pose", "estimate", "-o",
+                           tmp_path / "o.glb")
+    assert code != 0 and "--mesh" in one_error_line(err)
