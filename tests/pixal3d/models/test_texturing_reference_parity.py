@@ -126,10 +126,19 @@ def reference() -> dict[str, Any]:
         samplers = importlib.import_module("trellis2.pipelines.samplers")
     finally:
         sys.path.remove(str(folder))
-        for name in [n for n in sys.modules if n.split(".")[0] in STAND_INS]:
+        for name in [n for n in sys.modules if n.split(".")[0] in STAND_INS and _inside(sys.modules[n], folder)]:
             del sys.modules[name]
+    for module in (texturing, vaes, samplers, texturing.o_voxel, sys.modules[vaes.SparseUnetVaeDecoder.__module__]):
+        if not _inside(module, folder):
+            pytest.fail(f"{module.__name__} was imported from {module.__file__}, not from {folder}: another "
+                        f"TRELLIS.2 (or o_voxel) is installed or already imported; run the test without it")
     return {"texturing": texturing, "encoder": vaes.FlexiDualGridVaeEncoder, "decoder": vaes.SparseUnetVaeDecoder,
             "samplers": samplers}
+
+
+def _inside(module, folder: Path) -> bool:
+    path = getattr(module, "__file__", None)
+    return path is not None and Path(path).resolve().is_relative_to(folder.resolve())
 
 
 @dataclass(frozen=True)
