@@ -3,7 +3,8 @@
 TRELLIS.2's texturing decodes with no shape decoder: its texture decoder's channel-to-space blocks undo the shape
 encoder's space-to-channel ones (their cached children), so the PBR voxels are the mesh's own dual-grid voxels. Here
 the same children are explicit: ``guide_to_voxels`` turns the mesh's voxels into the subdivision logits the texture
-decoder takes (``guide_subs``), parent by parent in its order.
+decoder takes (``guide_subs``), parent by parent in its order. Under a budget the whole decode does not fit, it runs
+over the decode's spatial tiles (``decode_texture_to_voxels``), each tile's guide from its own rows.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pixal3d.models.shape_encoder import guide_to_voxels
+from pixal3d.models.decoder_tiling import decode_texture_to_voxels
 
 from .decode import DecodeStage
 from .state import RunState
@@ -26,12 +27,8 @@ class MeshDecodeStage(DecodeStage):
     inputs = ("tex_latent", "mesh_voxels", "hr_resolution")
     outputs = ("pbr",)
 
-    def fitted(self, budget):  # whole decodes only (no tiles yet): the working set is the whole decode's
-        return self
-
     @torch.no_grad()
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
-        decoder = models["tex_slat_decoder"]
-        guides = guide_to_voxels(state.tex_latent.coords, state.mesh_voxels.to(state.tex_latent.coords.device),
-                                 decoder.num_upsamplings)
-        state.pbr = decoder.decode_pbr(state.tex_latent, guides, state.hr_resolution)
+        voxels = state.mesh_voxels.to(state.tex_latent.coords.device)
+        state.pbr = decode_texture_to_voxels(models["tex_slat_decoder"], state.tex_latent, voxels,
+                                             state.hr_resolution, plan=self.tile_plan)

@@ -213,7 +213,8 @@ def _run_tile(decoder: SparseUnetVaeDecoder, h: SparseTensor, box: Box, start: i
         if limit is not None and i == last - 1 and c2s.pred_subdiv:
             if int((c2s.subdiv_logits(h).feats > 0).sum()) > limit:
                 return None
-        h, subs[i] = c2s(h, guide[i] if guide is not None else None)
+        given = guide[i] if guide is not None else None
+        h, subs[i] = c2s(h, given(h) if callable(given) else given)
     h = _crop(h, box.distance(h.coords[:, 1:], 2 ** (last - start)) == 0)
     return _TileOutput(decoder.head(h), subs, computed)
 
@@ -324,6 +325,45 @@ def decode_tiled(shape_decoder: FlexiDualGridVaeDecoder, latent: SparseTensor, p
     logger.info("tiled decode: %d tiles (%d splits) from level %d, %d voxels decoded, %.3f computed per kept",
                 report.tiles, report.splits, start, report.decoded_voxels, report.halo_overhead)
     return fields, pbr, report
+
+
+@torch.no_grad()
+def decode_texture_to_voxels(tex_decoder: SparseUnetVaeDecoder, tex_latent: SparseTensor, voxels: torch.Tensor,
+                             resolution: int, plan: TilePlan | None = None) -> PbrVoxels:
+    """The texture decode of a ``--mesh`` run: ``decode_pbr`` guided to exactly ``voxels [M, 3]`` (a mesh's dual grid,
+    ``shape_encoder.guide_to_voxels``) — whole when ``plan`` is None, else over the plan's tiles, each tile's guide
+    computed from its own rows (so the same voxels, values and order as the whole decode)."""
+    from .shape_encoder import guide_for, guide_to_voxels
+
+    _check_single_sample(tex_latent)
+    last = tex_decoder.num_upsamplings
+    if plan is None:
+        return tex_decoder.decode_pbr(tex_latent, guide_to_voxels(tex_latent.coords, voxels, last), resolution)
+    start = plan.start_level
+    if not 0 <= start <= last:
+        raise ValueError(f"TilePlan.start_level={start} must be in [0, {last}] for this decoder")
+    radii = list(plan.radii) if plan.radii is not None else receptive_radii(tex_decoder)
+    guide = [lambda h, i=i: guide_for(h.coords, voxels, last - i - 1) for i in range(last)]
+    h = tex_decoder.embed(tex_latent)
+    for i in range(start):  # the untiled prefix
+        h = tex_decoder.stage_blocks(i, h)
+        h, _ = tex_decoder.blocks[i][-1](h, guide[i](h))
+    xyz = h.coords[:, 1:]
+    growth = max(plan.growth, (len(xyz) / max(1, len(tex_latent))) ** (1 / start)) if start > 0 else plan.growth
+    per_box = max(MIN_TILE_VOXELS, int(plan.tile_voxels / growth ** (last - start)))
+    index = _RowIndex(h.coords)
+    coords, out, rows = [], [], []
+    for box in split_boxes(xyz, per_box):
+        tile = _run_tile(tex_decoder, _crop(h, box.distance(xyz) <= radii[start]), box, start, radii, guide, None)
+        coords.append(tile.out.coords)
+        out.append(tile.out.feats)
+        rows.append(index.rows(torch.div(tile.out.coords[:, 1:], 2 ** (last - start), rounding_mode="floor")))
+        del tile
+    del h
+    order = torch.argsort(torch.cat(rows), stable=True)
+    all_coords = _concat_in_order(coords, order)
+    return PbrVoxels(coords=all_coords[:, 1:].contiguous(), attrs=_concat_in_order(out, order) * 0.5 + 0.5,
+                     resolution=resolution)
 
 
 @torch.no_grad()

@@ -93,20 +93,25 @@ def guide_to_voxels(coords: torch.Tensor, voxels: torch.Tensor, levels: int) -> 
     coarser) to exactly those of ``voxels [M, 3]`` (x, y, z) under them: per level, ``+1`` for a child with one of
     ``voxels`` under it, else ``-1``, in the decoder's row order. On an encoder's own latent it is ``guide_logits``."""
     guides = []
-    fine = voxels.to(torch.int64)
     for level in range(levels):
-        shift = levels - level - 1  # the children of this level are the voxels shifted right by this much
-        children = torch.unique(torch.cat([torch.zeros_like(fine[:, :1]), fine >> shift], dim=1), dim=0)
-        key = _linear_key(children)
-        parent = coords.to(torch.int64)
-        candidates = (parent[:, None, 1:] * 2 + child_offsets(coords.device).to(torch.int64)[None]).reshape(-1, 3)
-        candidates = torch.cat([parent[:, :1].repeat_interleave(8, dim=0), candidates], dim=1)
-        probe = _linear_key(candidates)
-        at = torch.searchsorted(key, probe).clamp(max=max(len(key) - 1, 0))
-        kept = (key[at] == probe).reshape(-1, 8) if len(key) else torch.zeros(len(coords), 8, dtype=torch.bool)
-        guides.append(SparseTensor(torch.where(kept, 1.0, -1.0).to(torch.float32), coords))
-        coords, _ = subdivide(coords, kept)
+        guides.append(guide_for(coords, voxels, levels - level - 1))
+        coords, _ = subdivide(coords, guides[-1].feats > 0)
     return guides
+
+
+def guide_for(coords: torch.Tensor, voxels: torch.Tensor, shift: int) -> SparseTensor:
+    """One C2S block's guide for parents ``coords [N, 4]``: ``+1`` for a child with one of ``voxels [M, 3]`` under
+    it (``shift`` more ×2 levels down: the children are the voxels shifted right by ``shift``), else ``-1``."""
+    fine = voxels.to(torch.int64)
+    children = torch.unique(torch.cat([torch.zeros_like(fine[:, :1]), fine >> shift], dim=1), dim=0)
+    key = _linear_key(children)
+    parent = coords.to(torch.int64)
+    candidates = (parent[:, None, 1:] * 2 + child_offsets(coords.device).to(torch.int64)[None]).reshape(-1, 3)
+    candidates = torch.cat([parent[:, :1].repeat_interleave(8, dim=0), candidates], dim=1)
+    probe = _linear_key(candidates)
+    at = torch.searchsorted(key, probe).clamp(max=max(len(key) - 1, 0))
+    kept = (key[at] == probe).reshape(-1, 8) if len(key) else torch.zeros(len(coords), 8, dtype=torch.bool)
+    return SparseTensor(torch.where(kept, 1.0, -1.0).to(torch.float32), coords)
 
 
 def _rows_of(coords: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

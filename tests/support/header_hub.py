@@ -11,6 +11,7 @@ import pytest
 
 from pixal3d.pipeline_json import PINNED_CHECKPOINTS, PUBLISHED_INTERVALS
 from pixal3d.tiny_weights import pipeline_json
+from pixal3d.weight_sources import SHAPE_ENCODER_STEM
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "configs" / "1024_cascade.yaml"
@@ -18,6 +19,23 @@ CHECKPOINTS = json.loads((REPO / "assets" / "checkpoints.json").read_text())["mo
 DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 DINOV3_BYTES = 1_212_559_808  # a ViT-L/16 in fp32: what the fake header of its model.safetensors says
 MOGE_BYTES = 1_325_000_000
+
+
+SHAPE_ENCODER_RELEASED = {"name": "FlexiDualGridVaeEncoder", "args": {
+    "model_channels": [64, 128, 256, 512, 1024], "latent_channels": 32, "num_blocks": [0, 4, 8, 16, 4],
+    "block_type": ["SparseConvNeXtBlock3d"] * 5, "down_block_type": ["SparseResBlockS2C3d"] * 4,
+    "block_args": [{"use_checkpoint": True}] * 2 + [{"use_checkpoint": False}] * 3, "use_fp16": True}}
+"""``shape_enc_next_dc_f16c32_fp16``'s config: TRELLIS.2's configs/scvae/shape_vae_next_dc_f16c32_fp16.json
+``models.encoder`` (microsoft/TRELLIS.2@5565d24), which the released checkpoint's json carries."""
+
+
+def shape_encoder_entry() -> dict:
+    """The shape encoder's tensors at the released config (from its definition on ``meta``: it is not among
+    checkpoints.json's seven), stored F16 as TRELLIS.2's decoder files are."""
+    from pixal3d.models import build_model
+
+    model = build_model(SHAPE_ENCODER_RELEASED, device="meta")
+    return {"dtype": "F16", "tensors": {k: list(v.shape) for k, v in model.state_dict().items()}}
 
 
 def _header(entry):
@@ -47,6 +65,7 @@ class FakeHub:
         self.headers = {f"{stem}.safetensors": _header(by_file[stem]) for stem in stems.values()}
         self.headers["model.safetensors"] = (SimpleNamespace(tensors={"w": SimpleNamespace(
             data_offsets=(0, DINOV3_BYTES))}), DINOV3_BYTES)
+        self.headers[f"{SHAPE_ENCODER_STEM}.safetensors"] = _header(shape_encoder_entry())
 
     def snapshot_download(self, repo_id, revision=None, allow_patterns=None, local_files_only=False, **_):
         self.calls.append(("snapshot_download", repo_id, tuple(allow_patterns or ()), local_files_only))

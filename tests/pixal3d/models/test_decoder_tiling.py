@@ -190,3 +190,36 @@ def test_decode_shape_and_texture_is_the_stage_work_with_or_without_a_plan(tiny_
     assert _same(decode_shape_and_texture(shape, tex, latent, tex_latent, 48), untiled)
     assert _same(decode_shape_and_texture(shape, tex, latent, tex_latent, 48, plan=TilePlan(tile_voxels=1200)),
                  untiled)
+
+
+@pytest.mark.parametrize("start_level, tile_voxels", [(0, 400), (1, 1500)])
+def test_the_texture_decode_to_a_meshs_voxels_is_the_same_over_tiles(tiny_decoders, start_level, tile_voxels,
+                                                                      monkeypatch):
+    """``--mesh``'s decode (``decode_texture_to_voxels``): guided to a given voxel set (here: a random half of a
+    shell's voxels under the latent), the tiled decode gives the whole one's voxels, order and attributes bit for
+    bit, and several tiles ran; control: a halo one voxel short differs."""
+    import pixal3d.models.decoder_tiling as tiling
+    from pixal3d.models.decoder_tiling import decode_texture_to_voxels
+
+    _, tex = tiny_decoders
+    coords = _tiny_hr_coords(seed=5)
+    _, tex_latent = _latents(coords, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    fine = (coords[:, 1:].repeat_interleave(16, dim=0) * 4 + torch.randint(0, 4, (len(coords) * 16, 3),
+                                                                              generator=gen, dtype=torch.int32))
+    voxels = torch.unique(fine, dim=0)
+    whole = decode_texture_to_voxels(tex, tex_latent, voxels, 48)
+    assert sorted(map(tuple, whole.coords.tolist())) == sorted(map(tuple, voxels.tolist()))
+    plan = TilePlan(start_level=start_level, tile_voxels=tile_voxels, growth=4.0)
+    calls = []
+    run_tile = tiling._run_tile
+    monkeypatch.setattr(tiling, "_run_tile", lambda *a: calls.append(1) or run_tile(*a))
+    tiled = decode_texture_to_voxels(tex, tex_latent, voxels, 48, plan=plan)
+    assert torch.equal(tiled.coords, whole.coords) and torch.equal(tiled.attrs, whole.attrs)
+    assert len(calls) > 1  # it did run over several tiles
+    short = list(receptive_radii(tex))
+    short[start_level] -= 1
+    if short[start_level] >= 0:
+        off = decode_texture_to_voxels(tex, tex_latent, voxels, 48, plan=TilePlan(
+            start_level=start_level, tile_voxels=tile_voxels, growth=4.0, radii=tuple(short)))
+        assert not torch.equal(off.attrs, whole.attrs)

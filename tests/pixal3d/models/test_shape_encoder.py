@@ -12,14 +12,7 @@ from pixal3d.models.shape_encoder import FlexiDualGridVaeEncoder, SparseResBlock
 from pixal3d.nn.sparse_ops import subdivide
 from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.tiny_weights import SHAPE_ENCODER, checkpoint_state
-
-RELEASED = {"name": "FlexiDualGridVaeEncoder", "args": {
-    "model_channels": [64, 128, 256, 512, 1024], "latent_channels": 32, "num_blocks": [0, 4, 8, 16, 4],
-    "block_type": ["SparseConvNeXtBlock3d"] * 5, "down_block_type": ["SparseResBlockS2C3d"] * 4,
-    "block_args": [{"use_checkpoint": True}] * 2 + [{"use_checkpoint": False}] * 3, "use_fp16": True}}
-"""``shape_enc_next_dc_f16c32_fp16``'s config: TRELLIS.2's configs/scvae/shape_vae_next_dc_f16c32_fp16.json
-``models.encoder`` (microsoft/TRELLIS.2@5565d24), which the released checkpoint's json carries."""
-
+from tests.support.header_hub import SHAPE_ENCODER_RELEASED as RELEASED
 
 def _expected_parameters(channels, blocks) -> int:
     """The parameter count TRELLIS.2's encoder definition gives, written out from its layers."""
