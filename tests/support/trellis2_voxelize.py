@@ -103,7 +103,7 @@ def _read_sources() -> dict[str, bytes] | None:
             out = {}
             for name in SOURCE_FILES:
                 shown = subprocess.run(["git", "--git-dir", str(base if (base / "HEAD").is_file() else base / ".git"),
-                                        "show", f"HEAD:{SOURCE_DIR}/{name}"], capture_output=True)
+                                        "show", f"HEAD:{SOURCE_DIR}/{name}"], check=False, capture_output=True)
                 if shown.returncode != 0:
                     break
                 out[name] = shown.stdout
@@ -139,9 +139,9 @@ def build():
     digest = hashlib.sha256(b"".join(sources[n] for n in SOURCE_FILES) + SHIM.encode()).hexdigest()[:16]
     work = Path(tempfile.gettempdir()) / f"pixal3d-trellis2-voxelize-{digest}"
     (work / "build").mkdir(parents=True, exist_ok=True)
-    for name, data in sources.items():
-        (work / name).write_bytes(data)
-    (work / "shim.cpp").write_text(SHIM)
+    for name, data in {**sources, "shim.cpp": SHIM.encode()}.items():
+        if not (work / name).is_file() or (work / name).read_bytes() != data:  # unchanged files: no rebuild
+            (work / name).write_bytes(data)
     # -O3 -std=c++17 as o-voxel's setup.py builds it; no -march, so no FMA contraction on x86-64.
     return load(name=f"trellis2_fdg_{digest}", sources=[str(work / "shim.cpp")],
                 extra_include_paths=[str(work), str(eigen)], extra_cflags=["-O3", "-std=c++17"],
