@@ -188,9 +188,13 @@ class _VoxelTable:
     def key(self, x, y, z) -> np.ndarray:
         return (x.astype(np.int64) * self.r + y) * self.r + z
 
-    def add(self, keys: np.ndarray) -> np.ndarray:
-        """Row of each key; keys not seen yet get new rows in the order they first occur in ``keys``."""
-        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    def add(self, keys: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Row of each key (keys not seen yet get new rows in the order they first occur in ``keys``), and the
+        key positions grouped for ``_add_batches`` (one stable sort serves both)."""
+        order = np.argsort(keys, kind="stable")
+        head = _heads(keys[order])
+        uniq, first = keys[order][head], order[head]
+        group = np.cumsum(head) - 1
         rows, found, pos = self._find(uniq)
         new = np.flatnonzero(~found)
         new = new[np.argsort(first[new], kind="stable")]
@@ -198,7 +202,9 @@ class _VoxelTable:
         self.keys = np.concatenate([self.keys, uniq[new]])
         self._sorted = np.insert(self._sorted, pos[~found], uniq[~found])
         self._rows = np.insert(self._rows, pos[~found], rows[~found])
-        return rows[inverse.reshape(-1)]
+        out = np.empty(len(keys), np.int64)
+        out[order] = rows[group]
+        return out, _rank_batches(order, head)
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, −1 where absent."""
@@ -215,22 +221,33 @@ class _VoxelTable:
         return rows, found, pos
 
 
-def _add_in_order(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray) -> None:
+def _heads(sorted_values: np.ndarray) -> np.ndarray:
+    return np.r_[True, sorted_values[1:] != sorted_values[:-1]] if len(sorted_values) else np.zeros(0, bool)
+
+
+def _rank_batches(order: np.ndarray, head: np.ndarray) -> list[np.ndarray]:
+    """Positions grouped by rank: batch k holds the k-th contribution (in order) of every row that has one.
+    ``order`` is a stable sort of the rows, ``head`` marks each row's first place in it."""
+    if len(order) == 0:
+        return []
+    starts = np.flatnonzero(head)
+    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    small = rank.astype(np.uint16) if rank.max() < 1 << 16 else rank  # uint16: numpy's stable sort is a radix sort
+    by_rank = order[np.argsort(small, kind="stable")]
+    return np.split(by_rank, np.cumsum(np.bincount(rank))[:-1])
+
+
+def _add_batches(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray, batches) -> None:
     """``acc[rows[i]] += table[src[i]]`` for i in order: float sums are not associative and the reference adds
     one contribution at a time, so each voxel's additions keep their order. Vectorised over voxels, one pass
-    per rank (the k-th addition of every voxel in pass k)."""
-    if len(rows) == 0:
-        return
-    order = np.argsort(rows, kind="stable")
-    sorted_rows = rows[order]
-    head = np.r_[True, sorted_rows[1:] != sorted_rows[:-1]]
-    rank = np.arange(len(rows)) - np.flatnonzero(head)[np.cumsum(head) - 1]
-    by_rank = order[np.argsort(rank, kind="stable")]
-    start = 0
-    for count in np.bincount(rank):
-        sel = by_rank[start : start + count]
+    per rank (the k-th addition of every voxel in pass k; within a pass the rows are distinct)."""
+    for sel in batches:
         acc[rows[sel]] += table[src[sel]]
-        start += count
+
+
+def _add_in_order(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray) -> None:
+    order = np.argsort(rows, kind="stable")
+    _add_batches(acc, rows, table, src, _rank_batches(order, _heads(rows[order])))
 
 
 class _Buffers:
@@ -320,13 +337,13 @@ def _scan_chunk(tri: np.ndarray, qef: np.ndarray, table: _VoxelTable, buf: _Buff
         around[hit, j, ax0] += dx
         around[hit, j, ax1] += dy
     around = around.reshape(-1, 3)
-    rows = table.add(table.key(around[:, 0], around[:, 1], around[:, 2]))
+    rows, batches = table.add(table.key(around[:, 0], around[:, 1], around[:, 2]))
     buf.grow(len(table.keys))
     src = np.repeat(hit, 4)
-    _add_in_order(buf.means, rows, point, src)
-    np.add.at(buf.counts, rows, np.float32(1))
+    _add_batches(buf.means, rows, point, src, batches)
+    buf.counts[: buf.n] += np.bincount(rows, minlength=buf.n).astype(np.float32)  # whole numbers: exact in any order
     buf.flags[rows[0::4], axis] = True
-    _add_in_order(buf.qef, rows, qef, tri_id[src])
+    _add_batches(buf.qef, rows, qef, tri_id[src], batches)
 
 
 def _scan_budget(tri: np.ndarray, r: int) -> np.ndarray:
