@@ -79,9 +79,7 @@ def qef_excess(v, f, resolution, coords, ours, reference) -> float:
     sys.path.insert(0, str(ROOT))
     from pixal3d.mesh import voxelize as vz
 
-    s = vz._settings(resolution, 1.0, 0.2, 1e-2, vz.CHUNK, False)
-    acc = vz.accumulate_qefs(*vz._check_inputs(v, f), s)
-    q = vz._unpack(vz.regularized_qefs(acc, 1e-2))
+    q = vz.accumulate_qefs(v, f, resolution).matrices(1e-2).astype(np.float64)
 
     def err(offsets):
         p = (coords + offsets.astype(np.float64)) / resolution

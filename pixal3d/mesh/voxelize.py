@@ -32,6 +32,7 @@ from .fields import DualGridFields
 # The 10 distinct entries of a symmetric 4×4 QEF, row-major over the upper triangle.
 PACK = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3))
 _AT = {rc: k for k, rc in enumerate(PACK)} | {(c, r): k for k, (r, c) in enumerate(PACK)}
+_FULL = np.array([[_AT[r, c] for c in range(4)] for r in range(4)])  # packed → [4, 4]
 CHUNK = 1 << 22  # work items (scan hits, box candidates, voxels) per array pass: ~0.3 GiB of temporaries
 
 
@@ -59,6 +60,10 @@ class Accumulated:
     intersected: np.ndarray
     qef: np.ndarray
 
+    def matrices(self, regularization_weight: float = 0.0) -> np.ndarray:
+        """The QEFs as [N, 4, 4] float32, with the regulariser added as the reference adds it when > 0."""
+        return _regularized(self, regularization_weight)[:, _FULL]
+
 
 def mesh_to_dual_grid(
     vertices,
@@ -81,8 +86,8 @@ def mesh_to_dual_grid(
     """
     v, f = _check_inputs(vertices, faces)
     settings = _settings(resolution, face_weight, boundary_weight, regularization_weight, chunk, progress)
-    acc = accumulate_qefs(v, f, settings)
-    dual = solve_dual_vertices(acc, settings)
+    acc = _accumulate(v, f, settings)
+    dual = _solve(acc, settings)
     r = np.float32(settings.resolution)
     offsets = dual * r - acc.coords.astype(np.float32)  # the texturing pipeline's feats, in float32
     n = len(acc.coords)
@@ -93,6 +98,13 @@ def mesh_to_dual_grid(
         split_weight=torch.ones(n, dtype=torch.float32),
         resolution=settings.resolution,
     )
+
+
+def accumulate_qefs(vertices, faces, resolution: int, *, face_weight: float = 1.0, boundary_weight: float = 0.2,
+                    chunk: int = CHUNK, progress: bool = False) -> Accumulated:
+    """Steps 1–3 alone: the per-voxel state the solve starts from (for parity checks and diagnostics)."""
+    v, f = _check_inputs(vertices, faces)
+    return _accumulate(v, f, _settings(resolution, face_weight, boundary_weight, 0.0, chunk, progress))
 
 
 def _settings(resolution, face_weight, boundary_weight, regularization_weight, chunk, progress) -> _Settings:
@@ -522,7 +534,7 @@ def _boundary(v: np.ndarray, f: np.ndarray, table: _VoxelTable, buf: _Buffers, s
         _add_in_order(buf.qef, rows[present], q[part], edge[present])
 
 
-def accumulate_qefs(v: np.ndarray, f: np.ndarray, s: _Settings) -> Accumulated:
+def _accumulate(v: np.ndarray, f: np.ndarray, s: _Settings) -> Accumulated:
     """Steps 1–3 on shifted float32 vertices ``v`` and int64 faces ``f``: the reference's per-voxel state."""
     tri = v[f]  # [F, 3, 3] float32
     table, buf = _VoxelTable(s.resolution), _Buffers()
@@ -551,7 +563,7 @@ def accumulate_qefs(v: np.ndarray, f: np.ndarray, s: _Settings) -> Accumulated:
 # ---- 4. regularise and solve ------------------------------------------------------------------------
 
 
-def regularized_qefs(acc: Accumulated, reg: float) -> np.ndarray:
+def _regularized(acc: Accumulated, reg: float) -> np.ndarray:
     """``Q + reg·cnt·Q_reg(mean)`` in float32, the reference's operations: [N, 10]."""
     q = acc.qef.copy()
     if reg > 0:
@@ -562,12 +574,6 @@ def regularized_qefs(acc: Accumulated, reg: float) -> np.ndarray:
             q[:, _AT[i, 3]] += scale * -p[:, i]
         q[:, _AT[3, 3]] += scale * _dot3(p, p)
     return q
-
-
-def _unpack(q: np.ndarray) -> np.ndarray:
-    """[N, 10] → [N, 4, 4] float64."""
-    idx = np.array([[_AT[r, c] for c in range(4)] for r in range(4)])
-    return q.astype(np.float64)[:, idx]
 
 
 def _solve3(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -626,13 +632,13 @@ def _box_minimum(q: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return p[rows, np.argmin(err, axis=1)]
 
 
-def solve_dual_vertices(acc: Accumulated, s: _Settings) -> np.ndarray:
+def _solve(acc: Accumulated, s: _Settings) -> np.ndarray:
     """Step 4: dual vertices [N, 3] float32 in the shifted frame ([0, 1]³ world units)."""
-    q_all = regularized_qefs(acc, s.regularization_weight)
+    q_all = _regularized(acc, s.regularization_weight)
     out = np.empty((len(q_all), 3), np.float32)
     for start in range(0, len(q_all), s.chunk // 16):
         sl = slice(start, start + s.chunk // 16)
-        q = _unpack(q_all[sl])
+        q = q_all[sl][:, _FULL].astype(np.float64)
         coords = acc.coords[sl]
         lo = (coords.astype(np.float32) * s.voxel_size).astype(np.float64)
         hi = ((coords + 1).astype(np.float32) * s.voxel_size).astype(np.float64)

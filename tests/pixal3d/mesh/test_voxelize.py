@@ -191,12 +191,10 @@ def test_bad_settings_raise_value_errors():
 PARITY_MESHES = {"sphere": lambda: sphere_mesh(4), "box": box_mesh, "torus": torus_mesh,
                  "open_bowl": open_bowl_mesh, "grid_aligned_open_box": grid_aligned_open_box}
 needs_reference = pytest.mark.skipif(ref.missing() is not None, reason=str(ref.missing()))
-PACKED = np.array([[vz._AT[r, c] for c in range(4)] for r in range(4)])  # [4, 4] → index into PACK
 
 
 def _ours_state(v, f, r, face_weight=1.0, boundary_weight=0.2):
-    s = vz._settings(r, face_weight, boundary_weight, 1e-2, vz.CHUNK, False)
-    return vz.accumulate_qefs(*vz._check_inputs(v, f), s)
+    return vz.accumulate_qefs(v, f, r, face_weight=face_weight, boundary_weight=boundary_weight)
 
 
 @needs_reference
@@ -211,7 +209,7 @@ def test_voxels_flags_means_and_qefs_are_the_references_bits(name, r):
         assert np.array_equal(ours.coords, coords)  # the same order: first touched first
         assert np.array_equal(ours.intersected, flags)
         assert np.array_equal(ours.counts, counts) and np.array_equal(ours.mean_sums, means)
-        assert np.array_equal(ours.qef[:, PACKED], qefs), (faces_on, bw)
+        assert np.array_equal(ours.matrices(), qefs), (faces_on, bw)
 
 
 @needs_reference
@@ -222,7 +220,7 @@ def test_control_one_ulp_moves_the_qef_bits():
     nudged[0, 0] = np.nextafter(nudged[0, 0], np.float32(1))
     ours = _ours_state(nudged, f, 64)
     assert np.array_equal(ours.coords, coords)
-    assert not np.array_equal(ours.qef[:, PACKED], qefs)
+    assert not np.array_equal(ours.matrices(), qefs)
 
 
 @needs_reference
@@ -245,7 +243,7 @@ def test_dual_vertices_match_the_reference_to_its_float32_solve(name, r):
     assert diff[interior].max() < {64: 0.005, 256: 0.02}[r]  # measured ≤ 0.003 at 64, ≤ 0.0125 at 256
     assert np.quantile(diff, 0.99) < 0.01
     assert diff.max() < 0.6  # the reference's float32 choice among a face's candidates (measured 0.55 at 256)
-    q = vz._unpack(vz.regularized_qefs(_ours_state(v, f, r), 1e-2))
+    q = _ours_state(v, f, r).matrices(1e-2).astype(np.float64)
 
     def err(offsets):
         p = (coords + offsets.astype(np.float64)) / r
