@@ -323,7 +323,7 @@ def _scan_axis(tri64: np.ndarray, vs: np.float32, r: int, ax2: int):
     z = _lerp(t3[row, 0], t4[row, 0], x, t3[row, 1], t4[row, 1])
     z_idx = _trunc_int(z / vsd)
     keep = (z_idx >= 0) & (z_idx < r)
-    row, x_idx, z, z_idx = row[keep], x_idx[keep], z[keep], z_idx[keep]
+    row, x_idx, x, z, z_idx = row[keep], x_idx[keep], x[keep], z[keep], z_idx[keep]
     owner = np.empty((len(row), 3), np.int64)
     owner[:, ax0], owner[:, ax1], owner[:, ax2] = x_idx, y_idx[row], z_idx
     point = np.empty((len(row), 3), np.float32)
