@@ -274,7 +274,7 @@ class _Buffers:
 
     def grow(self, n: int) -> None:
         if n > len(self.counts):
-            cap = max(n, 2 * len(self.counts), 1024)
+            cap = max(n, len(self.counts) * 3 // 2, 1024)  # 1.5×: the slack is per-voxel bytes
             for name in ("means", "counts", "flags", "qef"):
                 old = getattr(self, name)
                 new = np.zeros((cap,) + old.shape[1:], old.dtype)
@@ -563,12 +563,13 @@ def _accumulate(v: np.ndarray, f: np.ndarray, s: _Settings) -> Accumulated:
 # ---- 4. regularise and solve ------------------------------------------------------------------------
 
 
-def _regularized(acc: Accumulated, reg: float) -> np.ndarray:
-    """``Q + reg·cnt·Q_reg(mean)`` in float32, the reference's operations: [N, 10]."""
-    q = acc.qef.copy()
+def _regularized(acc: Accumulated, reg: float, rows: slice = slice(None)) -> np.ndarray:
+    """``Q + reg·cnt·Q_reg(mean)`` in float32, the reference's operations: [n, 10] for ``rows``."""
+    q = acc.qef[rows].copy()
     if reg > 0:
-        scale = np.float32(reg) * acc.counts
-        p = acc.mean_sums / acc.counts[:, None]
+        counts = acc.counts[rows]
+        scale = np.float32(reg) * counts
+        p = acc.mean_sums[rows] / counts[:, None]
         for i in range(3):
             q[:, _AT[i, i]] += scale
             q[:, _AT[i, 3]] += scale * -p[:, i]
@@ -634,11 +635,10 @@ def _box_minimum(q: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 def _solve(acc: Accumulated, s: _Settings) -> np.ndarray:
     """Step 4: dual vertices [N, 3] float32 in the shifted frame ([0, 1]³ world units)."""
-    q_all = _regularized(acc, s.regularization_weight)
-    out = np.empty((len(q_all), 3), np.float32)
-    for start in range(0, len(q_all), s.chunk // 16):
+    out = np.empty((len(acc.coords), 3), np.float32)
+    for start in range(0, len(out), s.chunk // 16):
         sl = slice(start, start + s.chunk // 16)
-        q = q_all[sl][:, _FULL].astype(np.float64)
+        q = _regularized(acc, s.regularization_weight, sl)[:, _FULL].astype(np.float64)
         coords = acc.coords[sl]
         lo = (coords.astype(np.float32) * s.voxel_size).astype(np.float64)
         hi = ((coords + 1).astype(np.float32) * s.voxel_size).astype(np.float64)
