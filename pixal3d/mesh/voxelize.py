@@ -258,6 +258,7 @@ def _add_batches(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.n
 
 
 def _add_in_order(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray) -> None:
+    """``_add_batches`` for rows not grouped yet."""
     order = np.argsort(rows, kind="stable")
     _add_batches(acc, rows, table, src, _rank_batches(order, _heads(rows[order])))
 
@@ -538,7 +539,8 @@ def _accumulate(v: np.ndarray, f: np.ndarray, s: _Settings) -> Accumulated:
     """Steps 1–3 on shifted float32 vertices ``v`` and int64 faces ``f``: the reference's per-voxel state."""
     tri = v[f]  # [F, 3, 3] float32
     table, buf = _VoxelTable(s.resolution), _Buffers()
-    with tqdm(total=2 * len(f), desc="voxelize", unit="face", disable=not s.progress) as bar:
+    passes = 2 if s.face_weight > 0 else 1  # the bar counts faces per pass: scan, then the face term
+    with tqdm(total=passes * len(f), desc="voxelize", unit="face", disable=not s.progress) as bar:
         # 1. Scan conversion, triangles in order.
         for part in _chunks(_scan_budget(tri, s.resolution), s.chunk):
             n, qef = _planes(tri[part])
