@@ -200,7 +200,7 @@ class _VoxelTable:
     def key(self, x, y, z) -> np.ndarray:
         return (x.astype(np.int64) * self.r + y) * self.r + z
 
-    def add(self, keys: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    def add(self, keys: np.ndarray) -> tuple[np.ndarray, _Batches]:
         """Row of each key (keys not seen yet get new rows in the order they first occur in ``keys``), and the
         key positions grouped for ``_add_batches`` (one stable sort serves both)."""
         order = np.argsort(keys, kind="stable")
@@ -237,24 +237,41 @@ def _heads(sorted_values: np.ndarray) -> np.ndarray:
     return np.r_[True, sorted_values[1:] != sorted_values[:-1]] if len(sorted_values) else np.zeros(0, bool)
 
 
-def _rank_batches(order: np.ndarray, head: np.ndarray) -> list[np.ndarray]:
-    """Positions grouped by rank: batch k holds the k-th contribution (in order) of every row that has one.
-    ``order`` is a stable sort of the rows, ``head`` marks each row's first place in it."""
-    if len(order) == 0:
-        return []
+@dataclass(frozen=True)
+class _Batches:
+    """Contributions grouped for ordered sums: ``first`` is one position per row (its first contribution);
+    ``positions[k]`` / ``groups[k]`` are the k-th contribution of every row that has one, and that row's group."""
+
+    first: np.ndarray
+    positions: list[np.ndarray]
+    groups: list[np.ndarray]
+
+
+def _rank_batches(order: np.ndarray, head: np.ndarray) -> _Batches:
+    """``order`` is a stable sort of the rows, ``head`` marks each row's first place in it."""
     starts = np.flatnonzero(head)
-    rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-    small = rank.astype(np.uint16) if rank.max() < 1 << 16 else rank  # uint16: numpy's stable sort is a radix sort
-    by_rank = order[np.argsort(small, kind="stable")]
-    return np.split(by_rank, np.cumsum(np.bincount(rank))[:-1])
+    group = np.cumsum(head) - 1
+    rank = np.arange(len(order)) - starts[group]
+    small = rank.astype(np.uint16) if len(rank) and rank.max() < 1 << 16 else rank  # uint16 sorts by radix
+    by_rank = np.argsort(small, kind="stable")
+    bounds = np.cumsum(np.bincount(rank))[:-1] if len(rank) else []
+    return _Batches(order[starts], np.split(order[by_rank], bounds), np.split(group[by_rank], bounds))
 
 
-def _add_batches(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray, batches) -> None:
+def _add_batches(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray, batches: _Batches) -> None:
     """``acc[rows[i]] += table[src[i]]`` for i in order: float sums are not associative and the reference adds
     one contribution at a time, so each voxel's additions keep their order. Vectorised over voxels, one pass
-    per rank (the k-th addition of every voxel in pass k; within a pass the rows are distinct)."""
-    for sel in batches:
-        acc[rows[sel]] += table[src[sel]]
+    per rank (the k-th addition of every voxel in pass k), on a compact copy of the rows touched."""
+    if len(batches.first) == 0:
+        return
+    target = rows[batches.first]
+    local = acc[target]
+    for k, (pos, grp) in enumerate(zip(batches.positions, batches.groups)):
+        if k == 0:  # every row has a first contribution, in group order: no scatter needed
+            local += table[src[pos]]
+        else:
+            local[grp] += table[src[pos]]
+    acc[target] = local
 
 
 def _add_in_order(acc: np.ndarray, rows: np.ndarray, table: np.ndarray, src: np.ndarray) -> None:

@@ -227,7 +227,7 @@ def _ours_state(v, f, r, face_weight=1.0, boundary_weight=0.2):
 
 
 @needs_reference
-@pytest.mark.parametrize("r", [64, 256])
+@pytest.mark.parametrize("r", [64, 96, 256])  # 96: a voxel size that is not a power of two
 @pytest.mark.parametrize("name", list(PARITY_MESHES))
 def test_voxels_flags_means_and_qefs_are_the_references_bits(name, r):
     v, f = PARITY_MESHES[name]()
