@@ -401,34 +401,37 @@ def _chunks(cost: np.ndarray, budget: int) -> list[slice]:
 
 def _box_candidates(tri: np.ndarray, n: np.ndarray, vs: np.float32, r: int):
     """Per triangle, the voxels of its bounding box (the reference's) near its plane: for each column along the
-    normal's dominant axis, the voxels the plane crosses plus one on either side (the float32 box test below
-    decides). Returns per-triangle box bounds and the candidates (triangle, x, y, z)."""
+    normal's dominant axis w, the voxels the plane crosses plus one on either side (the float32 box test then
+    decides). Returns the candidates as (triangle, [K, 3] voxel)."""
     lo_f = np.minimum(np.minimum(tri[:, 0], tri[:, 1]), tri[:, 2]) / vs
     hi_f = np.maximum(np.maximum(tri[:, 0], tri[:, 1]), tri[:, 2]) / vs
     bb_lo = np.maximum(_trunc_int(lo_f), 0)
     bb_hi = np.minimum(_trunc_int(hi_f + np.float32(1)), r)
     w = np.argmax(np.abs(n), axis=1)
-    u, v = (w + 1) % 3, (w + 2) % 3
-    t = np.arange(len(tri))
-    nu, nv = bb_hi[t, u] - bb_lo[t, u], bb_hi[t, v] - bb_lo[t, v]
-    tri_id, k = _expand(np.maximum(nu, 0) * np.maximum(nv, 0))
-    iu = bb_lo[tri_id, u[tri_id]] + k // np.maximum(nv[tri_id], 1)
-    iv = bb_lo[tri_id, v[tri_id]] + k % np.maximum(nv[tri_id], 1)
-    n64, v0 = n.astype(np.float64)[tri_id], tri[tri_id, 0].astype(np.float64)
-    cols = np.arange(len(tri_id))
-    nw, nu_, nv_ = n64[cols, w[tri_id]], n64[cols, u[tri_id]], n64[cols, v[tri_id]]
-    d = -(n64 * v0).sum(axis=1)
+    axes = np.stack([w, (w + 1) % 3, (w + 2) % 3], axis=1)  # [T, 3]: w, u, v
+    lo, hi = np.take_along_axis(bb_lo, axes, 1), np.take_along_axis(bb_hi, axes, 1)
+    n64 = np.take_along_axis(n, axes, 1).astype(np.float64)
     vsd = np.float64(vs)
-    centre = -(d + nu_ * (iu + 0.5) * vsd + nv_ * (iv + 0.5) * vsd) / nw
-    spread = (np.abs(nu_) + np.abs(nv_)) * 0.5 * vsd / np.abs(nw)
-    w_lo = np.maximum(np.floor((centre - spread) / vsd).astype(np.int64) - 1, bb_lo[tri_id, w[tri_id]])
-    w_hi = np.minimum(np.floor((centre + spread) / vsd).astype(np.int64) + 2, bb_hi[tri_id, w[tri_id]])
+    # Per triangle: the plane's w over a column's centre is a + bu·iu + bv·iv, give or take ``spread``.
+    d = -(n.astype(np.float64) * tri[:, 0].astype(np.float64)).sum(axis=1)
+    a = -(d + (n64[:, 1] + n64[:, 2]) * 0.5 * vsd) / n64[:, 0]
+    bu, bv = -n64[:, 1] * vsd / n64[:, 0], -n64[:, 2] * vsd / n64[:, 0]
+    spread = (np.abs(n64[:, 1]) + np.abs(n64[:, 2])) * 0.5 * vsd / np.abs(n64[:, 0])
+    nv = np.maximum(hi[:, 2] - lo[:, 2], 0)
+    tri_id, k = _expand(np.maximum(hi[:, 1] - lo[:, 1], 0) * nv)
+    nv_t = np.maximum(nv[tri_id], 1)
+    iu, iv = lo[tri_id, 1] + k // nv_t, lo[tri_id, 2] + k % nv_t
+    centre = a[tri_id] + bu[tri_id] * iu + bv[tri_id] * iv
+    w_lo = np.maximum(np.floor((centre - spread[tri_id]) / vsd).astype(np.int64) - 1, lo[tri_id, 0])
+    w_hi = np.minimum(np.floor((centre + spread[tri_id]) / vsd).astype(np.int64) + 2, hi[tri_id, 0])
     col, k = _expand(np.maximum(w_hi - w_lo, 0))
-    xyz = np.empty((len(col), 3), np.int64)
     tc = tri_id[col]
-    xyz[np.arange(len(col)), w[tc]] = w_lo[col] + k
-    xyz[np.arange(len(col)), u[tc]] = iu[col]
-    xyz[np.arange(len(col)), v[tc]] = iv[col]
+    xyz = np.empty((len(col), 3), np.int64)
+    rows = np.arange(len(col))
+    ax = axes[tc]
+    xyz[rows, ax[:, 0]] = w_lo[col] + k
+    xyz[rows, ax[:, 1]] = iu[col]
+    xyz[rows, ax[:, 2]] = iv[col]
     return tc, xyz
 
 
