@@ -156,7 +156,7 @@ def _dot3(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _lerp(a, b, t, va, vb):
-    """The reference's ``lerp``: ``va`` where ``a == b``, else ``(1 − α)·va + α·vb`` with ``α = (t − a)/(b − a)``."""
+    """The reference's ``lerp``: ``va`` where ``a == b``, else ``(1 − α)·va + α·vb``, α = (t − a)/(b − a)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         alpha = (t - a) / (b - a)
     if va.ndim > alpha.ndim:
@@ -227,7 +227,10 @@ class _VoxelTable:
     def _find(self, keys):
         pos = np.searchsorted(self._sorted, keys)
         safe = np.minimum(pos, max(len(self._sorted) - 1, 0))
-        found = (pos < len(self._sorted)) & (self._sorted[safe] == keys) if len(self._sorted) else np.zeros(len(keys), bool)
+        if len(self._sorted):
+            found = (pos < len(self._sorted)) & (self._sorted[safe] == keys)
+        else:
+            found = np.zeros(len(keys), bool)
         rows = np.zeros(len(keys), np.int64)
         rows[found] = self._rows[safe[found]]
         return rows, found, pos

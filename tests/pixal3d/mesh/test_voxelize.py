@@ -89,7 +89,9 @@ def corner_sdf(sdf, r):
 
 
 def flag_mismatches(fields, sdf, r, band, owner_shift=0):
-    """Grid edges where the flags and the SDF's sign changes disagree, away from tangencies. Voxel (i, j, k) owns, per axis, the edge through its max corner in the other two axes; a non-zero
+    """Grid edges where the flags and the SDF's sign changes disagree, away from tangencies.
+
+    Voxel (i, j, k) owns, per axis, the edge through its max corner in the other two axes; a non-zero
     ``owner_shift`` moves the owner that many more voxels along the other two axes (a wrong convention)."""
     s = corner_sdf(sdf, r)
     coords = fields.coords.numpy().astype(np.int64)
@@ -100,7 +102,8 @@ def flag_mismatches(fields, sdf, r, band, owner_shift=0):
         change = np.sign(lo) != np.sign(hi)
         # Clear of tangencies: a sign change with both ends out of the band (one crossing), or no sign change
         # with |s(a)| + |s(b)| beyond the edge's length (a distance function cannot reach zero between them).
-        clear = np.where(change, (np.abs(lo) > band) & (np.abs(hi) > band), np.abs(lo) + np.abs(hi) > 1 / r + 2 * band)
+        clear = np.where(change, (np.abs(lo) > band) & (np.abs(hi) > band),
+                         np.abs(lo) + np.abs(hi) > 1 / r + 2 * band)
         start = np.argwhere(clear & change)  # the crossing edges' start corners (x, y, z)
         others = np.arange(3) != a
         expected = set(map(tuple, start - others * (1 + owner_shift)))
@@ -127,7 +130,7 @@ def test_dual_vertices_lie_in_their_voxels_and_near_the_surface(shape):
     offsets = fields.dual_vertices.numpy()
     assert fields.coords.dtype == torch.int32 and offsets.dtype == np.float32
     # The reference's voxel is [c·fl(1/R), (c+1)·fl(1/R)] in float32: [c, c+1] to ~R float32 ulps of 1.
-    slack = r * 2.0**-23  # 0 lost where R is a power of two: measured 3.8e-6 at R = 96
+    slack = r * 2.0**-23  # exact where R is a power of two; measured 3.8e-6 at R = 96
     assert offsets.min() >= -slack and offsets.max() <= 1 + slack
     world = (fields.coords.numpy() + offsets.astype(np.float64)) / r - 0.5
     dist = np.abs(sdf(world)) * r
