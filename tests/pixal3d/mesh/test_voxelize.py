@@ -156,6 +156,25 @@ def test_dual_grid_mesh_of_the_result_is_close_to_the_input(shape):
     assert np.abs(sdf(cv.astype(np.float64))).max() * r > 0.5
 
 
+def test_free_minima_are_the_float64_solution_rounded_to_float32():
+    # Our solve: where the QEF's free minimum is inside the voxel, the vertex is that float64 minimum rounded to
+    # float32 (the reference's float32 QR lands up to hundreds of ulps away: docs/testing.md).
+    v, f = sphere_mesh(4)
+    acc = vz.accumulate_qefs(v, f, 64)
+    q = acc.matrices(1e-2).astype(np.float64)
+    exact = np.linalg.solve(q[:, :3, :3], -q[:, :3, 3:])[:, :, 0]
+    lo = acc.coords / 64
+    free = np.all((exact > lo + 1e-6) & (exact < lo + 1 / 64 - 1e-6), axis=1)
+    fields = vz.mesh_to_dual_grid(v, f, 64, progress=False)
+    dual = (fields.dual_vertices.numpy() + acc.coords.astype(np.float32)) / np.float32(64)  # exact: R = 2^6
+    assert free.mean() > 0.99
+    assert np.array_equal(dual[free], exact[free].astype(np.float32))
+    # Control: a float32 solve of the same systems gives other bits.
+    q32 = acc.matrices(1e-2)
+    single = np.linalg.solve(q32[:, :3, :3], -q32[:, :3, 3:])[:, :, 0]
+    assert single.dtype == np.float32 and not np.array_equal(dual[free], single[free])
+
+
 def test_split_weight_is_ones_and_fields_line_up(shape):
     fields = shape.fields
     n = len(fields.coords)
