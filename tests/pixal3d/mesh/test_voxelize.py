@@ -169,9 +169,10 @@ def test_free_minima_are_the_float64_solution_rounded_to_float32():
     dual = (fields.dual_vertices.numpy() + acc.coords.astype(np.float32)) / np.float32(64)  # exact: R = 2^6
     assert free.mean() > 0.99
     assert np.array_equal(dual[free], exact[free].astype(np.float32))
-    # Control: a float32 solve of the same systems gives other bits.
-    q32 = acc.matrices(1e-2)
-    single = np.linalg.solve(q32[:, :3, :3], -q32[:, :3, 3:])[:, :, 0]
+    # Control: a float32 solve of the same systems (torch's LU in float32; numpy's solve works in float64 for
+    # float32 input) gives other bits.
+    q32 = torch.from_numpy(acc.matrices(1e-2))
+    single = torch.linalg.solve(q32[:, :3, :3], -q32[:, :3, 3:])[:, :, 0].numpy()
     assert single.dtype == np.float32 and not np.array_equal(dual[free], single[free])
 
 
