@@ -57,12 +57,32 @@ class SparseResBlockS2C3d(nn.Module):
 
     def forward(self, x: SparseTensor) -> tuple[SparseTensor, torch.Tensor]:
         """-> ``(h [P, Cout] on the parents, sorted by (b, x, y, z); children mask [P, 8] bool)``."""
+        h, skip, mask = self.fold(x)
+        return self.finish(h, skip), mask
+
+    def fold(self, x: SparseTensor) -> tuple[SparseTensor, torch.Tensor, torch.Tensor]:
+        """The part on the children: ``conv1``, then both branches folded into the parents -> ``(h [P, Cout],
+        skip [P, Cout], mask [P, 8])``; each parent's values depend on its own children only (and ``conv1``'s)."""
         h = self.conv1(x.replace(F.silu(self.norm1(x.feats))))
         h, mask = space_to_channel(h)  # [P, Cout]
         folded, _ = space_to_channel(x)  # [P, 8·Cin]
         skip = folded.feats.reshape(folded.feats.shape[0], self.out_channels, -1).mean(dim=-1)
+        return h, skip, mask
+
+    def finish(self, h: SparseTensor, skip: torch.Tensor) -> SparseTensor:
+        """The part on the parents: ``conv2`` and the skip."""
         h = self.conv2(h.replace(F.silu(self.norm2(h.feats))))
-        return h.replace(h.feats + skip), mask
+        return h.replace(h.feats + skip)
+
+
+@dataclass(frozen=True)
+class EncodeTiles:
+    """How to encode in bounded memory: the first ``levels`` stages over tiles of at most ``tile_voxels`` level-0
+    voxels (their cores; halos come on top); ``radius``: override of ``head_radius`` (tests)."""
+
+    levels: int = 2
+    tile_voxels: int = 1 << 20
+    radius: int | None = None
 
 
 @dataclass
@@ -189,10 +209,74 @@ class FlexiDualGridVaeEncoder(nn.Module):
         """A mesh's flexible dual grid -> its ``EncodedShape`` (latent and the children masks)."""
         return self.encode_inputs(self.inputs(fields))
 
-    def encode_inputs(self, x: SparseTensor) -> EncodedShape:
+    @torch.no_grad()
+    def encode_tiled(self, fields: DualGridFields, tiles: EncodeTiles) -> SparseTensor:
+        """``encode(fields).latent`` in bounded memory: the first ``tiles.levels`` stages (the large, fine ones) over
+        spatial tiles of whole level-``levels`` parents, each with the halo ``head_radius`` says, the rest whole.
+        Every operation there acts on one voxel, one parent's children, or a convolution's neighbours, so a tile's
+        parents get the untiled values (for half-precision torsos, whose kernels give a row's result whatever the
+        rows around it: the released encoder's); they are put back in the untiled (sorted) order."""
+        from .decoder_tiling import split_boxes
+
+        k = tiles.levels
+        if not 1 <= k <= self.num_downsamplings:
+            raise ValueError(f"EncodeTiles.levels={k} must be in [1, {self.num_downsamplings}]")
+        x = self.inputs(fields)
+        radius = self.head_radius(k) if tiles.radius is None else tiles.radius
+        scale = 2 ** k
+        parents = torch.unique(torch.div(x.coords[:, 1:], scale, rounding_mode="floor"), dim=0)
+        per_box = max(1, int(tiles.tile_voxels * len(parents) / max(1, len(x))))
+        h_parts, skip_parts, coord_parts = [], [], []
+        for box in split_boxes(parents, per_box):
+            crop = box.distance(x.coords[:, 1:], scale) <= radius
+            h, skip = self._head(SparseTensor(x.feats[crop], x.coords[crop]), k)
+            inside = box.distance(h.coords[:, 1:]) == 0
+            h_parts.append(h.feats[inside])
+            skip_parts.append(skip[inside])
+            coord_parts.append(h.coords[inside])
+        del x
+        coords = torch.cat(coord_parts)
+        order = torch.argsort(_linear_key(coords))
+        h = SparseTensor(torch.cat(h_parts).index_select(0, order), coords.index_select(0, order))
+        skip = torch.cat(skip_parts).index_select(0, order)
+        del h_parts, skip_parts
+        h = self.blocks[k - 1][-1].finish(h, skip)
+        return self._tail(h, k).latent
+
+    def head_radius(self, levels: int) -> int:
+        """The halo, in level-0 voxels, around whole level-``levels`` parents within which the encoder's input must be
+        present for ``_head``'s outputs on those parents to be exact: back from the last fold (its parents read only
+        their children), each level adds its convolutions (the S2C's ``conv2`` on arrival, the blocks, the next S2C's
+        ``conv1``), and a level-``L+1`` distance ``d`` needs level-``L`` voxels within ``2d + 1``."""
+        from .decoder_tiling import _radius
+
+        radius = 0
+        for level in range(levels - 1, -1, -1):
+            stage = self.blocks[level]
+            radius += sum(_radius(block.conv) for block in stage[:-1]) + _radius(stage[-1].conv1)
+            if level > 0:
+                radius += _radius(self.blocks[level - 1][-1].conv2)
+                radius = 2 * radius + 1
+        return radius
+
+    def _head(self, x: SparseTensor, levels: int) -> tuple[SparseTensor, torch.Tensor]:
+        """Stages ``0 .. levels-1`` up to the last one's fold: ``(h [P, C], skip [P, C])`` on level-``levels``
+        parents, before that S2C's ``conv2``."""
         h = self.input_layer(x.type(self.input_layer.weight.dtype)).type(self.dtype)
-        masks, parents = [], []
-        for i, stage in enumerate(self.blocks):
+        for i in range(levels):
+            if i > 0:
+                h = self.blocks[i - 1][-1].finish(h, skip)
+            for block in self.blocks[i][:-1]:
+                h = block(h)
+            h, skip, _ = self.blocks[i][-1].fold(h)
+        return h, skip
+
+    def _tail(self, h: SparseTensor, start: int, masks: list | None = None, parents: list | None = None
+              ) -> EncodedShape:
+        """Stages ``start ..`` from their input ``h``, then the latent."""
+        masks, parents = masks if masks is not None else [], parents if parents is not None else []
+        for i in range(start, len(self.blocks)):
+            stage = self.blocks[i]
             for block in stage[:-1] if i < self.num_downsamplings else stage:
                 h = block(h)
             if i < self.num_downsamplings:
@@ -203,3 +287,7 @@ class FlexiDualGridVaeEncoder(nn.Module):
         h = self.to_latent(h.replace(F.layer_norm(h.feats, h.feats.shape[-1:])))
         mean = h.feats[:, :self.latent_channels]
         return EncodedShape(latent=h.replace(mean.contiguous()), masks=masks, parents=parents)
+
+    def encode_inputs(self, x: SparseTensor) -> EncodedShape:
+        h = self.input_layer(x.type(self.input_layer.weight.dtype)).type(self.dtype)
+        return self._tail(h, 0)

@@ -123,3 +123,39 @@ def test_guides_from_the_voxels_are_the_encoders_and_drop_what_no_voxel_is_under
     for guide in guide_to_voxels(level, half, 2):
         level, _ = subdivide(level, guide.feats > 0)
     assert sorted(map(tuple, level[:, 1:].tolist())) == sorted(map(tuple, half.tolist()))
+
+
+def _half_torso(model: FlexiDualGridVaeEncoder) -> FlexiDualGridVaeEncoder:
+    """The released placement (half-precision torso; bf16 here: CPU fp16 GEMMs are slow), whose kernels give each
+    row's result whatever rows share the call: what makes tiles exact (pixal3d/models/decoder_tiling.py)."""
+    from pixal3d.nn.sparse_conv import SparseConv3d
+
+    for module in model.blocks.modules():
+        if isinstance(module, (SparseConv3d, torch.nn.Linear)):
+            module.to(torch.bfloat16)
+    model.dtype = torch.bfloat16
+    return model
+
+
+@pytest.mark.parametrize("levels, tile_voxels", [(1, 500), (2, 900)])
+def test_the_tiled_encoder_is_the_whole_one_bit_for_bit(levels, tile_voxels, monkeypatch):
+    import pixal3d.models.decoder_tiling as tiling
+    from pixal3d.models.shape_encoder import EncodeTiles
+
+    model = _half_torso(_tiny_encoder())
+    g = torch.Generator().manual_seed(9)
+    xyz = torch.stack(torch.meshgrid(*[torch.arange(48)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    shell = ((xyz.float() + 0.5 - 24).norm(dim=1) - 17).abs() < 1.2  # a sphere's band of voxels, as a mesh gives
+    coords = xyz[shell].int()
+    fields = DualGridFields(coords, torch.rand(len(coords), 3, generator=g), torch.rand(len(coords), 3, generator=g)
+                            > 0.5, torch.ones(len(coords)), 48)
+    whole = model.encode(fields).latent
+    boxes = []
+    split = tiling.split_boxes
+    monkeypatch.setattr(tiling, "split_boxes", lambda *a: boxes.extend(split(*a)) or boxes)
+    tiled = model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels))
+    assert len(boxes) > 2  # several tiles ran
+    assert torch.equal(tiled.coords, whole.coords) and torch.equal(tiled.feats, whole.feats)
+    short = model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels,
+                                                   radius=model.head_radius(levels) - 1))
+    assert not torch.equal(short.feats, whole.feats)  # control: a halo one voxel short is not exact
