@@ -13,6 +13,7 @@ encoding the mesh again, so the texture is the full run's, bit for bit.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import numpy as np
@@ -21,11 +22,13 @@ from torch import nn
 
 from pixal3d.config import CascadeConfig
 
-from .stage import CascadeStage
+from .stage import CascadeStage, StageBudget
 from .state import RunState
-from .working_set import decode_bytes
+from .working_set import mesh_encode_bytes
 
-VOXEL_MARGIN_BYTES = 160 * 2**20  # the voxeliser's own temporaries beyond the encoder's (chunked)
+VOXEL_MARGIN_BYTES = 160 * 2**20  # the stage's own temporaries beyond the encoder's
+HEAD_RADII = {1: 1, 2: 14, 3: 56, 4: 204}
+"""``FlexiDualGridVaeEncoder.head_radius`` of the released encoder (tested): the plan sizes tiles before it loads."""
 
 
 class MeshEncodeStage(CascadeStage):
@@ -38,17 +41,42 @@ class MeshEncodeStage(CascadeStage):
     draws = "generator"  # sets its state from a shape-only note: records after it keep the state
     outputs = ("shape_latent", "hr_resolution", "mesh_voxels", "mesh_pose")
 
-    def __init__(self, hr_resolution: int, upsample_times: int):
+    def __init__(self, hr_resolution: int, upsample_times: int, tiles=None):
         self.hr_resolution = hr_resolution
         self.upsample_times = upsample_times
+        self.tiles = tiles  # pixal3d.models.shape_encoder.EncodeTiles under a budget the whole encoder does not fit
 
     @classmethod
     def from_config(cls, config: CascadeConfig) -> MeshEncodeStage:
         return cls(config.upsample.hr_resolution, config.upsample.times)
 
     def working_set(self) -> int:
-        # the encoder mirrors the shape decoder: its activations at each level are the decode's
-        return decode_bytes(self.hr_resolution, self.upsample_times) + VOXEL_MARGIN_BYTES
+        # the voxeliser (~200 B per voxel, chunked) runs before the encoder and is freed: the encoder sets the peak
+        tiles = self.tiles
+        if tiles is None:
+            return mesh_encode_bytes(self.hr_resolution, self.upsample_times) + VOXEL_MARGIN_BYTES
+        return mesh_encode_bytes(self.hr_resolution, self.upsample_times, tiles.levels, tiles.tile_voxels,
+                                 HEAD_RADII.get(tiles.levels, 0)) + VOXEL_MARGIN_BYTES
+
+    def fitted(self, budget: StageBudget) -> MeshEncodeStage:
+        """Under an explicit budget the whole encoder does not fit: its first stages over tiles (``encode_tiled``),
+        the fewest levels and the largest tiles that fit (the smallest when none does: the plan then refuses)."""
+        if not budget.explicit or self.working_set() <= budget.work_bytes:
+            return self
+        from pixal3d.models.shape_encoder import EncodeTiles
+
+        options = [EncodeTiles(levels, tile) for levels in (2, 3) for tile in (1 << 21, 1 << 20, 1 << 19, 1 << 18)]
+        for tiles in options:
+            stage = copy.copy(self)
+            stage.tiles = tiles
+            if stage.working_set() <= budget.work_bytes:
+                return stage
+        return stage
+
+    def choices(self) -> dict:
+        if self.tiles is None:
+            return {}
+        return {"tiles": {"levels": self.tiles.levels, "tile_voxels": self.tiles.tile_voxels}}
 
     @torch.no_grad()
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
@@ -70,9 +98,11 @@ class MeshEncodeStage(CascadeStage):
             state.shape_latent = note.latent.to(state.device)
             state.generator.set_state(note.generator_state)
             return
-        encoder = models["shape_encoder"]
-        encoded = encoder.encode(_on(fields, state.device))
-        state.shape_latent = encoded.latent
+        encoder, fields = models["shape_encoder"], _on(fields, state.device)
+        if self.tiles is None:
+            state.shape_latent = encoder.encode(fields).latent
+        else:
+            state.shape_latent = encoder.encode_tiled(fields, self.tiles)
 
     def pose(self, state: RunState):
         from pixal3d.mesh.register import ScenePoints, estimate_pose

@@ -371,8 +371,10 @@ def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | N
             modes.setdefault(choices["naf_mode"], []).append(stage.name)
         if "tiles" in choices:
             tiles = choices["tiles"]
-            reasons.append(f"{stage.name}: in spatial tiles from decoder level {tiles['start_level']}, at most "
-                           f"{tiles['tile_voxels']:,} voxels each (exact)")
+            where = (f"from decoder level {tiles['start_level']}" if "start_level" in tiles else
+                     f"over its first {tiles['levels']} encoder levels")
+            reasons.append(f"{stage.name}: in spatial tiles {where}, at most {tiles['tile_voxels']:,} voxels each "
+                           f"(exact)")
         if "chunks" in choices:
             reasons.append(f"{stage.name}: attention and NAF in smaller chunks to stay within the budget")
     if "full" in modes:

@@ -102,3 +102,27 @@ def attention_route_bytes(route: str, tokens: int, score_elements: int) -> int:
     if route != "fp32_chunked":
         return 0
     return fp32_chunked_scratch_bytes(1, FLOW_HEADS, tokens, tokens, FLOW_HEAD_DIM, budget=score_elements)
+
+
+ENCODE_BYTES_PER_VOXEL = 1536
+"""The shape encoder's working set per voxel of the mesh's 1024 grid, whole (its first level sets the peak): 1.45 KB
+measured at its released width on 100k voxels (``scripts/bench_mesh_encode.py``, benchmarks/mesh_encode.json)."""
+ENCODE_HELD_BYTES_PER_VOXEL = 31 + 24   # the dual grid the stage holds (coords, offsets, flags, split) and its input
+ENCODE_LEVEL_SHRINK = 4.0               # voxels per voxel one level down, on a surface (100k -> 368 tokens: 4.07)
+ENCODE_WIDTHS = (64, 128, 256, 512, 1024)  # the released encoder's channels per level
+
+
+def mesh_encode_bytes(hr_resolution: int, times: int, levels: int = 0, tile_voxels: int = 0, radius: int = 0) -> int:
+    """``mesh_encode``'s working set at the reference's voxel count (the decode's: ~9M at 1024): the whole encoder
+    (``levels`` 0), or its first ``levels`` stages over tiles of ``tile_voxels`` (their halo ``radius`` on a surface
+    patch's border) and the rest whole with its blocks' MLPs in row chunks (~12 bytes per channel per voxel there,
+    beside the folded outputs the tiles left, 4 bytes per channel)."""
+    voxels = decoded_voxels(hr_tokens(hr_resolution), times)
+    held = ENCODE_HELD_BYTES_PER_VOXEL * voxels
+    if levels == 0:
+        return int(held + ENCODE_BYTES_PER_VOXEL * voxels)
+    side = (tile_voxels / 1.6) ** 0.5  # a surface patch of that many voxels, and its halo band
+    head = ENCODE_BYTES_PER_VOXEL * tile_voxels * ((side + 2 * radius) / side) ** 2
+    width = ENCODE_WIDTHS[min(levels, len(ENCODE_WIDTHS) - 1)]
+    tail = (12 + 4) * width * voxels / ENCODE_LEVEL_SHRINK ** levels
+    return int(held + max(head, tail))

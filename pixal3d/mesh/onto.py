@@ -20,8 +20,8 @@ from .glb import build_mesh, encode_glb, vertex_normals
 from .records import ExportedMesh, ExportReport
 from .settings import ExportSettings
 from .sparse_index import SparseIndex
-from .uv import UvMesh
 from .user_mesh import MeshPose, UserMesh
+from .uv import UvMesh
 
 ONTO_STEPS = ("uv", "bake", "glb")
 

@@ -83,6 +83,7 @@ class EncodeTiles:
     levels: int = 2
     tile_voxels: int = 1 << 20
     radius: int | None = None
+    mlp_rows: int | None = 1 << 16  # the ConvNeXt blocks' norm and MLP over this many voxels at a time
 
 
 @dataclass
@@ -221,6 +222,9 @@ class FlexiDualGridVaeEncoder(nn.Module):
         k = tiles.levels
         if not 1 <= k <= self.num_downsamplings:
             raise ValueError(f"EncodeTiles.levels={k} must be in [1, {self.num_downsamplings}]")
+        for block in self.blocks.modules():
+            if isinstance(block, SparseConvNeXtBlock3d):
+                block.mlp_rows = tiles.mlp_rows
         x = self.inputs(fields)
         radius = self.head_radius(k) if tiles.radius is None else tiles.radius
         scale = 2 ** k
@@ -263,6 +267,7 @@ class FlexiDualGridVaeEncoder(nn.Module):
         """Stages ``0 .. levels-1`` up to the last one's fold: ``(h [P, C], skip [P, C])`` on level-``levels``
         parents, before that S2C's ``conv2``."""
         h = self.input_layer(x.type(self.input_layer.weight.dtype)).type(self.dtype)
+        skip = None
         for i in range(levels):
             if i > 0:
                 h = self.blocks[i - 1][-1].finish(h, skip)

@@ -41,10 +41,14 @@ class SparseConvNeXtBlock3d(nn.Module):
         self.conv = SparseConv3d(channels, channels, 3)
         self.norm = LayerNorm32(channels, elementwise_affine=True, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(channels, hidden), nn.SiLU(), nn.Linear(hidden, channels))
+        self.mlp_rows: int | None = None  # norm + MLP over this many voxels at a time (None: all at once)
 
     def forward(self, x: SparseTensor) -> SparseTensor:
         h = self.conv(x).feats
-        h = self.mlp(self.norm(h))
+        if self.mlp_rows is None or len(h) <= self.mlp_rows:
+            h = self.mlp(self.norm(h))
+        else:  # per voxel: the same values over row chunks (half-precision kernels; the encoder's tiles rely on it)
+            h = torch.cat([self.mlp(self.norm(h[i:i + self.mlp_rows])) for i in range(0, len(h), self.mlp_rows)])
         return x.replace(h + x.feats)
 
 

@@ -3,6 +3,8 @@ the kind's cascade, the user's mesh kept, a shape-only output textured as the fu
 refused in one line before any weight is read."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,11 @@ import trimesh
 
 from pipelines import Pixal3D
 from pipelines.build import SHAPE_ONLY
+from pixal3d.memory_budget import GIB, PROCESS_BYTES
 from pixal3d.mesh.user_mesh import MeshError, read_mesh
 from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.support.cli import one_error_line, run_cli
+from tests.support.header_hub import REAL, hub  # noqa: F401
 
 SEED = 5
 
@@ -24,7 +28,7 @@ def _glb_mesh(path) -> trimesh.Trimesh:
 
 
 @pytest.fixture(scope="module")
-def shape_and_full(tiny_cache, tmp_path_factory):
+def shape_and_full(tiny_cache, tmp_path_factory):  # noqa: F811
     """A shape-only run's GLB and a full run's texture latent, same image and seed."""
     folder = tmp_path_factory.mktemp("mesh_input")
     with Pixal3D.from_config(TINY_CONFIG, device="cpu", until=SHAPE_ONLY) as pipe:
@@ -35,7 +39,7 @@ def shape_and_full(tiny_cache, tmp_path_factory):
     return folder / "shape.glb", full.state.tex_latent
 
 
-def test_the_mesh_cascade_encodes_the_mesh_in_place_of_the_shape_flows(tiny_cache):
+def test_the_mesh_cascade_encodes_the_mesh_in_place_of_the_shape_flows(tiny_cache):  # noqa: F811
     plan = Pixal3D.plan(TINY_CONFIG, device="cpu", input_kind="mesh")
     assert [s.name for s in plan.stages] == ["preprocess", "camera", "features", "mesh_encode", "texture",
                                              "mesh_decode", "mesh_export"]
@@ -75,7 +79,7 @@ def _uv_sheet(tmp_path):
     return path
 
 
-def test_the_users_mesh_comes_back_with_its_vertices_faces_and_uvs(tiny_cache, tmp_path):
+def test_the_users_mesh_comes_back_with_its_vertices_faces_and_uvs(tiny_cache, tmp_path):  # noqa: F811
     path = _uv_sheet(tmp_path)
     given = read_mesh(path)
     with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh") as pipe:
@@ -104,10 +108,10 @@ def test_a_mesh_without_uvs_gets_an_atlas_and_keeps_its_positions(shape_and_full
 
 
 BAD = {
-    "empty.ply": (b"ply\nformat ascii 1.0\nelement vertex 0\nelement face 0\nproperty list uchar int vertex_indices\n"
-                  b"end_header\n", "no faces|point cloud|no mesh|cannot be read"),
-    "cloud.ply": (b"ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\nproperty float z\n"
-                  b"end_header\n0 0 0\n0.1 0 0\n0 0.1 0\n", "point cloud|no faces"),
+    "empty.ply": ((b"ply\nformat ascii 1.0\nelement vertex 0\nelement face 0\nproperty list uchar int vertex_indices\n"
+                   b"end_header\n"), "no faces|point cloud|no mesh|cannot be read"),
+    "cloud.ply": ((b"ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\nproperty float z\n"
+                   b"end_header\n0 0 0\n0.1 0 0\n0 0.1 0\n"), "point cloud|no faces"),
     "nan.obj": (b"v 0 0 0\nv nan 0 0\nv 0 0.1 0\nf 1 2 3\n", "NaN or infinite"),
     "fin.obj": (b"v 0 0 0\nv 0.1 0 0\nv 0 0.1 0\nv 0 0 0.1\nv 0 0 -0.1\nf 1 2 3\nf 1 2 4\nf 1 2 5\n",
                 "edges are non-manifold"),
@@ -124,12 +128,11 @@ def test_a_bad_mesh_is_refused_in_one_line_before_any_weight_is_read(name, tmp_p
     code, _, err = run_cli(capsys, EXAMPLE, "--mesh", tmp_path / name, "-o", tmp_path / "out.glb", "--plan")
     line = one_error_line(err)
     assert code != 0 and name in line, line
-    import re
     assert re.search(words, line), line
 
 
 def test_a_mesh_with_more_faces_than_the_limit_is_refused(tmp_path, monkeypatch):
-    import pixal3d.mesh.user_mesh as user_mesh
+    from pixal3d.mesh import user_mesh
 
     trimesh.creation.icosphere(subdivisions=2, radius=0.3).export(tmp_path / "ball.ply")
     monkeypatch.setattr(user_mesh, "MAX_FACES", 100)
@@ -137,7 +140,7 @@ def test_a_mesh_with_more_faces_than_the_limit_is_refused(tmp_path, monkeypatch)
         read_mesh(tmp_path / "ball.ply")
 
 
-def test_estimate_with_a_field_of_view_and_a_pose_without_a_mesh_are_refused(tiny_cache, tmp_path, capsys):
+def test_estimate_with_a_field_of_view_and_a_pose_without_a_mesh_are_refused(tiny_cache, tmp_path, capsys):  # noqa: F811
     trimesh.creation.icosphere(subdivisions=1, radius=0.3).export(tmp_path / "ball.glb")
     code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--mesh", tmp_path / "ball.glb", "--mesh-pose",
                            "estimate", "--fov", "40", "-o", tmp_path / "o.glb")
@@ -145,3 +148,21 @@ def test_estimate_with_a_field_of_view_and_a_pose_without_a_mesh_are_refused(tin
     code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--mesh-pose", "estimate", "-o",
                            tmp_path / "o.glb")
     assert code != 0 and "--mesh" in one_error_line(err)
+
+
+def test_the_real_mesh_cascade_plans_within_four_gib_from_headers(hub):  # noqa: F811
+    plan = Pixal3D.plan(REAL, device="cpu", memory_budget="4G", input_kind="mesh")
+    assert [r.name for r in plan.memory.stages] == ["preprocess", "camera", "features", "mesh_encode", "texture",
+                                                    "mesh_decode", "mesh_export"]
+    assert ("header", "microsoft/TRELLIS.2-4B", "ckpts/shape_enc_next_dc_f16c32_fp16.safetensors") in hub.calls
+    for row in plan.memory.stages:
+        assert row.total_bytes + PROCESS_BYTES <= 4 * GIB, row
+    from math import prod
+
+    from tests.support.header_hub import shape_encoder_entry
+
+    released = sum(2 * prod(shape) for shape in shape_encoder_entry()["tensors"].values())  # F16, from its header
+    assert plan.memory.model_bytes["shape_encoder"] == released
+    assert plan.choices()["mesh_encode"]["tiles"]["levels"] >= 2  # the encoder over tiles within the budget
+    assert "tiles" in plan.choices()["mesh_decode"]
+    assert not any(m in plan.memory.model_bytes for m in ("shape_slat_flow_model_1024", "shape_slat_decoder"))

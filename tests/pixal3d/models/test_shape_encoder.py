@@ -14,6 +14,7 @@ from pixal3d.nn.sparse_tensor import SparseTensor
 from pixal3d.tiny_weights import SHAPE_ENCODER, checkpoint_state
 from tests.support.header_hub import SHAPE_ENCODER_RELEASED as RELEASED
 
+
 def _expected_parameters(channels, blocks) -> int:
     """The parameter count TRELLIS.2's encoder definition gives, written out from its layers."""
     def convnext(c):
@@ -153,8 +154,8 @@ def test_the_tiled_encoder_is_the_whole_one_bit_for_bit(levels, tile_voxels, mon
     boxes = []
     split = tiling.split_boxes
     monkeypatch.setattr(tiling, "split_boxes", lambda *a: boxes.extend(split(*a)) or boxes)
-    tiled = model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels))
-    assert len(boxes) > 2  # several tiles ran
+    tiled = model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels, mlp_rows=97))
+    assert len(boxes) > 2  # several tiles ran, their blocks' MLPs over 97-row chunks
     assert torch.equal(tiled.coords, whole.coords) and torch.equal(tiled.feats, whole.feats)
     short = model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels,
                                                    radius=model.head_radius(levels) - 1))
