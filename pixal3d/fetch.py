@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-moge", action="store_true", help="skip MoGe-2 (runs that always pass --fov)")
     parser.add_argument("--no-rembg", action="store_true", help="skip rembg's model (inputs with alpha only)")
     parser.add_argument("--mesh", action="store_true",
-                        help="also TRELLIS.2's shape encoder (about 0.95 GB), which texturing a given mesh (--mesh) needs")
+                        help="also TRELLIS.2's shape encoder (0.71 GB), which texturing a given mesh (--mesh) needs")
     return parser
 
 

@@ -166,3 +166,24 @@ def test_the_real_mesh_cascade_plans_within_four_gib_from_headers(hub):  # noqa:
     assert plan.choices()["mesh_encode"]["tiles"]["levels"] >= 2  # the encoder over tiles within the budget
     assert "tiles" in plan.choices()["mesh_decode"]
     assert not any(m in plan.memory.model_bytes for m in ("shape_slat_flow_model_1024", "shape_slat_decoder"))
+
+
+def test_a_batch_on_one_mesh_resumes_from_its_work_dir_with_the_same_fingerprints(shape_and_full, tmp_path):
+    from tests.support.batch_fixtures import write_images
+
+    images = write_images(tmp_path / "images")[:2]
+    ball = tmp_path / "ball.glb"
+    trimesh.creation.icosphere(subdivisions=2, radius=0.3).export(ball)
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh", policy="staged") as pipe:
+        first = list(pipe.run_batch(images, mesh=ball, work_dir=tmp_path / "work", order="stage"))
+        again = list(pipe.run_batch(images, mesh=ball, work_dir=tmp_path / "work", order="stage"))
+        other = list(pipe.run_batch(images[:1], mesh=ball, mesh_pose="aligned", seed=SEED + 1,
+                                    work_dir=tmp_path / "work"))
+    for a, b in zip(first, again):
+        assert a.error is None and b.error is None
+        assert a.result.fingerprints() == b.result.fingerprints()
+        assert all(r.reused for r in b.result.stages) and not any(r.reused for r in a.result.stages)
+    assert first[0].result.fingerprints() != first[1].result.fingerprints()  # two images, two textures
+    reused = {r.stage for r in other[0].result.stages if r.reused}
+    # another seed: the image's stages come back; mesh_encode runs again (it may set the generator: a shape-only note)
+    assert reused == {"preprocess", "camera", "features"}
