@@ -4,6 +4,7 @@
     python scripts/write_golden.py --pins compat   # another kernel family (CI's second level)
     python scripts/write_golden.py --check         # compare only, write nothing
     python scripts/write_golden.py --cascade tiny_mv   # the multi-view tiny cascade's (assets/views_example)
+    python scripts/write_golden.py --cascade tiny_mesh # --mesh: the tiny cascade texturing assets/example_mesh.ply
 
 The golden of a platform is ``tests/golden/tiny_<key>.json`` (``pixal3d.kernels.key()``: the architecture
 and the pinned kernel family, e.g. ``x86_64-avx2pin``). It holds the per-stage fingerprints of an eager run
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
 
 RUNS = {"tiny": ("tiny.yaml", {"image": REPO / "assets" / "example.png"}, "configs/tiny.yaml on assets/example.png"),
         "tiny_mv": ("tiny_mv.yaml", {"views": REPO / "assets" / "views_example"},
-                    "configs/tiny_mv.yaml on the views of assets/views_example")}
+                    "configs/tiny_mv.yaml on the views of assets/views_example"),
+        "tiny_mesh": ("tiny.yaml", {"image": REPO / "assets" / "example.png",
+                                    "mesh": REPO / "assets" / "example_mesh.ply"},
+                      "configs/tiny.yaml on assets/example.png texturing assets/example_mesh.ply (--mesh)")}
 """Each cascade's golden run: its config, its input, and the words for them."""
 
 
@@ -143,11 +147,14 @@ def _run_tiny(cascade: str = "tiny") -> tuple[dict[str, dict[str, str]], dict]:
     transformers.logging.disable_progress_bar()  # this script prints its own lines
 
     config, given, _ = RUNS[cascade]
-    with Pixal3D.from_config(REPO / "configs" / config, policy="eager", device="cpu", until="decode") as pipe:
+    kind, until = ("mesh", "mesh_decode") if "mesh" in given else (None, "decode")
+    with Pixal3D.from_config(REPO / "configs" / config, policy="eager", device="cpu", until=until,
+                             input_kind=kind) as pipe:
         result = pipe.run(**given)
     state = result.state
-    return result.fingerprints(), {"versions": versions(), "choices": result.choices,
-                                   "tokens": {"lr": len(state.coords_lr), "hr": len(state.coords_hr)}}
+    tokens = ({"hr": len(state.shape_latent.coords), "voxels": len(state.mesh_voxels)} if kind else
+              {"lr": len(state.coords_lr), "hr": len(state.coords_hr)})
+    return result.fingerprints(), {"versions": versions(), "choices": result.choices, "tokens": tokens}
 
 
 def _shown(path: Path) -> str:

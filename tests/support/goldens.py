@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
-CASCADES = ("tiny", "tiny_mv")
+CASCADES = ("tiny", "tiny_mv", "tiny_mesh")
 """The cascades with goldens: each its own files, ``<cascade>_<key>.json`` (``tiny``: configs/tiny.yaml on
-assets/example.png; ``tiny_mv``: configs/tiny_mv.yaml on assets/views_example)."""
+assets/example.png; ``tiny_mv``: configs/tiny_mv.yaml on assets/views_example; ``tiny_mesh``: configs/tiny.yaml on
+assets/example.png texturing assets/example_mesh.ply, up to ``mesh_decode``)."""
 
 
 def slug(kind: str) -> str:

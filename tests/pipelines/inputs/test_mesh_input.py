@@ -187,3 +187,27 @@ def test_a_batch_on_one_mesh_resumes_from_its_work_dir_with_the_same_fingerprint
     reused = {r.stage for r in other[0].result.stages if r.reused}
     # another seed: the image's stages come back; mesh_encode runs again (it may set the generator: a shape-only note)
     assert reused == {"preprocess", "camera", "features"}
+
+
+@pytest.fixture(scope="module")
+def mesh_eager(tiny_cache):  # noqa: F811
+    """The golden's run: eager, up to mesh_decode, on assets/example_mesh.ply (scripts/write_golden.py)."""
+    with Pixal3D.from_config(TINY_CONFIG, policy="eager", device="cpu", until="mesh_decode",
+                             input_kind="mesh") as pipe:
+        return pipe.run(EXAMPLE, mesh=EXAMPLE.parent / "example_mesh.ply").fingerprints()
+
+
+@pytest.mark.golden
+def test_the_mesh_run_gives_this_platforms_golden_fingerprints(mesh_eager):
+    from tests.support.cascade_fixtures import golden_or_skip
+
+    assert mesh_eager == golden_or_skip("tiny_mesh")
+
+
+def test_staged_and_eager_mesh_runs_give_the_same_bits(mesh_eager, tiny_cache):  # noqa: F811
+    """The relative check, on every machine: the staged policy's run is the eager one bit for bit."""
+    with Pixal3D.from_config(TINY_CONFIG, policy="staged", device="cpu", until="mesh_decode",
+                             input_kind="mesh") as pipe:
+        staged = pipe.run(EXAMPLE, mesh=EXAMPLE.parent / "example_mesh.ply").fingerprints()
+    assert staged == mesh_eager
+    assert {"camera", "mesh_encode", "texture", "mesh_decode"} <= set(staged)
