@@ -206,8 +206,9 @@ SETTINGS: tuple[Setting, ...] = (
             config=lambda config: config.export.compression),
     Setting("mesh_pose", "choice", "--mesh-pose", "mesh-pose", "mesh pose",
             "--mesh: how the mesh sits in the image's frame: aligned (as it lies, as --shape-only writes it; the "
-            "default) or estimate (registered to MoGe-2's points of the image; not with --fov)",
-            choices=lambda: ("aligned", "estimate"), check=_mesh_pose, per_kind=True),
+            "default), estimate (registered to MoGe-2's points of the image; not with --fov) or normalize (centred and "
+            "scaled into the cube, as TRELLIS.2 does: for a mesh that is not in the image's frame)",
+            choices=lambda: ("aligned", "estimate", "normalize"), check=_mesh_pose, per_kind=True),
     Setting("shape_only", "flag", "--shape-only", "shape-only", "shape only (an untextured mesh)",
             "stop after the shape decode: an untextured GLB; with --work-dir, the same command without --shape-only "
             "resumes into the texture (docs/shape-first.md)", default=False, check=_flag, plans=True),

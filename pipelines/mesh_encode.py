@@ -111,6 +111,10 @@ class MeshEncodeStage(CascadeStage):
         mesh = state.input_mesh
         if getattr(mesh, "pose", "aligned") == "aligned":
             return MeshPose()
+        if mesh.pose == "normalize":  # TRELLIS.2's preprocess_mesh: the bounding box centred, its longest side 0.99999
+            low, high = mesh.extent()
+            scale = 0.99999 / float((high - low).max())
+            return MeshPose("normalize", scale=scale, offset=tuple(float(c) for c in -scale * (low + high) / 2))
         if state.scene_points is None:
             from pixal3d.mesh.user_mesh import MeshError
 

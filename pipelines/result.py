@@ -246,7 +246,10 @@ class Result:
             "kernels": kernels.describe(),
             "camera": self.camera(),
             **({"views": self.views()} if self.views() else {}),
-            "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr), "hr_resolution": s.hr_resolution},
+            **({"mesh": self.mesh_input()} if s.input_mesh is not None else {}),
+            "tokens": {"lr": _rows(s.coords_lr), "hr": _rows(s.coords_hr if s.coords_hr is not None else
+                                                             getattr(s.shape_latent, "coords", None)),
+                       "hr_resolution": s.hr_resolution},
             "total_seconds": round(self.seconds, 4),
             "stages": stages,
             "memory": list(self.memory),
@@ -254,6 +257,20 @@ class Result:
             **({"parallel": self.parallel} if self.parallel is not None else {}),
             **(extension or {}),
         }
+
+    def mesh_input(self) -> dict[str, Any]:
+        """A ``--mesh`` run's mesh for run.json: its file, sha256, size, pose (and the estimate's residual, in voxels
+        of the 1024 grid), and whether a shape-only note's latent was used instead of encoding it."""
+        from pixal3d.mesh.latent_note import usable_note
+
+        mesh, pose = self.state.input_mesh, self.state.mesh_pose
+        out = {"file": mesh.source, "sha256": mesh.digest(), "vertices": len(mesh.vertices), "faces": len(mesh.faces),
+               "uvs_kept": mesh.uvs is not None, "pose": mesh.pose}
+        if pose is not None:
+            out["residual_voxels"] = round(float(pose.residual), 3)
+            out["voxels"] = None if self.state.mesh_voxels is None else len(self.state.mesh_voxels)
+        out["shape_latent_from_note"] = mesh.pose == "aligned" and usable_note(mesh) is not None
+        return out
 
     def _export_record(self, output: str | Path | None) -> dict[str, Any]:
         if self.mesh is None:

@@ -4,8 +4,9 @@ TRELLIS.2's ``Trellis2TexturingPipeline`` on Pixal3D's pixel-aligned texture flo
 for one image, then ``mesh_encode`` (the mesh's flexible dual grid through TRELLIS.2's shape encoder) in place of
 structure .. shape_1024, the cascade's texture flow on that latent, the texture decoder back to the mesh's voxels
 (``mesh_decode``), and the bake onto the user's own mesh (``mesh_export``). The mesh goes with every image of a run
-(one mesh, textured from each image); ``mesh_pose`` says how it sits in the image's frame (``aligned``, the default,
-or ``estimate``: from MoGe-2's points, so not with a field of view given).
+(one mesh, textured from each image); ``mesh_pose`` says how it sits in the image's frame (``aligned``, the default;
+``estimate``: from MoGe-2's points, so not with a field of view given; ``normalize``: centred and scaled into the cube
+as TRELLIS.2's ``preprocess_mesh`` does, whatever the image shows).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from .image import ImageInput
 
-MESH_POSES = ("aligned", "estimate")
+MESH_POSES = ("aligned", "estimate", "normalize")
 READ_TOLERANCE = 1 / 48
 """How far past the cube an aligned mesh may reach when read: a decoded surface's half voxel at the demo's 48 grid
 (the stage checks its own grid's)."""

@@ -173,8 +173,8 @@ def _joined(meshes: list) -> object:
 @dataclass(frozen=True)
 class MeshPose:
     """How the user's vertices (grid frame) map into the cascade's cube: ``grid = scale · rotation @ v + offset``.
-    ``kind``: ``aligned`` (the identity) or ``estimate``; ``residual``: the registration's RMS distance in voxels of
-    the 1024 grid (0 for aligned)."""
+    ``kind``: ``aligned`` (the identity), ``estimate`` (registered to the image) or ``normalize`` (centred and scaled
+    into the cube); ``residual``: the registration's RMS distance in voxels of the 1024 grid (0 otherwise)."""
 
     kind: str = "aligned"
     rotation: tuple[tuple[float, ...], ...] = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
@@ -183,8 +183,9 @@ class MeshPose:
     residual: float = 0.0
 
     def fingerprint_parts(self) -> dict:
-        """The pose as numbers (the run's fingerprints): ``estimate`` 1, ``aligned`` 0, and the similarity."""
-        return {"estimate": int(self.kind == "estimate"), "rotation": np.asarray(self.rotation, dtype=np.float64),
+        """The pose as numbers (the run's fingerprints): its kind's index (aligned, estimate, normalize) and the
+        similarity."""
+        return {"kind": ("aligned", "estimate", "normalize").index(self.kind), "rotation": np.asarray(self.rotation, dtype=np.float64),
                 "scale": float(self.scale), "offset": np.asarray(self.offset, dtype=np.float64),
                 "residual": float(self.residual)}
 

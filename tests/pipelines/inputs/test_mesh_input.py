@@ -13,6 +13,7 @@ import trimesh
 from pipelines import Pixal3D
 from pipelines.build import SHAPE_ONLY
 from pixal3d.memory_budget import GIB, PROCESS_BYTES
+from pipelines.inputs.mesh import read_run_mesh
 from pixal3d.mesh.user_mesh import MeshError, read_mesh
 from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.support.cli import one_error_line, run_cli
@@ -211,3 +212,19 @@ def test_staged_and_eager_mesh_runs_give_the_same_bits(mesh_eager, tiny_cache): 
         staged = pipe.run(EXAMPLE, mesh=EXAMPLE.parent / "example_mesh.ply").fingerprints()
     assert staged == mesh_eager
     assert {"camera", "mesh_encode", "texture", "mesh_decode"} <= set(staged)
+
+
+def test_normalize_places_a_mesh_outside_the_cube_as_trellis2_does(tiny_cache, tmp_path):  # noqa: F811
+    big = trimesh.creation.box((3.0, 1.0, 2.0))
+    big.apply_translation((5.0, 1.0, -2.0))
+    big.export(tmp_path / "big.obj")
+    with pytest.raises(MeshError, match="outside the"):
+        read_run_mesh(tmp_path / "big.obj", "aligned")
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh") as pipe:
+        result = pipe.run(EXAMPLE, mesh=tmp_path / "big.obj", mesh_pose="normalize", seed=SEED)
+    pose = result.state.mesh_pose
+    placed = pose.apply(result.state.input_mesh.vertices)
+    assert np.allclose((placed.max(axis=0) - placed.min(axis=0)).max(), 0.99999)
+    assert np.allclose(placed.max(axis=0) + placed.min(axis=0), 0, atol=1e-9)  # centred
+    out = result.mesh.mesh  # the file keeps the user's coordinates
+    assert np.allclose(out.vertices.min(axis=0), big.vertices.min(axis=0)) and result.mesh.report.coverage > 0.5
