@@ -3,7 +3,8 @@
 The cascade's camera (``pixal3d.models.camera``) sits at world ``(0, -d, 0)`` looking along ``+y`` with ``+z`` up, so a
 point MoGe-2 sees at camera coordinates ``(x, y, z)`` (OpenCV's: right, down, forward) lies along world
 ``(x, z, -y)`` from the camera. Its metric scale means nothing to the cube, so the points are scaled to put their
-median depth at the cube's centre; what is left is a similarity (rotation, scale, offset) of the mesh, found by
+median depth at the cube's centre (and, once fitted, the fit is scaled about the camera so that the mesh's own centre
+is: the image does not change); what is left is a similarity (rotation, scale, offset) of the mesh, found by
 one-sided ICP from the visible points to samples of the mesh's surface, started from 48 rotations about the mesh's
 centre (each of its six axes up, eight turns about it; the bounding box's centre, scaled into the cube as TRELLIS.2's
 ``preprocess_mesh`` does), the best start then refined on denser samples. The residual (RMS distance of the points to the placed surface) is reported in voxels of
@@ -155,5 +156,12 @@ def estimate_pose(vertices: np.ndarray, faces: np.ndarray, scene: ScenePoints, d
     pre = 2 * CUBE * 0.99999 / size
     total_scale = scale * pre
     total_offset = offset - total_scale * rotation @ centre
+    # the points' depth scale was a guess (their median at the cube's centre): scale the whole fit about the camera,
+    # which moves nothing in the image, so that the placed mesh's own centre is at the cube's centre depth
+    placed = total_scale * vertices @ rotation.T + total_offset
+    eye = np.array([0.0, -distance, 0.0])
+    depth = ((placed.min(axis=0) + placed.max(axis=0)) / 2)[1] + distance
+    factor = distance / depth if depth > 0 else 1.0
+    total_scale, total_offset = factor * total_scale, eye + factor * (total_offset - eye)
     return MeshPose("estimate", tuple(map(tuple, rotation.tolist())), float(total_scale),
-                    tuple(float(x) for x in total_offset), residual)
+                    tuple(float(x) for x in total_offset), residual * factor)

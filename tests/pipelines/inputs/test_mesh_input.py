@@ -228,3 +228,39 @@ def test_normalize_places_a_mesh_outside_the_cube_as_trellis2_does(tiny_cache, t
     assert np.allclose(placed.max(axis=0) + placed.min(axis=0), 0, atol=1e-9)  # centred
     out = result.mesh.mesh  # the file keeps the user's coordinates
     assert np.allclose(out.vertices.min(axis=0), big.vertices.min(axis=0)) and result.mesh.report.coverage > 0.5
+
+
+def test_estimate_places_the_mesh_by_the_cameras_points_end_to_end(tiny_cache, tmp_path):  # noqa: F811
+    """``--mesh-pose estimate`` through the cascade: a camera stage standing in for MoGe-2 gives the points a depth
+    camera sees of the mesh in a known pose; mesh_encode recovers it (residual < 2 voxels) and textures the mesh."""
+    from pipelines.camera import CameraStage
+    from pixal3d.models.camera import camera_from_degrees
+    from tests.pixal3d.mesh.test_mesh_register import _lamp, _rotation, _scene
+
+    mesh = _lamp()
+    mesh.apply_translation(-mesh.bounds.mean(axis=0))  # centred, as the preprocessed image centres the object
+    mesh.export(tmp_path / "lamp.glb")
+    given = read_mesh(tmp_path / "lamp.glb")  # the grid frame the stage sees
+    camera = camera_from_degrees(49.1)
+    scene = _scene(trimesh.Trimesh(given.vertices, given.faces, process=False), _rotation(0.5, 0.2), 0.9,
+                   np.array([0.02, 0.0, -0.01]))
+
+    class SeenCamera(CameraStage):
+        outputs = ("camera", "scene_points")
+
+        def run(self, state, models):
+            state.camera, state.scene_points = camera, torch.from_numpy(scene.points)
+
+    stand_in = SeenCamera(None, use_moge=False)
+    with Pixal3D.from_config(TINY_CONFIG, device="cpu", input_kind="mesh", replace={"camera": stand_in}) as pipe:
+        result = pipe.run(EXAMPLE, mesh=tmp_path / "lamp.glb", mesh_pose="estimate", seed=SEED)
+    assert result.state.mesh_pose.kind == "estimate" and result.state.mesh_pose.residual < 2.0
+    assert result.mesh.report.coverage > 0.5 and result.record()["mesh"]["pose"] == "estimate"
+
+
+def test_estimate_on_points_that_are_not_the_mesh_is_one_line(tiny_cache, tmp_path, capsys):  # noqa: F811
+    """The tiny MoGe-2's random points look like no mesh: the command stops with the residual, in one line."""
+    code, _, err = run_cli(capsys, EXAMPLE, "--config", TINY_CONFIG, "--mesh", EXAMPLE.parent / "example_mesh.ply",
+                           "--mesh-pose", "estimate", "-o", tmp_path / "o.glb", "--quiet")
+    assert code == 1 and re.search(r"residual \d+\.\d voxels, more than 24", one_error_line(err))
+    assert not (tmp_path / "o.glb").exists()
