@@ -60,10 +60,10 @@ class CameraStage(CascadeStage):
         return stage
 
     def fitted(self, budget: StageBudget) -> CameraStage:
-        """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them) and its device (which
-        decides whether ``auto`` runs float16 autocast or float32)."""
+        """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them: the whole model's, also
+        when its blocks stream) and its device (which decides whether ``auto`` runs float16 autocast or float32)."""
         stage = copy.copy(self)
-        stage.weight_bytes, stage.device = budget.weight_bytes, budget.device
+        stage.weight_bytes, stage.device = budget.model_bytes or budget.weight_bytes, budget.device
         return stage
 
     def working_set(self) -> int:

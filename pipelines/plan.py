@@ -186,7 +186,8 @@ def fit_stages(stages: Sequence[Any], sizes: Mapping[str, int], budget: int | No
         weights = stage_weight_bytes(stage.needs, {m: sizes.get(m, 0) for m in stage.needs}, layouts)
         if hasattr(stage, "fitted"):
             stage = stage.fitted(StageBudget(total, weights, budget is not None,
-                                             array_bytes=device_array_bytes(machine.device), device=machine.device))
+                                             array_bytes=device_array_bytes(machine.device), device=machine.device,
+                                             model_bytes=sum(sizes.get(m, 0) for m in stage.needs)))
         need = weights + int(stage.working_set())
         if budget is not None and need > models_and_work(budget):
             raise budget_error(stage.name, need, budget, f"weights {format_bytes(weights)} and a working set of "

@@ -35,6 +35,7 @@ class StageBudget:
     explicit: bool = False
     array_bytes: int | None = None  # the largest single tensor the device takes (mps: MPSGraph's 2**32 bytes)
     device: str | None = None  # the device the stage runs on (``cpu``, ``cuda:0``), where what runs depends on it
+    model_bytes: int = 0  # its models' whole bytes, streamed or not (0: as ``weight_bytes``): what they are sized by
 
     @property
     def work_bytes(self) -> int:

@@ -250,23 +250,35 @@ def planned_sizes(weights: WeightsConfig, *, models: Iterable[str], offline: boo
 
 def planned_tensor_bytes(weights: WeightsConfig, *, models: Iterable[str], offline: bool | None = None,
                          config_file: str | None = None) -> dict[str, dict[str, int]]:
-    """Each Pixal3D checkpoint in ``models``: its tensors' bytes (name -> bytes) from its header, on disk or the
-    Hub's, as ``planned_sizes`` reads them (nothing downloaded but ``pipeline.json``): what the ``stream``
-    policy's plan splits into the part that stays resident and the blocks."""
-    wanted = [m for m in models if m in PIPELINE_MODELS]
-    if not wanted:
+    """Each model in ``models`` that can stream: its tensors' bytes (name -> bytes) from its header, on disk or
+    the Hub's, as ``planned_sizes`` reads them (nothing downloaded but ``pipeline.json``): what the ``stream``
+    policy's plan splits into the part that stays resident and the blocks. Pixal3D's checkpoints, and the models
+    of a source of their own that stream (``ModelSource.load_streamed``: DINOv3, MoGe-2) where their tensors are
+    known (``ModelSource.planned_tensors``)."""
+    wanted = list(models)
+    pixal3d = [m for m in wanted if m in PIPELINE_MODELS]
+    rows = [row for row in MODEL_SOURCES
+            if row.name in wanted and row.load_streamed is not None and row.source(weights) is not None]
+    if not pixal3d and not rows:
         return {}
     offline = hub_offline() if offline is None else offline
     fetch = Fetcher(offline=offline, generate=None, config_file=config_file)
-    name = weights.pipeline_json
-    pipe_dir = fetch.folder(weights.pixal3d, [name], label="weights.pixal3d")
     out: dict[str, dict[str, int]] = {}
-    if pipe_dir is not None and (pipe_dir / name).is_file():
-        stems = checkpoint_stems(read_pipeline_json(pipe_dir / name), wanted, pipe_dir / name)
-        for name, stem in stems.items():
-            tensors = fetch.planned_tensors(weights.pixal3d, pipe_dir, f"{stem}.safetensors", label="weights.pixal3d")
-            if tensors is not None:
-                out[name] = tensors
+    if pixal3d:
+        name = weights.pipeline_json
+        pipe_dir = fetch.folder(weights.pixal3d, [name], label="weights.pixal3d")
+        if pipe_dir is not None and (pipe_dir / name).is_file():
+            stems = checkpoint_stems(read_pipeline_json(pipe_dir / name), pixal3d, pipe_dir / name)
+            for name, stem in stems.items():
+                tensors = fetch.planned_tensors(weights.pixal3d, pipe_dir, f"{stem}.safetensors",
+                                                label="weights.pixal3d")
+                if tensors is not None:
+                    out[name] = tensors
+    notes: list[str] = []
+    for row in rows:
+        tensors = row.planned_tensors(fetch, row.source(weights), notes)
+        if tensors is not None:
+            out[row.name] = tensors
     fetch.raise_missing()
     return out
 

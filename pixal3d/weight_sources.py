@@ -15,7 +15,13 @@ from typing import Any
 
 from pixal3d.config import WeightsConfig, WeightSource
 from pixal3d.hub import Fetcher, cache_root
-from pixal3d.models.moge import MOGE_FILE, checkpoint_bytes
+from pixal3d.models.moge import (
+    MOGE_FILE,
+    RELEASED_REPO,
+    checkpoint_bytes,
+    checkpoint_tensor_bytes,
+    released_tensor_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class ModelSource:
     sized_late: the plan reads its size only once every file is known to be there (a Hub listing: one request
                more, never made when the error about missing files comes first)
     load:      ``load(path, device)``: the network, given what ``locate`` returned (the folder, or the one file)
+    load_streamed: ``load_streamed(path, stream, pin)``: the network with its blocks streamed through a
+               ``WeightStream`` (the ``stream`` policy); None: it loads whole only
     """
 
     name: str
@@ -40,6 +48,7 @@ class ModelSource:
     on_demand: bool = False
     absent: str = ""
     sized_late: bool = False
+    load_streamed: Callable[[Path, Any, bool], Any] | None = None
 
     @property
     def label(self) -> str:
@@ -82,6 +91,22 @@ class ModelSource:
         return checkpoint_bytes(path) if path is not None else fetch.repo_file_size(source, tensors, notes=notes)
 
 
+    def planned_tensors(self, fetch: Fetcher, source: WeightSource, notes: list[str]) -> dict[str, int] | None:
+        """Each tensor's bytes (name -> bytes) for the ``stream`` policy's plan, nothing downloaded: a safetensors
+        header (on disk or the Hub's), a ``.pt``'s index on disk, or for MoGe-2's release not downloaded yet its
+        blocks at the released config and the rest of its listed size; None when none of these is known."""
+        tensors = str(self.tensors)
+        path = fetch.cached_file(source, tensors, label=self.label)
+        if tensors.endswith(".safetensors"):
+            return fetch.planned_tensors(source, None if path is None else path.parent, tensors, label=self.label)
+        if path is not None:
+            return checkpoint_tensor_bytes(path)
+        if self.name == "moge" and source.repo == RELEASED_REPO:
+            listed = fetch.repo_file_size(source, tensors, notes=notes)
+            return released_tensor_bytes(listed) if listed else None
+        return None
+
+
 def load_dinov3_folder(folder: Path, device: Any) -> Any:
     from pixal3d.models.dinov3 import load_dinov3
 
@@ -108,16 +133,30 @@ def load_shape_encoder_folder(folder: Path, device: Any) -> Any:
     return load_model(folder / SHAPE_ENCODER_STEM, device=device)
 
 
+def load_dinov3_streamed(folder: Path, stream: Any, pin: bool) -> Any:
+    from pixal3d.models.dinov3 import load_dinov3_streamed as load
+
+    return load(folder, stream, pin=pin)
+
+
 def load_moge_folder(folder: Path, device: Any) -> Any:
     from pixal3d.models.moge import load_moge
 
     return load_moge(folder / MOGE_FILE, device)
 
 
+def load_moge_streamed(folder: Path, stream: Any, pin: bool) -> Any:
+    from pixal3d.models.moge import load_moge_streamed as load
+
+    return load(folder / MOGE_FILE, stream, pin=pin)
+
+
 MODEL_SOURCES: tuple[ModelSource, ...] = (
-    ModelSource("dinov3", load_dinov3_folder, files=("config.json", "model.safetensors"), tensors="model.safetensors"),
+    ModelSource("dinov3", load_dinov3_folder, files=("config.json", "model.safetensors"), tensors="model.safetensors",
+                load_streamed=load_dinov3_streamed),
     ModelSource("naf", load_naf_weights),
     ModelSource("moge", load_moge_folder, files=(MOGE_FILE,), tensors=MOGE_FILE, on_demand=True, sized_late=True,
+                load_streamed=load_moge_streamed,
                 absent="no MoGe-2 source is configured (weights.moge) and no field of view was given; pass fov=DEG "
                        "or add weights.moge to the config"),
     ModelSource("shape_encoder", load_shape_encoder_folder,

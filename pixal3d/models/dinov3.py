@@ -10,8 +10,8 @@ deterministic random weights (``tiny_dinov3_config`` / ``write_tiny_dinov3``).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,9 +22,16 @@ from PIL import Image
 if TYPE_CHECKING:  # transformers' modeling code costs seconds to import: only where a backbone is built
     from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
+    from pixal3d.staging import WeightStream
+
 DINOV3_REPO = "camenduru/dinov3-vitl16-pretrain-lvd1689m"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+STREAM_LISTS = ("model.layer",)
+"""What the ``stream`` policy streams of transformers' ``DINOv3ViTModel``: its 24 layers (``model.layer.N``)."""
+STREAM_UNIT = r"(?:model\.)?layer\.\d+\."
+"""One layer's names in a checkpoint's header: ``model.layer.N.`` as transformers 5 saves it, ``layer.N.`` as
+the released file (saved before transformers 5, which renames it on load) may name it."""
 
 
 def tiny_dinov3_config(**overrides) -> DINOv3ViTConfig:
@@ -63,6 +70,33 @@ def load_dinov3(source: str | Path | DINOv3ViTConfig, device: torch.device | str
     else:
         model = DINOv3ViTModel.from_pretrained(str(source), revision=revision, dtype=dtype)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_dinov3_streamed(folder: str | Path, stream: WeightStream, *, pin: bool = False) -> DINOv3ViTModel:
+    """The backbone of a model folder for the ``stream`` policy: its layers (``STREAM_LISTS``) stay on ``meta`` and
+    stream to ``stream``'s device one at a time as ``extract_tokens`` (or the model's own forward) reaches them,
+    the rest loaded whole (``pixal3d.models.loading.stream_safetensors``). transformers' model as
+    ``from_pretrained`` builds it (its config, the attention implementation it picks), float32, the file's names
+    renamed as transformers 5 renames them (``layer.N`` -> ``model.layer.N``): the same bits as ``load_dinov3``."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import (
+        DINOv3ViTRopePositionEmbedding,
+    )
+
+    from pixal3d.models.loading import stream_safetensors
+
+    folder = Path(folder)
+    config = DINOv3ViTConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = DINOv3ViTModel(config)
+    with torch.device(stream.device):  # its one buffer (RoPE's inverse frequencies) is derived, not stored
+        model.rope_embeddings = DINOv3ViTRopePositionEmbedding(config)
+    return stream_safetensors(model, folder / "model.safetensors", STREAM_LISTS, stream, pin=pin,
+                              module_key=_module_key)
+
+
+def _module_key(name: str) -> str:
+    return re.sub(r"^layer\.", "model.layer.", name)
 
 
 def prepare_image(image: Image.Image, size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,14 +121,17 @@ def _open(path: Path, device: torch.device | str):
                               ) from None
 
 
-def _check_keys(f: Any, path: Path, model: nn.Module, expected: Mapping[str, torch.Tensor]) -> None:
-    """Every key of ``expected`` in the file with its shape, and nothing else: one ``CheckpointError`` if not."""
-    keys = set(f.keys())
+def _check_keys(f: Any, path: Path, model: nn.Module, expected: Mapping[str, torch.Tensor],
+                names: Mapping[str, str] | None = None) -> None:
+    """Every key of ``expected`` in the file with its shape, and nothing else: one ``CheckpointError`` if not.
+    ``names``: the model's key -> the file's, where they differ (``stream_safetensors``'s ``module_key``)."""
+    names = names if names is not None else {k: k for k in f.keys()}
+    keys = set(names)
     missing = sorted(set(expected) - keys)
     unexpected = sorted(keys - set(expected))
     mismatched = []
     for key in sorted(keys & set(expected)):
-        shape = tuple(f.get_slice(key).get_shape())
+        shape = tuple(f.get_slice(names[key]).get_shape())
         if shape != tuple(expected[key].shape):
             mismatched.append(f"{key}: file {list(shape)} vs model {list(expected[key].shape)}")
     if missing or unexpected or mismatched:
@@ -178,16 +181,25 @@ def load_state_into(model: nn.Module, weights_path: str | Path, *, device: torch
 def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) -> nn.Module:
     """``load_model`` for the ``stream`` policy: the model's streamed lists (its ``stream_lists``, the flow
     transformers' blocks, the decoders' stages) stay on ``meta`` and are streamed to ``stream``'s device one block
-    at a time, read from the file into each block's buffer (``FileSlice``; through a memory map on MPS and on the
-    CPU's zero-copy path; ``pin``: from pinned host copies made now, for CUDA when host memory has room); everything
-    else loads onto the device as ``load_model`` loads it. The same keys and shapes are checked."""
+    at a time (``stream_safetensors``); everything else loads onto the device as ``load_model`` loads it."""
     stem = Path(stem)
     spec = read_spec(stem.with_suffix(".json"))
     model = build_model(spec, device="meta", source=str(stem.with_suffix(".json")))
     lists = tuple(getattr(model, "stream_lists", ()))
     if not lists:
         raise CheckpointError(f"{type(model).__name__} names no stream_lists: it cannot be streamed")
-    path = stem.with_suffix(".safetensors")
+    return stream_safetensors(model, stem.with_suffix(".safetensors"), lists, stream, pin=pin)
+
+
+def stream_safetensors(model: nn.Module, path: str | Path, lists: tuple[str, ...], stream: WeightStream, *,
+                       pin: bool = False, module_key: Callable[[str], str] | None = None) -> nn.Module:
+    """Fill a meta-built ``model`` from the safetensors file at ``path``, the children of the ``ModuleList``s at
+    ``lists`` streamed to ``stream``'s device one block at a time, read from the file into each block's buffer
+    (``FileSlice``; through a memory map on MPS and on the CPU's zero-copy path; ``pin``: from pinned host copies
+    made now, for CUDA when host memory has room); everything else loaded onto the device as ``load_model`` loads
+    it. ``module_key``: a file's tensor name -> the model's (a checkpoint saved under older names: DINOv3's
+    ``layer.N`` for transformers 5's ``model.layer.N``). The same keys and shapes are checked."""
+    path = Path(path)
     expected = dict(model.state_dict(keep_vars=True).items())
     prefixes = tuple(f"{name}." for name in lists)
     state: dict[str, torch.Tensor] = {}
@@ -200,17 +212,19 @@ def load_streamed(stem: str | Path, stream: WeightStream, *, pin: bool = False) 
             raise CheckpointError(f"{err}; {REFETCH}") from None
         slices = file_slices(path, header.tensors, header.header_bytes)
     with _open(path, "cpu") as f:
-        _check_keys(f, path, model, expected)
+        names = {(module_key or str)(k): k for k in f.keys()}  # the model's key -> the file's
+        _check_keys(f, path, model, expected, names)
         for key in sorted(expected):
+            stored = names[key]
             if key.startswith(prefixes):
                 if slices is None:
-                    sources[key] = _get(f, path, key)  # memory-mapped: a block's pages are read when first used
+                    sources[key] = _get(f, path, stored)  # memory-mapped: a block's pages are read when first used
                 elif pin:
-                    sources[key] = slices[key].read().pin_memory()
+                    sources[key] = slices[stored].read().pin_memory()
                 else:
-                    sources[key] = slices[key]
+                    sources[key] = slices[stored]
             else:
-                tensor = _get(f, path, key)
+                tensor = _get(f, path, stored)
                 value = tensor.to(stream.device, expected[key].dtype)
                 state[key] = value.clone() if stream.copy and value.data_ptr() == tensor.data_ptr() else value
     model.load_state_dict(state, strict=False, assign=True)

@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pixal3d.staging.stream import WeightStream, stream_model
+
 from .loading import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PATCH = 14
 MOGE_FILE = "model.pt"  # the checkpoint's name in a MoGe Hub repo
+RELEASED_REPO = "Ruicheng/moge-2-vitl"  # the reference's MoGe-2: a DINOv2 ViT-L/14 encoder
+RELEASED_BACKBONE = "dinov2_vitl14"
 
 
 # -- DINOv2 ViT/14 ---------------------------------------------------------------------------------
@@ -430,6 +434,9 @@ class MoGe2(nn.Module):
     """MoGe-2: DINOv2 encoder, conv neck, points/mask (and optional normal) heads, scale MLP (see the module
     docstring). Built from a checkpoint's ``model_config`` (``build_moge``)."""
 
+    stream_lists = ("encoder.backbone.blocks",)  # what the ``stream`` policy streams: the ViT's blocks
+    stream_unit = r"encoder\.backbone\.blocks\.\d+\."  # one block's names in model.pt (for the plan)
+
     def __init__(self, encoder: Mapping[str, Any], neck: Mapping[str, Any], points_head: Mapping[str, Any],
                  mask_head: Mapping[str, Any], scale_head: Mapping[str, Any],
                  normal_head: Mapping[str, Any] | None = None, remap_output: str = "linear",
@@ -591,9 +598,61 @@ def checkpoint_bytes(path: str | Path) -> int:
     return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
+def checkpoint_tensor_bytes(path: str | Path) -> dict[str, int]:
+    """Each tensor's bytes in a MoGe ``model.pt`` (name -> bytes, from its index, no data loaded): what the
+    ``stream`` policy's plan splits into the blocks (``MoGe2.stream_unit``) and the rest."""
+    state = read_checkpoint(path, map_location="meta")["model"]
+    return {k: t.numel() * t.element_size() for k, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+def released_tensor_bytes(listed_bytes: int) -> dict[str, int]:
+    """The release's blocks and the rest, for a plan made before ``model.pt`` is downloaded (the Hub lists only
+    its size, ``listed_bytes``): the 24 float32 blocks of its ViT-L/14 (built on meta), and everything else as
+    one entry of the listed size less theirs (the file's ~0.2 MB of pickle counted with it: over, not under)."""
+    size = BACKBONES[RELEASED_BACKBONE]
+    with torch.device("meta"):
+        block = Block(size.embed_dim, size.num_heads, size.mlp_ratio)
+    unit = sum(t.numel() * 4 for t in block.state_dict().values())
+    tensors = {f"encoder.backbone.blocks.{i}.all": unit for i in range(size.depth)}
+    tensors["rest"] = max(0, listed_bytes - size.depth * unit)
+    return tensors
+
+
 def load_moge(path: str | Path, device: torch.device | str = "cpu") -> MoGe2:
     """MoGe-2 from ``model.pt`` on ``device``: built on meta from its ``model_config``, every tensor checked
     (missing, unexpected, shape) and assigned in the model's dtype; eval mode, no gradients."""
+    model, state = _checked(path)
+    expected = dict(model.state_dict(keep_vars=True))
+    model.load_state_dict({k: state[k].to(device=device, dtype=expected[k].dtype) for k in expected},
+                          strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_moge_streamed(path: str | Path, stream: WeightStream, *, pin: bool = False) -> MoGe2:
+    """``load_moge`` for the ``stream`` policy: the ViT's blocks (``MoGe2.stream_lists``) stay on ``meta`` and
+    stream to ``stream``'s device one at a time as the encoder reaches them, read from the memory-mapped
+    ``model.pt`` (``pin``: from pinned host copies made now, for CUDA when host memory has room); the rest (patch
+    embedding, neck, heads: 0.09 GB of the release's 1.30 GB) loads onto the device whole. The same checks, the
+    same bytes in the same dtypes: the same bits as ``load_moge``."""
+    model, state = _checked(path)
+    expected = dict(model.state_dict(keep_vars=True))
+    prefixes = tuple(f"{name}." for name in model.stream_lists)
+    resident, sources = {}, {}
+    for key, target in expected.items():
+        stored = state[key]
+        if key.startswith(prefixes):
+            sources[key] = stored.to(target.dtype).pin_memory() if pin else stored
+        else:
+            value = stored.to(device=stream.device, dtype=target.dtype)
+            resident[key] = value.clone() if stream.copy and value.data_ptr() == stored.data_ptr() else value
+    model.load_state_dict(resident, strict=False, assign=True)
+    stream_model(model, model.stream_lists, sources, stream)
+    return model.eval().requires_grad_(False)
+
+
+def _checked(path: str | Path) -> tuple[MoGe2, Mapping[str, torch.Tensor]]:
+    """The network ``model.pt``'s ``model_config`` describes, on meta, and its state (memory-mapped), every key and
+    shape checked against each other (a ``CheckpointError`` listing what differs)."""
     checkpoint = read_checkpoint(path)
     model = build_moge(checkpoint["model_config"], device="meta", source=str(path))
     expected = dict(model.state_dict(keep_vars=True))
@@ -613,9 +672,7 @@ def load_moge(path: str | Path, device: torch.device | str = "cpu") -> MoGe2:
     if empty:
         raise CheckpointError(f"{path} stores no data for {len(empty)} tensors (e.g. {empty[0]}): it was saved from a "
                               f"model on the meta device; use the published model.pt")
-    model.load_state_dict({k: state[k].to(device=device, dtype=expected[k].dtype) for k in expected},
-                          strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    return model, state
 
 
 def _first_line(err: BaseException) -> str:

@@ -2,22 +2,25 @@
 ``auto`` streams the flows' and decoders' blocks, every stage fits with the interpreter, NAF runs ``full`` (the
 reference's bits) in all three flow stages, the plan states the smallest budget that works and what streaming
 copies; a budget below that is refused naming the stage and the smallest budget; whole models alone cannot meet
-4 GiB (the control). At 2.5 GiB the stages from the features to the decode plan, NAF full everywhere."""
+4 GiB (the control). At 2.5 GiB the stages from the camera (MoGe-2 and DINOv3 streamed by their ViT blocks) to the
+decode plan, NAF full everywhere."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
 from pipelines import Pixal3D
-from pixal3d.config import load_config
-from pixal3d.memory_budget import GIB, PROCESS_BYTES, MemoryBudgetError
+from pixal3d.memory_budget import (
+    CAMERA_FLOAT32_BYTES,
+    GIB,
+    PROCESS_BYTES,
+    MemoryBudgetError,
+)
 from pixal3d.staging import Policy
 from tests.support.header_hub import REAL, hub  # noqa: F401
 
 NAF_STAGES = ("shape_512", "shape_1024", "texture")
 STREAMED = {"sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
-            "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder"}
+            "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder", "dinov3", "moge"}
 
 
 def test_four_gib_plans_every_stage_of_the_real_cascade_by_streaming_blocks(hub):
@@ -80,15 +83,19 @@ def test_a_need_just_above_the_budget_never_reads_as_the_budget_and_the_camera_n
         assert shown < need <= smallest, message  # never read as equal; rounded as the smallest budget is
 
 
-def test_two_and_a_half_gib_plans_features_to_decode_with_naf_full_in_every_flow_stage(hub):
-    """Given a field of view (no MoGe-2) and up to the decode (no export), the two parts issue 48 streams and
-    lightens apart from NAF: 2.5 GiB plans every stage with the interpreter, NAF ``full`` in all three flow stages
-    (where the whole encoder, 3.8 GiB, gave ``frugal`` even at 4 GiB), and names the smallest budget. The whole
-    cascade at 2.5 GiB is still refused by the camera stage (MoGe-2 whole: 3.21 GiB with the interpreter on the
-    CPU, which runs it in float32; 3.82 GiB under float16 autocast)."""
-    config = load_config(REAL)
-    config = dataclasses.replace(config, camera=dataclasses.replace(config.camera, fov_deg=40.0))
-    plan = Pixal3D.plan(config, device="cpu", memory_budget="2.5G", until="decode")
+def test_two_and_a_half_gib_plans_camera_to_decode_with_the_backbones_streamed_and_naf_full(hub):
+    """Up to the decode (no export), the parts issue 48 streams and lightens: 2.5 GiB plans every stage with the
+    interpreter, MoGe-2 (the camera) and DINOv3 (the features) streamed by their 24 ViT blocks, the camera's
+    working set MoGe-2's float32 one on the CPU, NAF ``full`` in all three flow stages (where the whole encoder,
+    3.8 GiB, gave ``frugal`` even at 4 GiB), and names the smallest budget. The whole cascade at 2.5 GiB is refused
+    by the export (3.36 GiB of work at 9M voxels), no longer by the camera."""
+    plan = Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G", until="decode")
+    assert {"moge", "dinov3"} <= set(plan.memory.streamed)
+    rows = {r.name: r for r in plan.memory.stages}
+    for name, model in (("camera", "moge"), ("features", "dinov3")):
+        assert rows[name].weight_bytes < plan.memory.model_bytes[model] / 5, rows[name]  # two blocks, not 24
+        assert rows[name].streamed_bytes > 1 * GIB  # one pass copies every block
+    assert rows["camera"].working_bytes == CAMERA_FLOAT32_BYTES
     assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
     for row in plan.memory.stages:
         assert row.total_bytes + PROCESS_BYTES <= 2.5 * GIB, row
@@ -96,8 +103,26 @@ def test_two_and_a_half_gib_plans_features_to_decode_with_naf_full_in_every_flow
     assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in text and "frugal" not in text
     smallest = next(r for r in plan.reasons if r.startswith("the smallest memory budget"))
     assert float(smallest.split(": ")[1].split(" GiB")[0]) <= 2.5
-    with pytest.raises(MemoryBudgetError, match="stage 'camera' needs at least"):
+    with pytest.raises(MemoryBudgetError, match="stage 'export' needs at least"):
         Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G")
+
+
+def test_control_at_two_and_a_half_gib_a_whole_moge_is_refused_by_the_camera_stage(hub):
+    """The same plan with whole models (``staged``): MoGe-2's 1.22 GiB of weights beside its working set do not fit
+    2.5 GiB, so what lets the camera stage plan above is streaming its blocks."""
+    with pytest.raises(MemoryBudgetError, match="stage 'camera' needs at least"):
+        Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G", until="decode", policy="staged")
+
+
+def test_a_streamed_moge_is_sized_by_its_whole_bytes_not_its_blocks_in_flight(hub):
+    """The camera's working set scales with MoGe-2's size below the release's (the demo's checkpoint); streamed,
+    the stage holds two blocks' bytes, and that must not read as a smaller model."""
+    streamed = Pixal3D.plan(REAL, device="cpu", memory_budget="4G")
+    whole = Pixal3D.plan(REAL, device="cpu", memory_budget="8G")
+    assert "moge" in streamed.memory.streamed and "moge" not in whole.memory.streamed
+    camera = {p: next(r for r in plan.memory.stages if r.name == "camera") for p, plan in (("s", streamed),
+                                                                                           ("w", whole))}
+    assert camera["s"].working_bytes == camera["w"].working_bytes == CAMERA_FLOAT32_BYTES
 
 
 def test_eight_gib_plans_whole_models_with_naf_full_everywhere_as_the_docs_say(hub):

@@ -1,5 +1,6 @@
 """The Hub the plan asks for the real cascade's headers (faked): each checkpoint's safetensors header at its released
-shapes, MoGe-2's size from a listing; nothing downloaded but pipeline.json."""
+shapes (DINOv3's: transformers' ViT-L/16 at the released config, under the names a file saved before transformers 5
+has, ``layer.N.``), MoGe-2's size from a listing; nothing downloaded but pipeline.json."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "configs" / "1024_cascade.yaml"
 CHECKPOINTS = json.loads((REPO / "assets" / "checkpoints.json").read_text())["models"]
 DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
-DINOV3_BYTES = 1_212_559_808  # a ViT-L/16 in fp32: what the fake header of its model.safetensors says
+DINOV3_BYTES = 1_212_518_400  # a ViT-L/16 in fp32: what the fake header of its model.safetensors says
 MOGE_BYTES = 1_325_000_000
 
 
@@ -48,6 +49,24 @@ def _header(entry):
     return SimpleNamespace(tensors=tensors), offset
 
 
+def dinov3_header():
+    """A fake header of DINOv3 ViT-L/16's ``model.safetensors``: every tensor of transformers' model at the
+    released config (float32), its layers named ``layer.N.`` as in a file saved before transformers 5."""
+    import torch
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    from scripts.write_random_checkpoints import DINOV3_VITL16
+
+    with torch.device("meta"):
+        model = DINOv3ViTModel(DINOv3ViTConfig(**DINOV3_VITL16))
+    offset, tensors = 0, {}
+    for name, tensor in model.state_dict().items():
+        end = offset + tensor.numel() * 4
+        tensors[name.removeprefix("model.")] = SimpleNamespace(data_offsets=(offset, end))
+        offset = end
+    return SimpleNamespace(tensors=tensors), offset
+
+
 class FakeHub:
     """The Hub's answers the plan may ask for, and a log of every call; no file download but pipeline.json."""
 
@@ -63,8 +82,8 @@ class FakeHub:
             self.pipeline["args"][section] = {"params": {"guidance_interval": list(interval)}}
         by_file = {entry["file"]: entry for entry in CHECKPOINTS.values()}
         self.headers = {f"{stem}.safetensors": _header(by_file[stem]) for stem in stems.values()}
-        self.headers["model.safetensors"] = (SimpleNamespace(tensors={"w": SimpleNamespace(
-            data_offsets=(0, DINOV3_BYTES))}), DINOV3_BYTES)
+        self.headers["model.safetensors"] = dinov3_header()
+        assert self.headers["model.safetensors"][1] == DINOV3_BYTES
         self.headers[f"{SHAPE_ENCODER_STEM}.safetensors"] = _header(shape_encoder_entry())
 
     def snapshot_download(self, repo_id, revision=None, allow_patterns=None, local_files_only=False, **_):

@@ -1,5 +1,5 @@
-"""The ``stream`` policy on the tiny cascade: the flows' and decoders' blocks streamed (copied into process memory
-as onto a device) give the eager reference's fingerprints, and the comparison sees one changed block; ``auto``
+"""The ``stream`` policy on the tiny cascade: the flows', decoders', DINOv3's and MoGe-2's blocks streamed (copied
+into process memory as onto a device) give the eager reference's fingerprints, and the comparison sees one changed block; ``auto``
 takes ``stream`` when a budget needs it."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.support.cascade_fixtures import (  # noqa: F401
 )
 
 STREAMED = {"sparse_structure_flow_model", "shape_slat_flow_model_512", "shape_slat_flow_model_1024",
-            "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder"}
+            "tex_slat_flow_model_1024", "shape_slat_decoder", "tex_slat_decoder", "dinov3", "moge"}
 
 
 def _copied(config):
@@ -74,4 +74,4 @@ def test_stream_is_refused_where_nothing_can_stream(tiny):
     from pixal3d.staging import PolicyError
 
     with pytest.raises(PolicyError, match="needs models that can stream"):
-        Pixal3D.plan(tiny, policy="stream", device="cpu", until="features")
+        Pixal3D.plan(tiny, policy="stream", device="cpu", until="preprocess")
