@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,7 +13,9 @@ from torch import nn
 from pixal3d.config import MOGE_PRECISIONS, CascadeConfig, check_fov
 from pixal3d.devices import kind
 from pixal3d.memory_budget import (
+    CAMERA_BAND_ROWS,
     CAMERA_FLOAT16_BYTES,
+    CAMERA_FLOAT32_BANDED_BYTES,
     CAMERA_FLOAT32_BYTES,
     CAMERA_MEASURED_WEIGHT_BYTES,
 )
@@ -41,6 +44,7 @@ class CameraStage(CascadeStage):
         self.precision = precision  # CameraConfig.moge_precision
         self.weight_bytes = 0  # MoGe-2's, once fitted (0: unknown)
         self.device: str | None = None  # the device it runs on, once fitted (None: unknown)
+        self.band_rows: int | None = None  # MoGe-2's 3×3 convs in row bands of this many rows (None: whole)
         self.needs = ("moge",) if self.use_moge else ()
         self.keep_points = False  # a --mesh run's camera also keeps MoGe-2's object points (``with_points``)
 
@@ -61,9 +65,12 @@ class CameraStage(CascadeStage):
 
     def fitted(self, budget: StageBudget) -> CameraStage:
         """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them: the whole model's, also
-        when its blocks stream) and its device (which decides whether ``auto`` runs float16 autocast or float32)."""
+        when its blocks stream) and its device (which decides whether ``auto`` runs float16 autocast or float32);
+        under an explicit budget, MoGe-2's conv neck and heads run in row bands (``CAMERA_BAND_ROWS``: the same
+        bits, a smaller working set)."""
         stage = copy.copy(self)
         stage.weight_bytes, stage.device = budget.model_bytes or budget.weight_bytes, budget.device
+        stage.band_rows = CAMERA_BAND_ROWS if budget.explicit and self.use_moge else None
         return stage
 
     def working_set(self) -> int:
@@ -73,11 +80,16 @@ class CameraStage(CascadeStage):
         the CPU); before the plan has given the stage its device, float16's, the larger. A smaller checkpoint
         (the demo's) scales it by √(its bytes / the released bytes): activations go with width × depth, weights
         with width² × depth, so for a model no deeper than the release the square root bounds the activations'
-        ratio from above. Unknown bytes (0) count the release."""
+        ratio from above. Unknown bytes (0) count the release. In row bands (``band_rows``), float32's banded
+        measurement; float16's stays the whole one (not measured banded: on this CPU its emulated kernels take
+        ~45 min a run), an upper bound."""
         if not self.use_moge:
             return 0
         half = moge_fp16(self.precision, self.device) if self.device is not None else self.precision != "float32"
-        measured = CAMERA_FLOAT16_BYTES if half else CAMERA_FLOAT32_BYTES
+        if half:
+            measured = CAMERA_FLOAT16_BYTES
+        else:
+            measured = CAMERA_FLOAT32_BANDED_BYTES if self.band_rows is not None else CAMERA_FLOAT32_BYTES
         if 0 < self.weight_bytes < CAMERA_MEASURED_WEIGHT_BYTES:
             return int(measured * math.sqrt(self.weight_bytes / CAMERA_MEASURED_WEIGHT_BYTES))
         return measured
@@ -94,9 +106,13 @@ class CameraStage(CascadeStage):
             with preserved_rng():
                 state.camera, points = estimate_camera_and_points(
                     state.image, models["moge"] if self.use_moge else None,
-                    use_fp16=moge_fp16(self.precision, state.device), points=self.keep_points)
+                    use_fp16=moge_fp16(self.precision, state.device), band_rows=self.band_rows,
+                    points=self.keep_points)
             if self.keep_points:
                 state.scene_points = points
+
+    def choices(self) -> dict[str, Any]:
+        return {"conv_band_rows": self.band_rows} if self.band_rows is not None else {}
 
 
 def moge_fp16(precision: str, device: torch.device | str) -> bool:

@@ -378,6 +378,9 @@ def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | N
                            f"(exact)")
         if "chunks" in choices:
             reasons.append(f"{stage.name}: attention and NAF in smaller chunks to stay within the budget")
+        if "conv_band_rows" in choices:
+            reasons.append(f"{stage.name}: MoGe-2's conv neck and heads in bands of {choices['conv_band_rows']} rows "
+                           f"(exact)")
     if "full" in modes:
         reasons.append(f"NAF full (the reference's values) for {', '.join(modes['full'])}")
     if "frugal" in modes:

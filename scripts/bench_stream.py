@@ -15,7 +15,12 @@ in ``--cache``):
   (streamed: the window of two blocks is the same whatever the count); fp16 decoder torsos run in bf16 (same
   bytes; the CPU's fp16 GEMMs are ~400x slower). Peak: the process's ``VmHWM`` (exact) and its anonymous memory
   sampled every 2 ms (what a device holds: the mapped checkpoint's pages are page cache, reclaimable).
-- ``ratio``: a flow forward at real width, resident (copied) against streamed, alternating in one process.
+  ``camera`` (MoGe-2) needs ``<cache>/moge-2-vitl/model.pt`` (``scripts/bench_camera.py`` writes it) and runs on a
+  1024² image; ``--until`` plans only the stages up to one (``--until features``: camera and features, whose plan
+  at 2.5 GiB does not depend on the export's).
+- ``ratio``: a flow forward at real width, resident (copied) against streamed, alternating in one process;
+  ``--model moge`` / ``--model dinov3``: MoGe-2's ``infer`` (float32, 3600 tokens) / DINOv3's tokens at 1024 px
+  the same way.
 - ``cascade``: the whole cascade at real widths on reduced work (see ``CascadeWork``), one run, its fingerprints;
   ``cgroup`` runs it inside a new memory cgroup (v2 ``memory.max`` where mounted, else v1
   ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and outside it a
@@ -25,6 +30,8 @@ in ``--cache``):
     python scripts/bench_stream.py plan --budget 4G
     python scripts/bench_stream.py stages --budget 4G --out benchmarks/stream_stages.json
     python scripts/bench_stream.py ratio --tokens 1000 --repeats 3 --out benchmarks/stream_ratio.json
+    python scripts/bench_stream.py stages --budget 2.5G --until features --only camera features --out cf.json
+    python scripts/bench_stream.py ratio --model moge --repeats 2 --out moge_ratio.json
     python scripts/bench_stream.py cgroup --limit 4G --budget 4G --out benchmarks/stream_cgroup.json
 """
 from __future__ import annotations
@@ -34,6 +41,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -57,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 DEFAULT_CACHE = Path(os.environ.get("PIXAL3D_BENCH_CACHE", "/work/realsize/bench"))
 DEFAULT_FIELDS = Path(os.environ.get("PIXAL3D_BENCH_FIELDS", "/work/realsize/export/fields9M.npz"))
-STAGES = ("features", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export")
+STAGES = ("camera", "features", "structure", "shape_512", "upsample", "shape_1024", "texture", "decode", "export")
 LR_TOKENS, HR_TOKENS, GROWTH = 4000, 20_000, 4.6
 
 
@@ -100,9 +108,10 @@ def _settle() -> dict[str, int]:
 
 # -- the plan and its models -----------------------------------------------------------------------
 
-def bench_config(cache: Path, *, steps: int = 1, guidance: bool = True, copied: bool = True):
-    """``configs/1024_cascade.yaml`` on the real-size random weights of ``cache``, a fixed field of view (no MoGe-2:
-    its checkpoint is not among them), ``steps`` sampler steps, weights copied into process memory."""
+def bench_config(cache: Path, *, steps: int = 1, guidance: bool = True, copied: bool = True, moge: bool = False):
+    """``configs/1024_cascade.yaml`` on the real-size random weights of ``cache``, a fixed field of view (or with
+    ``moge``, MoGe-2's estimate from ``<cache>/moge-2-vitl``: ``scripts/bench_camera.py`` writes it), ``steps``
+    sampler steps, weights copied into process memory."""
     from pixal3d.config import (
         CameraConfig,
         WeightsConfig,
@@ -115,8 +124,8 @@ def bench_config(cache: Path, *, steps: int = 1, guidance: bool = True, copied: 
     weights = WeightsConfig(pixal3d=WeightSource(local=str(cache)),
                             dinov3=WeightSource(local=str(cache / "dinov3-vitl16")),
                             naf=WeightSource(local=str(cache / "naf"), files=("naf_release.safetensors",)),
-                            rembg=None, moge=None)
-    changes: dict[str, Any] = {"weights": weights, "camera": CameraConfig(fov_deg=49.1),
+                            rembg=None, moge=WeightSource(local=str(cache / "moge-2-vitl")) if moge else None)
+    changes: dict[str, Any] = {"weights": weights, "camera": CameraConfig() if moge else CameraConfig(fov_deg=49.1),
                                "runtime": dataclasses.replace(config.runtime,
                                                               cpu_weights="copied" if copied else "mapped")}
     if not guidance:
@@ -221,14 +230,15 @@ def stage_child(name: str, params: dict[str, Any]) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     start_status = _status()
     cache = Path(params["cache"])
-    config = bench_config(cache)
-    plan = Pixal3D.plan(config, device="cpu", memory_budget=params["budget"], policy=params["policy"])
+    config = bench_config(cache, moge=name == "camera")
+    plan = Pixal3D.plan(config, device="cpu", memory_budget=params["budget"], policy=params["policy"],
+                        until=params.get("until"))
     stage = next(s for s in plan.stages if s.name == name)
     row = next(r for r in plan.memory.stages if r.name == name)
     weights = plan.resolved_weights()
     stream = WeightStream("cpu", copy=True) if plan.memory.streamed else None
-    loaders = model_loaders(weights, torch.device("cpu"), stream=stream, streamed=tuple(plan.memory.streamed),
-                            copied=True)
+    loaders = model_loaders(weights, torch.device("cpu"), moge=name == "camera", stream=stream,
+                            streamed=tuple(plan.memory.streamed), copied=True)
     info: dict[str, Any] = {"policy": plan.policy.value, "choices": stage.choices() if hasattr(stage, "choices") else {}}
     flow_blocks, decoder_blocks = params["flow_blocks"], params["decoder_blocks"]
     coords_hr = shell_coords(64, HR_TOKENS)
@@ -255,10 +265,10 @@ def stage_child(name: str, params: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     values: dict[str, Any] = {"device": device, "generator": torch.Generator().manual_seed(42), "progress": False,
-                              "callback": None, "parallel": None, "fov_deg": 49.1,
+                              "callback": None, "parallel": None, "fov_deg": None if name == "camera" else 49.1,
                               "shape_normalization": weights.shape_normalization,
                               "tex_normalization": weights.tex_normalization, "camera": camera_from_fov(0.857)}
-    if name == "features":
+    if name in ("camera", "features"):
         values["image"] = _image()
     else:
         values["features"] = _features((512, 1024), device)
@@ -294,6 +304,8 @@ def stage_child(name: str, params: dict[str, Any]) -> dict[str, Any]:
         out["tokens"] = {"structure": 4096, "shape_512": len(coords_lr)}.get(name, len(coords_hr))
     if name == "decode":
         out["decoded_voxels"] = len(state.pbr.coords)
+    if name == "camera":
+        out["fov_deg"] = round(math.degrees(state.camera.fov), 4)
     runner.close()
     if stream is not None:
         stream.close()
@@ -301,6 +313,54 @@ def stage_child(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- streamed vs resident time ---------------------------------------------------------------------
+
+def backbone_ratio_child(params: dict[str, Any]) -> dict[str, Any]:
+    """MoGe-2's ``infer`` (float32, as ``auto`` runs it on the CPU) or DINOv3's tokens at 1024 px at real width,
+    whole (copied) and streamed (copied blocks), alternating: seconds, the ratio of the fastest of each, and whether
+    the outputs are bitwise equal."""
+    from pixal3d.models.loading import in_process_memory
+    from pixal3d.staging import WeightStream
+
+    torch.set_grad_enabled(False)
+    cache, stream = Path(params["cache"]), WeightStream("cpu", copy=True)
+    g = torch.Generator().manual_seed(0)
+    if params["model"] == "moge":
+        from pixal3d.models.moge import load_moge, load_moge_streamed
+
+        path = cache / "moge-2-vitl" / "model.pt"
+        whole, streamed = in_process_memory(load_moge(path)), load_moge_streamed(path, stream)
+        image = torch.rand(3, 1024, 1024, generator=g)
+
+        def run(model: nn.Module) -> torch.Tensor:
+            return model.infer(image, use_fp16=False).points
+    else:
+        from pixal3d.models.dinov3 import (
+            extract_tokens,
+            load_dinov3,
+            load_dinov3_streamed,
+        )
+
+        folder = cache / "dinov3-vitl16"
+        whole, streamed = in_process_memory(load_dinov3(folder)), load_dinov3_streamed(folder, stream)
+        pixels = torch.randn(1, 3, 1024, 1024, generator=g)
+
+        def run(model: nn.Module) -> torch.Tensor:
+            return extract_tokens(model, pixels)
+    times: dict[str, list[float]] = {"whole": [], "streamed": []}
+    outputs = {}
+    for _ in range(params["repeats"]):
+        for label, model in (("whole", whole), ("streamed", streamed)):
+            start = time.perf_counter()
+            outputs[label] = run(model)
+            times[label].append(round(time.perf_counter() - start, 2))
+    stats = stream.stats.to_dict()
+    stream.close()
+    return {"model": params["model"], "times": times, "ratio": round(min(times["streamed"]) / min(times["whole"]), 3),
+            "median_ratio": round(sorted(times["streamed"])[len(times["streamed"]) // 2]
+                                  / sorted(times["whole"])[len(times["whole"]) // 2], 3),
+            "bitwise_equal": bool(torch.equal(outputs["whole"], outputs["streamed"])), "stream": stats,
+            "threads": torch.get_num_threads()}
+
 
 def ratio_child(params: dict[str, Any]) -> dict[str, Any]:
     """A flow forward at real width, resident (copied) and streamed (copied blocks), alternating: seconds, the
@@ -529,6 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flow-blocks", type=int, default=30)
     parser.add_argument("--decoder-blocks", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--until", help="stages: plan the stages up to this one only (e.g. features)")
+    parser.add_argument("--model", choices=("flow", "moge", "dinov3"), default="flow", help="ratio: what to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", default="4G", help="cgroup memory limit")
     parser.add_argument("--timeout", type=float, default=7200)
@@ -538,7 +600,9 @@ def main(argv: list[str] | None = None) -> None:
         mode, params = json.loads(args.child)
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s",
                             datefmt="%H:%M:%S")
-        result = {"stage": lambda: stage_child(params.pop("stage"), params), "ratio": lambda: ratio_child(params),
+        result = {"stage": lambda: stage_child(params.pop("stage"), params),
+                  "ratio": lambda: (ratio_child(params) if params.get("model", "flow") == "flow"
+                                    else backbone_ratio_child(params)),
                   "cascade": lambda: cascade_child(params)}[mode]()
         print(json.dumps(result))
         return
@@ -557,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.only:
             params = {"stage": name, "cache": cache, "budget": args.budget, "budget_bytes": parse_budget(args.budget),
                       "policy": args.policy, "flow_blocks": args.flow_blocks, "decoder_blocks": args.decoder_blocks,
-                      "fields": str(args.fields)}
+                      "fields": str(args.fields), "until": args.until}
             result = child("stage", params, args.timeout)
             data["results"].append(result)
             logger.info("%s: planned %.2f GiB, peak %.2f GiB (anonymous %.2f, VmHWM %.2f, a forked child %.2f), %s s",
@@ -565,8 +629,8 @@ def main(argv: list[str] | None = None) -> None:
                         result["peak_hwm"] / GIB, result["peak_children"] / GIB, result["seconds"])
             _save(args.out, data)
     elif args.mode == "ratio":
-        data["results"].append(child("ratio", {"cache": cache, "tokens": args.tokens, "repeats": args.repeats},
-                                     args.timeout))
+        data["results"].append(child("ratio", {"cache": cache, "tokens": args.tokens, "repeats": args.repeats,
+                                               "model": args.model}, args.timeout))
         _save(args.out, data)
     elif args.mode == "cascade":
         data["results"].append(child("cascade", {"cache": cache, "policy": args.policy, "budget": args.budget,

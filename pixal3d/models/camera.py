@@ -58,15 +58,18 @@ def camera_from_degrees(fov_degrees: float) -> Camera:
     return camera_from_fov(math.radians(fov_degrees))
 
 
-def estimate_camera(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True) -> Camera:
+def estimate_camera(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True,
+                    band_rows: int | None = None) -> Camera:
     """See ``estimate_camera_and_points`` (the camera alone)."""
-    return estimate_camera_and_points(image, estimator, use_fp16=use_fp16)[0]
+    return estimate_camera_and_points(image, estimator, use_fp16=use_fp16, band_rows=band_rows)[0]
 
 
 def estimate_camera_and_points(image: Image.Image, estimator: MoGe2 | None, *, use_fp16: bool = True,
-                               points: bool = False) -> tuple[Camera, torch.Tensor | None]:
+                               band_rows: int | None = None, points: bool = False
+                               ) -> tuple[Camera, torch.Tensor | None]:
     """Camera for a preprocessed RGB image: MoGe-2's horizontal fov (``infer`` with the reference's defaults;
-    ``use_fp16``: its float16 autocast), or the fallback when ``estimator`` is None (a config without MoGe-2)."""
+    ``use_fp16``: its float16 autocast; ``band_rows``: its conv neck and heads in row bands, the same bits), or the
+    fallback when ``estimator`` is None (a config without MoGe-2)."""
     if estimator is None:
         logger.warning("the config names no MoGe-2 weights (weights.moge) and no field of view: using the "
                        "reference's fallback field of view %.4f rad (%.2f deg); pass fov=DEG to choose one",
@@ -75,7 +78,7 @@ def estimate_camera_and_points(image: Image.Image, estimator: MoGe2 | None, *, u
     # As the reference: the RGB pixels (its PNG round trip is lossless) / 255 in float32, [3, H, W].
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     tensor = torch.from_numpy(pixels).permute(2, 0, 1).to(next(estimator.parameters()).device)  # [3, H, W]
-    output = estimator.infer(tensor, use_fp16=use_fp16)
+    output = estimator.infer(tensor, use_fp16=use_fp16, band_rows=band_rows)
     # MoGe intrinsics are normalised by the image width/height: fx_n = fx / width. As the reference
     # (`get_camera_params_wild_moge`), fx and width / (2 fx) stay numpy scalars of the intrinsics' dtype
     # (float32); only atan runs in float64.

@@ -252,8 +252,48 @@ class ResidualConvBlock(nn.Module):
             _norm(hidden_norm, hidden), act(),
             nn.Conv2d(hidden, channels, 3, padding=1, padding_mode="replicate"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x) + x
+    def forward(self, x: torch.Tensor, *, band_rows: int | None = None) -> torch.Tensor:
+        """``band_rows``: its 3×3 convs in row bands of that many rows (``conv_in_bands``; None: whole)."""
+        y = x
+        for layer in self.layers:
+            y = conv_in_bands(layer, y, band_rows) if isinstance(layer, nn.Conv2d) else layer(y)
+        return y + x
+
+
+BAND_MIN_CHANNELS = 32
+"""The narrowest conv ``conv_in_bands`` bands (in and out): narrower ones run whole (see there)."""
+
+
+def conv_in_bands(conv: nn.Conv2d, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """``conv(x)`` for a 3×3 stride-1 conv with replicate padding, computed ``rows`` output rows at a time: each band
+    reads its rows and one row of halo above and below (replicated at the image's own edges, as the whole conv
+    pads). Only the band's padded copy and the kernel's workspace for it are live at once, not the whole image's
+    (at 960² × 64 channels the whole conv holds ~0.55 GB beyond its input).
+
+    Whole instead (the same result, by construction) for ``rows`` None, an image no taller, or a conv narrower than
+    ``BAND_MIN_CHANNELS``: on this project's CPU (oneDNN, AVX-512) the bands gave the whole conv's bits at the
+    released widths (32-1024 channels) on the release's square grids (60² tokens: 60-960 rows), checked in
+    ``tests/pixal3d/models/test_backbone_stream.py`` and at full size by ``scripts/bench_stream.py ratio --model
+    moge``; at 8-16 channels (the toy config's) the result changed with the band's height (oneDNN picks its kernel
+    by size), as NAF's 1×1 convs did. Another CPU's kernels may differ: the bands run only under an explicit memory
+    budget (``pipelines.camera``)."""
+    if (rows is None or x.shape[-2] <= rows
+            or min(conv.in_channels, conv.out_channels) < BAND_MIN_CHANNELS):
+        return conv(x)
+    if (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode) != \
+            ((3, 3), (1, 1), (1, 1), (1, 1), 1, "replicate"):
+        raise ValueError(f"conv_in_bands runs 3x3 stride-1 replicate-padded convs, not {conv}")
+    height = x.shape[-2]
+    out = None
+    for top in range(0, height, rows):
+        bottom = min(top + rows, height)
+        band = x[:, :, max(top - 1, 0):min(bottom + 1, height)]
+        band = F.pad(band, (1, 1, int(top == 0), int(bottom == height)), mode="replicate")
+        y = F.conv2d(band, conv.weight, conv.bias)  # [B, C_out, bottom - top, W]
+        if out is None:
+            out = y.new_empty(*y.shape[:2], height, y.shape[-1])
+        out[:, :, top:bottom] = y
+    return out
 
 
 def _resampler(kind: str, dim_in: int, dim_out: int) -> nn.Sequential:
@@ -298,16 +338,19 @@ class ConvStack(nn.Module):
         self.output_blocks = nn.ModuleList(nn.Identity() if d is None else nn.Conv2d(w, d, 1)
                                            for d, w in zip(outs, dim_res_blocks))
 
-    def forward(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, features: Sequence[torch.Tensor], *, band_rows: int | None = None) -> list[torch.Tensor]:
+        """Each level's output; ``band_rows``: the 3×3 convs in row bands (``conv_in_bands``), the same bits."""
         outputs = []
         x = None
         for i, res_blocks in enumerate(self.res_blocks):
             feature = self.input_blocks[i](features[i])
             x = feature if i == 0 else x + feature
-            x = res_blocks(x)
+            for block in res_blocks:
+                x = block(x, band_rows=band_rows)
             outputs.append(self.output_blocks[i](x))
             if i < len(self.resamplers):
-                x = self.resamplers[i](x)
+                upsample, conv = self.resamplers[i]
+                x = conv_in_bands(conv, upsample(x), band_rows)
         return outputs
 
 
@@ -465,9 +508,12 @@ class MoGe2(nn.Module):
             return torch.cat([torch.sinh(xy), torch.exp(z)], dim=-1)
         return points
 
-    def forward(self, image: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+    def forward(self, image: torch.Tensor, num_tokens: int, *, band_rows: int | None = None
+                ) -> dict[str, torch.Tensor]:
         """Raw predictions for ``image`` [B, 3, H, W] in [0, 1] on a grid of about ``num_tokens`` tokens: affine
-        ``points`` [B, H, W, 3], ``mask`` [B, H, W] (probability), ``metric_scale`` [B], ``normal`` if present."""
+        ``points`` [B, H, W, 3], ``mask`` [B, H, W] (probability), ``metric_scale`` [B], ``normal`` if present.
+        ``band_rows``: the neck's and heads' 3×3 convs in row bands of that many rows (the same bits, less
+        memory: ``conv_in_bands``)."""
         batch, _, height, width = image.shape
         aspect = width / height
         rows, cols = round((num_tokens / aspect) ** 0.5), round((num_tokens * aspect) ** 0.5)
@@ -480,8 +526,9 @@ class MoGe2(nn.Module):
             uv = uv.permute(2, 0, 1).unsqueeze(0).expand(batch, -1, -1, -1)
             levels.append(torch.concat([features, uv], dim=1) if level == 0 else uv)
         # 2. neck, 3. heads (their last level, resized to the image)
-        neck = self.neck(levels)
-        heads = {name: getattr(self, name)(neck)[-1] for name in HEADS if getattr(self, name) is not None}
+        neck = self.neck(levels, band_rows=band_rows)
+        heads = {name: getattr(self, name)(neck, band_rows=band_rows)[-1] for name in HEADS
+                 if getattr(self, name) is not None}
         heads = {name: F.interpolate(v, (height, width), mode="bilinear", align_corners=False, antialias=False)
                  for name, v in heads.items()}
         out = {"points": self._remap(heads["points_head"].permute(0, 2, 3, 1)),
@@ -493,12 +540,13 @@ class MoGe2(nn.Module):
 
     @torch.no_grad()  # MoGe uses inference_mode: the same numbers, but it refuses the audit's tensor subclass
     def infer(self, image: torch.Tensor, *, resolution_level: int = 9, num_tokens: int | None = None,
-              use_fp16: bool = True) -> MoGeOutput:
+              use_fp16: bool = True, band_rows: int | None = None) -> MoGeOutput:
         """MoGe's ``infer`` with its defaults (``force_projection``, ``apply_mask``, focal recovered): metric
         points, depth, normalised intrinsics and mask of ``image`` [3, H, W] or [B, 3, H, W] in [0, 1].
 
         ``use_fp16``: the forward under float16 autocast on the model's device type (MoGe's default; where the
-        device type has no autocast, such as the audit's stand-in device, it runs in the weights' dtype)."""
+        device type has no autocast, such as the audit's stand-in device, it runs in the weights' dtype).
+        ``band_rows``: the conv neck's and heads' 3×3 convs in row bands (``forward``)."""
         squeeze = image.dim() == 3
         image = (image.unsqueeze(0) if squeeze else image).to(dtype=self.dtype, device=self.device)
         height, width = image.shape[-2:]
@@ -509,7 +557,7 @@ class MoGe2(nn.Module):
         device_type = self.device.type
         autocast = use_fp16 and self.dtype != torch.float16 and torch.amp.is_autocast_available(device_type)
         with torch.autocast(device_type=device_type, dtype=torch.float16) if autocast else contextlib.nullcontext():
-            raw = self.forward(image, num_tokens)
+            raw = self.forward(image, num_tokens, band_rows=band_rows)
         points, mask, scale = raw["points"].float(), raw["mask"].float(), raw["metric_scale"].float()
         normal = raw["normal"].float() if "normal" in raw else None
         # in float32 from here (MoGe's float32 autocast region there is a no-op: its inputs are float32)

@@ -10,7 +10,8 @@ import pytest
 
 from pipelines import Pixal3D
 from pixal3d.memory_budget import (
-    CAMERA_FLOAT32_BYTES,
+    CAMERA_BAND_ROWS,
+    CAMERA_FLOAT32_BANDED_BYTES,
     GIB,
     PROCESS_BYTES,
     MemoryBudgetError,
@@ -86,7 +87,7 @@ def test_a_need_just_above_the_budget_never_reads_as_the_budget_and_the_camera_n
 def test_two_and_a_half_gib_plans_camera_to_decode_with_the_backbones_streamed_and_naf_full(hub):
     """Up to the decode (no export), the parts issue 48 streams and lightens: 2.5 GiB plans every stage with the
     interpreter, MoGe-2 (the camera) and DINOv3 (the features) streamed by their 24 ViT blocks, the camera's
-    working set MoGe-2's float32 one on the CPU, NAF ``full`` in all three flow stages (where the whole encoder,
+    working set MoGe-2's float32 one on the CPU with its conv neck and heads in row bands, NAF ``full`` in all three flow stages (where the whole encoder,
     3.8 GiB, gave ``frugal`` even at 4 GiB), and names the smallest budget. The whole cascade at 2.5 GiB is refused
     by the export (3.36 GiB of work at 9M voxels), no longer by the camera."""
     plan = Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G", until="decode")
@@ -95,12 +96,14 @@ def test_two_and_a_half_gib_plans_camera_to_decode_with_the_backbones_streamed_a
     for name, model in (("camera", "moge"), ("features", "dinov3")):
         assert rows[name].weight_bytes < plan.memory.model_bytes[model] / 5, rows[name]  # two blocks, not 24
         assert rows[name].streamed_bytes > 1 * GIB  # one pass copies every block
-    assert rows["camera"].working_bytes == CAMERA_FLOAT32_BYTES
+    assert rows["camera"].working_bytes == CAMERA_FLOAT32_BANDED_BYTES
+    assert plan.choices()["camera"] == {"conv_band_rows": CAMERA_BAND_ROWS}
     assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
     for row in plan.memory.stages:
         assert row.total_bytes + PROCESS_BYTES <= 2.5 * GIB, row
     text = plan.table()
     assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in text and "frugal" not in text
+    assert f"camera: MoGe-2's conv neck and heads in bands of {CAMERA_BAND_ROWS} rows (exact)" in text
     smallest = next(r for r in plan.reasons if r.startswith("the smallest memory budget"))
     assert float(smallest.split(": ")[1].split(" GiB")[0]) <= 2.5
     with pytest.raises(MemoryBudgetError, match="stage 'export' needs at least"):
@@ -122,7 +125,7 @@ def test_a_streamed_moge_is_sized_by_its_whole_bytes_not_its_blocks_in_flight(hu
     assert "moge" in streamed.memory.streamed and "moge" not in whole.memory.streamed
     camera = {p: next(r for r in plan.memory.stages if r.name == "camera") for p, plan in (("s", streamed),
                                                                                            ("w", whole))}
-    assert camera["s"].working_bytes == camera["w"].working_bytes == CAMERA_FLOAT32_BYTES
+    assert camera["s"].working_bytes == camera["w"].working_bytes == CAMERA_FLOAT32_BANDED_BYTES
 
 
 def test_eight_gib_plans_whole_models_with_naf_full_everywhere_as_the_docs_say(hub):

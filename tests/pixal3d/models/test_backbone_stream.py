@@ -185,3 +185,77 @@ def test_streamed_dinov3_at_the_released_width_with_two_layers_gives_the_whole_m
         assert torch.equal(extract_tokens(streamed, pixels), extract_tokens(load_dinov3(folder), pixels))
     assert stream.stats.units == 2
     stream.close()
+
+
+# -- MoGe-2's conv neck and heads in row bands -------------------------------------------------------
+
+def test_the_toys_narrow_convs_run_whole_when_bands_are_asked_for(tiny_moge_file):
+    """At 8-16 channels the bands changed the bits on this CPU (``conv_in_bands``): the toy's convs run whole (each
+    3×3 conv called as a module, which a band never is), so its results with ``band_rows`` are the whole model's."""
+    whole = load_moge(tiny_moge_file)
+    convs = [m for m in whole.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    called = []
+    for conv in convs:
+        conv.register_forward_hook(lambda module, *_: called.append(module))
+    got = _moge_outputs(whole, _image(56), band_rows=7)
+    assert convs and set(map(id, called)) == set(map(id, convs))
+    assert all(torch.equal(a, b) for a, b in zip(got, _moge_outputs(whole, _image(56))))
+
+
+def test_a_wide_conv_in_bands_is_never_called_whole_and_gives_its_bits():
+    """The released widths band: the module is not called (its bands are), and the bits are the whole conv's."""
+    from pixal3d.models.moge import conv_in_bands
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        conv = nn.Conv2d(64, 32, 3, padding=1, padding_mode="replicate")
+    x = torch.randn(1, 64, 200, 120, generator=torch.Generator().manual_seed(2))
+    called = []
+    conv.register_forward_hook(lambda *_: called.append(1))
+    with torch.no_grad():
+        banded = conv_in_bands(conv, x, 64)
+        assert not called and torch.equal(banded, conv(x))
+
+
+def _released_tail(grid: int):
+    """MoGe-2's released neck and points head (random weights) and their inputs on a ``grid``² token grid."""
+    import json
+    from pathlib import Path
+
+    from pixal3d.models.moge import ConvStack, normalized_view_plane_uv
+
+    config = json.loads((Path(__file__).resolve().parents[3] / "assets" / "moge_checkpoint.json").read_text())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        neck, head = ConvStack(**config["model_config"]["neck"]), ConvStack(**config["model_config"]["points_head"])
+    g = torch.Generator().manual_seed(1)
+    uv = [normalized_view_plane_uv(grid * 2 ** i, grid * 2 ** i, 1.0, dtype=torch.float32, device="cpu")
+          .permute(2, 0, 1)[None] for i in range(5)]
+    levels = [torch.cat([torch.randn(1, 1024, grid, grid, generator=g), uv[0]], dim=1), *uv[1:]]
+    return neck, head, levels
+
+
+def _tail(neck, head, levels, rows):
+    with torch.no_grad():
+        return head(neck(levels, band_rows=rows), band_rows=rows)[-1]
+
+
+@pytest.mark.parametrize("rows", [64, 100])
+def test_the_released_neck_and_head_in_row_bands_give_the_whole_convs_bits(rows):
+    """The released widths (1024 → 32 channels over five levels) on a 16² token grid (256² at the last level; the
+    release's 60² makes 960²: the same kernels on more rows, checked with bench_stream's camera stage)."""
+    neck, head, levels = _released_tail(16)
+    assert torch.equal(_tail(neck, head, levels, rows), _tail(neck, head, levels, None))
+
+
+def test_control_bands_padded_with_zeros_instead_of_replicated_rows_differ(monkeypatch):
+    """The comparison above sees a wrong band edge: the same bands, padded with zeros at the image's edges."""
+    import torch.nn.functional as F
+
+    from pixal3d.models import moge
+
+    neck, head, levels = _released_tail(8)
+    whole = _tail(neck, head, levels, None)
+    pad = F.pad
+    monkeypatch.setattr(moge.F, "pad", lambda x, widths, mode="constant": pad(x, widths, mode="constant"))
+    assert not torch.equal(_tail(neck, head, levels, 32), whole)

@@ -72,7 +72,7 @@ class FakeMoGe(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.seen = None
 
-    def infer(self, image, *, use_fp16=True):
+    def infer(self, image, *, use_fp16=True, band_rows=None):
         self.seen = image
         return SimpleNamespace(intrinsics=torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.3, 0.5], [0.0, 0.0, 1.0]]))
 
@@ -91,7 +91,7 @@ class FixedFxMoGe(FakeMoGe):
         super().__init__()
         self.fx_normalised = fx_normalised
 
-    def infer(self, image, *, use_fp16=True):
+    def infer(self, image, *, use_fp16=True, band_rows=None):
         return SimpleNamespace(intrinsics=torch.tensor([[self.fx_normalised, 0.0, 0.5], [0.0, 1.1, 0.5],
                                                         [0.0, 0.0, 1.0]]))
 
@@ -213,7 +213,7 @@ def test_moge_precision_reaches_infer_auto_is_float32_only_on_the_cpu_and_the_de
     seen = []
 
     class Recording(FakeMoGe):
-        def infer(self, image, *, use_fp16=True):
+        def infer(self, image, *, use_fp16=True, band_rows=None):
             seen.append(use_fp16)
             return super().infer(image)
 
