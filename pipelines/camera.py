@@ -66,11 +66,13 @@ class CameraStage(CascadeStage):
     def fitted(self, budget: StageBudget) -> CameraStage:
         """A copy that knows its MoGe-2's weight bytes (``working_set`` scales with them: the whole model's, also
         when its blocks stream) and its device (which decides whether ``auto`` runs float16 autocast or float32);
-        under an explicit budget, MoGe-2's conv neck and heads run in row bands (``CAMERA_BAND_ROWS``: the same
-        bits, a smaller working set)."""
+        under an explicit budget on the CPU, MoGe-2's conv neck and heads run in row bands (``CAMERA_BAND_ROWS``: the
+        same bits there, checked; a GPU's conv kernels are chosen by size too and were not checked, so they run
+        whole there)."""
         stage = copy.copy(self)
         stage.weight_bytes, stage.device = budget.model_bytes or budget.weight_bytes, budget.device
-        stage.band_rows = CAMERA_BAND_ROWS if budget.explicit and self.use_moge else None
+        on_cpu = budget.device is not None and torch.device(budget.device).type == "cpu"
+        stage.band_rows = CAMERA_BAND_ROWS if budget.explicit and self.use_moge and on_cpu else None
         return stage
 
     def working_set(self) -> int:

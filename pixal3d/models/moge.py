@@ -275,8 +275,8 @@ def conv_in_bands(conv: nn.Conv2d, x: torch.Tensor, rows: int | None) -> torch.T
     released widths (32-1024 channels) on the release's square grids (60² tokens: 60-960 rows), checked in
     ``tests/pixal3d/models/test_backbone_stream.py`` and at full size by ``scripts/bench_stream.py ratio --model
     moge``; at 8-16 channels (the toy config's) the result changed with the band's height (oneDNN picks its kernel
-    by size), as NAF's 1×1 convs did. Another CPU's kernels may differ: the bands run only under an explicit memory
-    budget (``pipelines.camera``)."""
+    by size), as NAF's 1×1 convs did. Another CPU's kernels may differ, and a GPU's were not checked: the bands run
+    only under an explicit memory budget, on the CPU (``pipelines.camera``)."""
     if (rows is None or x.shape[-2] <= rows
             or min(conv.in_channels, conv.out_channels) < BAND_MIN_CHANNELS):
         return conv(x)

@@ -136,3 +136,17 @@ def test_eight_gib_plans_whole_models_with_naf_full_everywhere_as_the_docs_say(h
     assert plan.policy.value == "staged"
     assert {plan.choices()[name]["naf_mode"] for name in NAF_STAGES} == {"full"}
     assert "NAF full (the reference's values) for shape_512, shape_1024, texture" in plan.table()
+
+
+def test_moge_bands_its_convs_only_under_a_budget_on_the_cpu_where_their_bits_were_checked():
+    from pipelines.camera import CameraStage
+    from pipelines.stage import StageBudget
+
+    stage = CameraStage(None, use_moge=True)
+    fitted = {(device, explicit): stage.fitted(StageBudget(int(2.5 * GIB), 0, explicit, device=device))
+              for device in ("cpu", "cuda:0", "mps") for explicit in (True, False)}
+    assert {key: s.band_rows for key, s in fitted.items()} == {
+        ("cpu", True): CAMERA_BAND_ROWS, ("cpu", False): None, ("cuda:0", True): None, ("cuda:0", False): None,
+        ("mps", True): None, ("mps", False): None}
+    assert fitted["cpu", True].working_set() == CAMERA_FLOAT32_BANDED_BYTES
+    assert fitted["cpu", False].working_set() > CAMERA_FLOAT32_BANDED_BYTES  # the whole convs' measurement
