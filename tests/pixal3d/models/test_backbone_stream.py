@@ -259,3 +259,28 @@ def test_control_bands_padded_with_zeros_instead_of_replicated_rows_differ(monke
     pad = F.pad
     monkeypatch.setattr(moge.F, "pad", lambda x, widths, mode="constant": pad(x, widths, mode="constant"))
     assert not torch.equal(_tail(neck, head, levels, 32), whole)
+
+
+def test_the_plans_layout_of_moge_before_its_download_is_the_released_files_blocks(tmp_path):
+    """Before ``model.pt`` is downloaded the plan knows only its listed size: the release's 24 blocks at its config
+    and the rest of that size are the layout of the released file's tensors (``assets/moge_checkpoint.json``); on
+    disk, the file's own index is read (the toy's: its blocks, none loaded)."""
+    import json
+    import math
+    from pathlib import Path
+
+    from pixal3d.models.moge import (
+        MoGe2,
+        checkpoint_tensor_bytes,
+        released_tensor_bytes,
+    )
+    from pixal3d.staging import StreamLayout
+
+    manifest = json.loads((Path(__file__).resolve().parents[3] / "assets" / "moge_checkpoint.json").read_text())
+    released = {k: math.prod(shape) * 4 for k, shape in manifest["tensors"].items()}
+    expected = StreamLayout.from_tensors(released, MoGe2.stream_unit)
+    planned = StreamLayout.from_tensors(released_tensor_bytes(sum(released.values())), MoGe2.stream_unit)
+    assert planned == expected and len(expected.unit_bytes) == 24 and expected.resident_bytes < 0.1e9
+    _write_moge(tmp_path)
+    tiny = StreamLayout.from_tensors(checkpoint_tensor_bytes(tmp_path / "model.pt"), MoGe2.stream_unit)
+    assert len(tiny.unit_bytes) == 2 and tiny.resident_bytes > 0  # the toy's two blocks and the rest
