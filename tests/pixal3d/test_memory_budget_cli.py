@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pipelines import cli
+from pixal3d.memory_budget import CAMERA_BAND_ROWS
 from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 
 
@@ -38,7 +39,8 @@ def test_a_run_records_its_budget_and_what_each_stage_was_fitted_to(tiny_cache, 
     assert code == 0, err
     record = json.loads(out.with_suffix(".run.json").read_text())
     assert record["memory_budget"] == 2 * 2**30
-    assert record["stage_choices"] == {name: {"naf_mode": "full"} for name in ("shape_512", "shape_1024", "texture")}
+    naf = {name: {"naf_mode": "full"} for name in ("shape_512", "shape_1024", "texture")}
+    assert record["stage_choices"] == {"camera": {"conv_band_rows": CAMERA_BAND_ROWS}, **naf}  # MoGe-2's bands (CPU)
     assert "memory budget 2.00 GiB: every stage's work is bounded to it" in stdout
     assert "1.56 GiB usable (the memory budget;" in record["policy_reasons"][0]  # the policy chose within it
     assert any("NAF full (the reference's values) for shape_512, shape_1024, texture" in r
@@ -46,5 +48,5 @@ def test_a_run_records_its_budget_and_what_each_stage_was_fitted_to(tiny_cache, 
     code, _, err = _run(capsys, EXAMPLE, "--config", TINY_CONFIG, "-o", tmp_path / "p.glb", "--quiet")
     assert code == 0, err
     control = json.loads((tmp_path / "p.run.json").read_text())  # without a budget: none recorded
-    assert control["memory_budget"] is None and control["stage_choices"] == record["stage_choices"]
+    assert control["memory_budget"] is None and control["stage_choices"] == naf  # and no bands: MoGe-2 whole
     assert "memory budget" not in control["policy_reasons"][0]
