@@ -450,10 +450,14 @@ def check_shape_only(values: Mapping[str, Any], given: Mapping[str, Any]) -> Non
                                      f"drop one of them")
 
 
-def plan_key(settings: Mapping[str, Any]) -> str:
+def plan_key(settings: Mapping[str, Any], batch: Mapping[str, str] | None = None) -> str:
     """What jobs must share to run as one batch, from their ``Job.settings()``: every setting but the seed (each
-    image has its own generator)."""
-    return json.dumps({k: v for k, v in settings.items() if k != "seed"}, sort_keys=True)
+    image has its own generator), and ``batch`` when given: a job of a kind other than the config's own, its kind
+    and what a batch of it shares (``{"input_kind": "mesh", "mesh": <its sha256>}``: ``InputKind.batch_key``)."""
+    key = {k: v for k, v in settings.items() if k != "seed"}
+    if batch:
+        key["input"] = dict(batch)
+    return json.dumps(key, sort_keys=True)
 
 
 def with_export(config: CascadeConfig, values: Mapping[str, Any]) -> CascadeConfig:

@@ -19,7 +19,6 @@ from typing import Any
 from pixal3d.models.preprocess import ImageError
 
 from ..errors import error_line
-from ..inputs import kind_for
 from ..job import Job
 from ..plan import RunPlan
 from ..result import Result, run_json_path
@@ -151,8 +150,9 @@ def run_job(session: Session, source: Any, job: Job, *, outputs: Path, name: str
     outputs (written under ``outputs`` by ``Session.write``) or the error. ``source``: an input of the job's kind
     as the library takes it (an image: a path, a PIL image or an array; None: the kind's "nothing uploaded"), or the
     page's ``Upload``, which the kind turns into one in the job's folder (``InputKind.receive``: its ``ImageError``
-    is the error update, on one line)."""
-    kind = kind_for(job.config)
+    is the error update, on one line; the fields it writes besides the input, such as a mesh to texture, become the
+    job's: ``InputKind.received``)."""
+    kind = job.kind
     parts = source.parts if isinstance(source, Upload) else {kind.upload[0].name: source}
     missing = next((f.missing for f in kind.upload if f.required and _absent(parts.get(f.name))), None)
     if missing is not None:
@@ -166,6 +166,7 @@ def run_job(session: Session, source: Any, job: Job, *, outputs: Path, name: str
     if isinstance(source, Upload):
         try:
             source = kind.receive(parts, folder, {option: getattr(job, option) for option in kind.options})
+            job = dataclasses.replace(job, **kind.received(folder))
         except (ImageError, OSError) as err:
             message = error_line(err)
             yield JobUpdate(status=f"error: {message}", error=message)

@@ -20,7 +20,15 @@ from pixal3d.telemetry.plot import trace_figure
 
 from ..camera import CameraStage
 from ..errors import error_line
-from ..inputs import InputKind, Uploaded, UploadField, kind_for
+from ..inputs import (
+    InputKind,
+    Uploaded,
+    UploadField,
+    kind_for,
+    request_kind,
+    request_kinds,
+    upload_fields,
+)
 from ..inputs.kind import IMAGE_FILE, JSON_FILE, NUMBER, TEXT
 from ..job import BY_NAME, SETTINGS, Job, Setting
 from ..result import STAGE_COLUMNS
@@ -38,16 +46,20 @@ IMAGE_HEIGHT, IMAGES_HEIGHT, FILE_HEIGHT = 300, 200, 100  # the upload widgets' 
 
 def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: float = 0.5) -> gr.Blocks:
     """The page running jobs on ``config`` in ``session``; job files go under ``outputs``. The form has the fields
-    of the config's kind of input (``InputKind.upload``), then one per job setting (``pipelines.job.SETTINGS``),
-    its values read back by ``Job.from_form``."""
+    of every upload the config takes (``upload_fields``: its kind's, then the optional fields of a kind that goes
+    with it, such as a mesh to texture with the image), then one per job setting that applies to one of those kinds
+    (``pipelines.job.SETTINGS``), its values read back by ``Job.from_form`` for the kind the form's upload is
+    (``request_kind``)."""
     kind = kind_for(config)
+    kinds = request_kinds(config)
+    uploads = upload_fields(config)
     with gr.Blocks(title="Pixal3D, staged", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
         gr.Markdown(kind.upload_title)
         plan = gr.Markdown(label="memory plan", elem_id="plan")  # full width: the plan's lines are long
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                sources = [_upload_field(field) for field in kind.upload]
-                fields, fov_auto = _setting_fields(config, kind)
+                sources = [_upload_field(field) for field in uploads]
+                fields, fov_auto = _setting_fields(config, kinds)
                 run = gr.Button("Generate", variant="primary", elem_id="run")
                 files = gr.File(label="downloads: GLB, run.json, memory trace", file_count="multiple",
                                 interactive=False, elem_id="downloads")
@@ -73,9 +85,11 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
             form = dict(zip(fields, values, strict=True))
             if extra and extra[0]:  # "automatic field of view": the setting unset
                 form["fov"] = None
-            upload = Upload({f.name: _uploaded(f, v) for f, v in zip(kind.upload, uploaded, strict=True)})
+            given = {f.name: _uploaded(f, v) for f, v in zip(uploads, uploaded, strict=True)}
+            ran = request_kind(config, [name for name, value in given.items() if _given(value)])
+            upload = Upload({f.name: given[f.name] for f in ran.upload})
             yield from _stream(form, config, progress,
-                               lambda job: run_job(session, upload, job, outputs=outputs, poll=poll))
+                               lambda job: run_job(session, upload, job, outputs=outputs, poll=poll), ran)
 
         settings_inputs = [fields[name] for name in planned]
         page.load(show_plan, settings_inputs, plan, concurrency_limit=None, concurrency_id="plan")
@@ -86,17 +100,17 @@ def build_ui(session: Session, config: CascadeConfig, *, outputs: Path, poll: fl
         # The viewer gets its model from a plain event after the streaming one: Gradio 6.31's Model3D drops a
         # model set by a generator (the closing message sets the value again and cancels the viewer's loading).
         run.click(lambda: None, None, viewer, queue=False).then(
-            _handler(kind, list(extras), run_form), [*sources, *extras.values(), *fields.values()],
+            _handler(uploads, list(extras), run_form), [*sources, *extras.values(), *fields.values()],
             [status, plot, model, files, table, plan], concurrency_limit=1, concurrency_id="models",
             show_progress_on=[status]).then(lambda path: path, model, viewer, queue=False)
     return page
 
 
-def _handler(kind: InputKind, extras: list[str], run_form: Any) -> Any:
+def _handler(uploads: tuple[UploadField, ...], extras: list[str], run_form: Any) -> Any:
     """The Generate button's handler, ``on_run(<the upload's fields>, <the extras>, progress, *settings)``.
     Gradio hands its progress tracker to the parameter whose default is a ``gr.Progress`` (it reads the signature),
-    so the signature names the kind's fields before it: one handler for every kind of input."""
-    count = len(kind.upload)
+    so the signature names the upload's fields before it: one handler for every kind of input."""
+    count = len(uploads)
 
     def on_run(*args: Any) -> Iterator[tuple]:
         head = count + len(extras)
@@ -104,19 +118,19 @@ def _handler(kind: InputKind, extras: list[str], run_form: Any) -> Any:
 
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     on_run.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(f"{field.name}_", positional) for field in kind.upload]
+        [inspect.Parameter(f"{field.name}_", positional) for field in uploads]
         + [inspect.Parameter(f"{name}_", positional) for name in extras]
         + [inspect.Parameter("progress", positional, default=gr.Progress()),
            inspect.Parameter("values", inspect.Parameter.VAR_POSITIONAL)])
     return on_run
 
 
-def _stream(form: dict[str, Any], config: CascadeConfig, progress: Any, start: Any) -> Iterator[tuple]:
+def _stream(form: dict[str, Any], config: CascadeConfig, progress: Any, start: Any, kind: InputKind) -> Iterator[tuple]:
     """The job's updates as the page's outputs: cleared first, then the plot while it runs (Gradio's bar says the
-    stage), then the outcome."""
+    stage), then the outcome. ``kind``: the kind of input the form's upload is (its settings checked for it)."""
     yield "", gr.skip(), None, None, None, gr.skip()  # clear the last job's outputs
     try:
-        job = Job.from_form(form, config)
+        job = Job.from_form(form, config, input_kind=kind.name)
     except Exception as err:  # noqa: BLE001 - a bad setting is the visitor's, shown on one line
         yield _status(f"error: {error_line(err)}"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return
@@ -170,13 +184,18 @@ def _uploaded(field: UploadField, value: Any) -> Any:
     return tuple(Uploaded(Path(p).name, path=Path(p)) for p in paths)
 
 
-def _setting_fields(config: CascadeConfig, kind: InputKind) -> tuple[dict[str, Any], Any]:
-    """One field per job setting (``gr.State(None)`` for one that does not apply to ``kind``: always unset), and
+def _given(value: Any) -> bool:
+    """A form value given: a file field's files, or a text or number (an empty text: not given)."""
+    return bool(value) if isinstance(value, (tuple, str)) else value is not None
+
+
+def _setting_fields(config: CascadeConfig, kinds: tuple[InputKind, ...]) -> tuple[dict[str, Any], Any]:
+    """One field per job setting (``gr.State(None)`` for one that applies to none of ``kinds``: always unset), and
     the field of view's "automatic" checkbox beside its slider (None where the field of view does not apply)."""
     fields: dict[str, Any] = {}
     fov_auto = None
     for setting in SETTINGS:
-        if not setting.applies_to(kind):
+        if not any(setting.applies_to(kind) for kind in kinds):
             fields[setting.name] = gr.State(None)
         elif setting.name == "fov":  # "automatic" (MoGe-2, or the config's) beside the slider
             fov_auto, fields["fov"] = _fov_fields(config)

@@ -3,11 +3,13 @@
     kind = kind_for(config)                 # the kind the config's cascade takes
     kind = library_kind(config, arguments={"image": image, "views": None}, options={"fov": fov, ...})
     kind = command_kind(config, {"image": paths, "views": []})
+    kind = request_kind(config, {"image", "mesh", "settings"})   # an upload's: the fields a request carries
 
 A new kind is one file here (its ``InputKind``) and a row of ``KINDS``; its stages declare what else they need.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ from .mesh import MESH, MeshInput
 from .views import VIEWS, ViewsInput
 
 __all__ = ["IMAGE", "IMAGE_SUFFIXES", "KINDS", "MESH", "READABLE_IMAGES", "VIEWS", "ImageInput", "InputKind",
-           "MeshInput", "UploadField", "Uploaded", "ViewsInput", "command_kind", "kind_for", "library_kind", "upload_kind"]
+           "MeshInput", "UploadField", "Uploaded", "ViewsInput", "command_kind", "kind_for", "library_kind", "request_kind",
+           "request_kinds", "upload_fields", "upload_kind"]
 
 KINDS: tuple[InputKind, ...] = (VIEWS, MESH, IMAGE)
 """Every kind of input; the first whose ``takes`` holds for a config is the one its cascade runs on."""
@@ -43,9 +46,10 @@ def kind_named(config: Any, name: str | None) -> InputKind:
     cannot take it."""
     if name is None:
         return kind_for(config)
-    if name not in BY_NAME:
-        raise ValueError(f"input_kind {name!r} is not one of {sorted(BY_NAME)}")
-    kind = BY_NAME[name]
+    named = {kind.name: kind for kind in KINDS}  # the table as it is now (a test may put a kind in it)
+    if name not in named:
+        raise ValueError(f"input_kind {name!r} is not one of {sorted(named)}")
+    kind = named[name]
     if not kind.takes(config, kind.arguments):
         raise ValueError(f"{config.source or config.name} does not take {kind.noun} inputs; its cascade takes "
                          f"{kind_for(config).noun} inputs")
@@ -91,6 +95,37 @@ def command_kind(config: Any, given: Mapping[str, Sequence[Path]]) -> InputKind:
     if refusal is not None:
         raise UsageError(refusal)
     return kind
+
+
+def request_kinds(config: Any) -> tuple[InputKind, ...]:
+    """The kinds an upload on ``config`` may be of: the config's own (``kind_for(config)``), then each kind that goes
+    with another's input and that the config takes when given it (on a single-view config: a mesh with an image)."""
+    own = kind_for(config)
+    return (own, *(kind for kind in KINDS if kind is not own and kind_for(config, [kind.name]) is kind))
+
+
+def request_kind(config: Any, names: Collection[str]) -> InputKind:
+    """The kind a request (or a form) carrying the fields ``names`` runs as: among ``request_kinds(config)``, the
+    first besides the config's own whose required upload fields the config's kind's upload has not are all carried
+    (an image with a mesh: a mesh job), else the config's own kind."""
+    own, *others = request_kinds(config)
+    ours = {field.name for field in own.upload}
+    for kind in others:
+        needed = {field.name for field in kind.upload if field.required} - ours
+        if needed and needed <= set(names):
+            return kind
+    return own
+
+
+def upload_fields(config: Any) -> tuple[UploadField, ...]:
+    """The fields of every upload ``config`` takes (``request_kinds``), each once, in the config's kind's order then
+    the others'; a field the config's own upload has not is optional (given, it makes the upload of its kind)."""
+    own, *others = request_kinds(config)
+    fields = {field.name: field for field in own.upload}
+    for kind in others:
+        for field in kind.upload:
+            fields.setdefault(field.name, dataclasses.replace(field, required=False))
+    return tuple(fields.values())
 
 
 def upload_kind(names: Collection[str], kind: InputKind) -> InputKind | None:

@@ -9,7 +9,8 @@ A kind owns, for its inputs, everything that used to be an ``if views:`` at each
     the command     the paths it is given (``expand``) and their check from headers (``probe``)
     the uploads     the fields a web form or a request carries for it (``upload``), how a request's fields that
                     do not go together are refused (``refuse_request``, ``refuse_upload``), and how an upload
-                    becomes the run's input, written in the job's folder (``upload_stem``, ``receive``)
+                    becomes the run's input, written in the job's folder (``upload_stem``, ``receive``), and the
+                    job's other fields found there again (``received``, ``batch_key``)
 
 Importing a kind imports no torch (the command's ``--help`` and ``pipelines.job`` use the table): what a kind
 needs of the models is imported where it is used.
@@ -208,6 +209,16 @@ class InputKind:
         or None), written under ``folder`` where it must be written and checked as a run would check it
         (``options``: the job's settings of this kind); ``ImageError`` (one line) for an upload that cannot be one."""
         raise NotImplementedError
+
+    def received(self, folder: Path) -> dict[str, Any]:
+        """The job's fields besides its input that ``receive`` wrote in ``folder`` (a mesh to texture: ``Job.mesh``),
+        found there again by whoever runs the job (the server's worker); {} for a kind whose upload is its input."""
+        return {}
+
+    def batch_key(self, folder: Path) -> dict[str, str]:
+        """What jobs received in ``folder`` must share besides their settings to run as one batch (a batch runs
+        with one of each field ``received`` gives: the mesh's sha256); {} for a kind whose upload is its input."""
+        return {}
 
     # -- the command -------------------------------------------------------------------------------
     def refuse_command(self, config: Any, given: Mapping[str, Sequence[Path]]) -> str | None:

@@ -11,14 +11,21 @@ as TRELLIS.2's ``preprocess_mesh`` does, whatever the image shows).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .image import ImageInput
+from .kind import ANY_FILE, InputKind, UploadField
 
 MESH_POSES = ("aligned", "estimate", "normalize")
+MESH_UPLOADS = (".glb", ".obj", ".ply")
+"""What an uploaded mesh may be, by its file name (one file: a glTF's buffers would be other files)."""
+MESH_FOLDER = "mesh"
+"""Where ``receive`` writes the uploaded mesh in a job's folder, under its own file name (the client's word for it)."""
+MESH_ASK = "send the mesh to texture (GLB, OBJ or PLY) in the multipart field 'mesh', with the image in 'image'"
 READ_TOLERANCE = 1 / 48
 """How far past the cube an aligned mesh may reach when read: a decoded surface's half voxel at the demo's 48 grid
 (the stage checks its own grid's)."""
@@ -42,6 +49,14 @@ class MeshInput(ImageInput):
     options = ("fov", "mesh", "mesh_pose")
     upload_noun = "an image with a mesh"
     default_config = "1024_cascade.yaml"
+    upload = (*ImageInput.upload,
+              UploadField("mesh", "mesh to texture (GLB, OBJ or PLY)", accepts=ANY_FILE, ask=MESH_ASK,
+                          missing="no mesh: upload the mesh to texture (GLB, OBJ or PLY)"))
+    upload_title = ("# Pixal3D, staged: texture a mesh\nOne image and a mesh in, that mesh textured from the image "
+                    "(GLB) out.")
+    upload_prompt = "upload an image and the mesh to texture, then press Generate"
+    request_help = ("send multipart/form-data with the image in field 'image', the mesh to texture (GLB, OBJ or PLY) in "
+                    "field 'mesh' (and JSON in 'settings', e.g. {\"mesh_pose\": \"aligned\"})")
 
     def takes(self, config: Any, given: Collection[str] = ()) -> bool:
         return config.views is None and "mesh" in given
@@ -118,6 +133,49 @@ class MeshInput(ImageInput):
     def label(self, source: Any) -> str:
         return super().label(source.image if isinstance(source, MeshSource) else source)
 
+    def refuse_upload(self, config: Any, other: InputKind | None) -> str:
+        return InputKind.refuse_upload(self, config, other)
+
+    def receive(self, parts: Mapping[str, Any], folder: Path, options: Mapping[str, Any]) -> Any:
+        """The image as an image's upload (``ImageInput.receive``), and the mesh written in ``folder`` as
+        ``mesh/<its file name>`` (a GLB, OBJ or PLY by that name), read and checked as the run will read it
+        (``read_run_mesh`` at the job's ``mesh_pose``: ``MeshError``, one line, in an upload's words); returns the
+        image (the mesh is the job's: ``received``)."""
+        from pixal3d.files import write_bytes_atomic
+        from pixal3d.mesh.user_mesh import MeshError
+
+        image = super().receive(parts, folder, options)
+        [mesh] = parts["mesh"]
+        name = Path(mesh.filename.replace("\\", "/")).name
+        suffix = Path(name).suffix.lower()
+        if suffix not in MESH_UPLOADS:
+            raise MeshError(f"the uploaded mesh {name[:60]!r} is not named as a GLB, OBJ or PLY file "
+                            f"({', '.join(MESH_UPLOADS)}); send one of those")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._ -]{0,99}", name):
+            name = f"mesh{suffix}"  # kept as sent only when it is a plain file name
+        path = folder / MESH_FOLDER / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, mesh.read())
+        try:
+            read_run_mesh(path, options.get("mesh_pose"))
+        except MeshError as err:
+            raise MeshError(_upload_words(str(err))) from None
+        return image
+
+    def received(self, folder: Path) -> dict[str, Any]:
+        """``Job.mesh``: the one file ``receive`` wrote under ``folder/mesh/``."""
+        from pixal3d.mesh.user_mesh import MeshError
+
+        found = sorted((folder / MESH_FOLDER).glob("*")) if (folder / MESH_FOLDER).is_dir() else []
+        if len(found) != 1:
+            raise MeshError(f"the job's mesh is missing from its upload ({len(found)} files in {MESH_FOLDER}/); "
+                            f"submit the job again")
+        return {"mesh": found[0]}
+
+    def batch_key(self, folder: Path) -> dict[str, str]:
+        """The mesh file's sha256: a batch textures one mesh, so only jobs with the same mesh share one."""
+        return {"mesh": hashlib.sha256(self.received(folder)["mesh"].read_bytes()).hexdigest()}
+
     def default_name(self, source: Any, index: int) -> str:
         return super().default_name(source.image if isinstance(source, MeshSource) else source, index)
 
@@ -133,6 +191,12 @@ def read_run_mesh(path: Any, pose: str | None) -> Any:
     if mesh.pose == "aligned":  # as it lies: in the cube (the stage checks again at its grid's half voxel)
         check_in_cube(mesh.vertices, mesh.source, mesh.pose, tolerance=READ_TOLERANCE)
     return mesh
+
+
+def _upload_words(text: str) -> str:
+    """A ``MeshError`` in the words of an upload rather than of the command (its settings, not its flags)."""
+    text = re.sub(r"^--mesh ", "the uploaded mesh ", text)
+    return text.replace("--mesh-pose ", "mesh_pose ").replace("--shape-only", "shape_only")
 
 
 MESH = MeshInput()

@@ -20,7 +20,15 @@ from starlette.datastructures import UploadFile
 from pixal3d.config import CascadeConfig
 from pixal3d.models.preprocess import MIN_SIDE, ImageError
 
-from ..inputs import Uploaded, UploadField, kind_for, upload_kind
+from ..inputs import (
+    InputKind,
+    Uploaded,
+    UploadField,
+    kind_for,
+    request_kind,
+    upload_fields,
+    upload_kind,
+)
 from ..inputs.kind import IMAGE_FILE, JSON_FILE
 from ..job import Job, SettingsError
 from .db import ENDED, QueueFull
@@ -123,22 +131,29 @@ async def generate(request: Request) -> Any:
 
 # -- what they share -----------------------------------------------------------------------------------
 async def read_job(request: Request, here: Served) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The upload and settings of a ``POST /jobs`` or ``/generate``, checked. The upload is the fields of the config's
-    kind of input (``InputKind.upload``: field name → its ``Uploaded`` files, or its text), each read and checked as
-    its field says (an image from its header); a field of another kind's upload is refused in that kind's words."""
+    """The upload and settings of a ``POST /jobs`` or ``/generate``, checked. The upload is the fields of the kind of
+    input the request carries among those the config takes (``request_kind``: the config's own, or one that goes
+    with it, such as an image with a mesh), as its ``InputKind.upload`` says (field name → its ``Uploaded`` files,
+    or its text), each read and checked as its field says (an image from its header); a field of another kind's
+    upload is refused in that kind's words; the settings are that kind's."""
     kind = kind_for(here.config)
-    fields = kind.upload
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise Refused(400, kind.request_help)
+    fields = upload_fields(here.config)
     most = sum(field.most for field in fields if field.file)
     try:
         form = await request.form(max_files=most, max_fields=len(fields) + 1)
     except Refused:
         raise
     except Exception as err:  # noqa: BLE001 - the multipart parser's own words, on one line
-        if most == 1 and "Too many files" in str(err):
+        if all(field.most == 1 for field in fields if field.file) and "Too many files" in str(err):
             raise Refused(400, f"several files were sent; {kind.refuse_upload(here.config, None)}") from None
         raise Refused(400, f"the multipart body cannot be read ({err})") from None
+    kind = request_kind(here.config, set(form.keys()))
+    fields = kind.upload
+    sent = sum(isinstance(value, UploadFile) for name, value in form.multi_items() if name != "settings")
+    if sent > sum(field.most for field in fields if field.file):
+        raise Refused(400, f"several files were sent; {kind.refuse_upload(here.config, None)}")
     other = upload_kind(set(form.keys()), kind)
     if other is not None:
         raise Refused(400, kind.refuse_upload(here.config, other))
@@ -152,7 +167,7 @@ async def read_job(request: Request, here: Served) -> tuple[dict[str, Any], dict
     if refusal is not None:
         raise Refused(400, refusal)
     _check_texts(parts, [field for field in fields if not field.file])
-    return parts, await _read_settings(form, here)
+    return parts, await _read_settings(form, here, kind)
 
 
 async def _read_files(form: Any, field: UploadField, here: Served) -> tuple[Uploaded, ...]:
@@ -196,8 +211,9 @@ def _check_texts(parts: dict[str, Any], texts: list[UploadField]) -> None:
                            f"{'are text fields' if several else 'is a text field'}{unit}, not {'files' if several else 'a file'}")
 
 
-async def _read_settings(form: Any, here: Served) -> dict[str, Any]:
-    """The 'settings' field (JSON text, or a file of it) as the job's settings (``Job.from_request``)."""
+async def _read_settings(form: Any, here: Served, kind: InputKind) -> dict[str, Any]:
+    """The 'settings' field (JSON text, or a file of it) as the settings of a job of ``kind`` (``Job.from_request``:
+    a setting of another kind's refused in ``kind``'s words)."""
     settings = form.get("settings")
     if isinstance(settings, UploadFile):
         settings = (await settings.read()).decode("utf-8", "replace")
@@ -207,18 +223,20 @@ async def _read_settings(form: Any, here: Served) -> dict[str, Any]:
         except ValueError as err:
             raise Refused(400, f"settings is not JSON ({err}); send an object such as {{\"seed\": 42}}") from None
     try:
-        return Job.from_request(settings, here.config).settings()
+        return Job.from_request(settings, here.config, input_kind=kind.name).settings()
     except SettingsError as err:
         raise Refused(422, str(err)) from None
 
 
 def submit(here: Served, parts: dict[str, Any], values: dict[str, Any]) -> Any:
-    """Queue the job: its kind writes the upload in the job's new folder and checks it (``InputKind.receive``: an
-    ``ImageError`` is 422, nothing kept)."""
-    kind = kind_for(here.config)
+    """Queue the job: the kind whose upload ``parts`` are (``request_kind``, as ``read_job`` read them) writes it in
+    the job's new folder and checks it (``InputKind.receive``: an ``ImageError`` is 422, nothing kept); a kind not
+    the config's own is recorded with the job, so that its worker runs it as that kind."""
+    kind = request_kind(here.config, parts)
     options = {name: values.get(name) for name in kind.options}
+    other = None if kind is kind_for(here.config) else kind
     try:
-        return here.jobs.submit_upload(lambda folder: kind.receive(parts, folder, options), values)
+        return here.jobs.submit_upload(lambda folder: kind.receive(parts, folder, options), values, kind=other)
     except QueueFull as err:
         raise Refused(429, str(err)) from None
     except ImageError as err:

@@ -17,6 +17,7 @@ import psutil
 
 from pixal3d.models.preprocess import ImageError
 
+from ..inputs import InputKind
 from ..job import plan_key
 from .db import JobRow, Queue, QueueUnavailable
 from .store import DataFolder, new_id
@@ -46,21 +47,33 @@ class Jobs:
         job_id = new_id()
         return self._queue(job_id, self.data.write_input(job_id, image, suffix), settings)
 
-    def submit_upload(self, write: Callable[[Path], Path], settings: dict[str, Any]) -> JobRow:
+    def submit_upload(self, write: Callable[[Path], Path], settings: dict[str, Any], *,
+                      kind: InputKind | None = None) -> JobRow:
         """Write the job's input in its new folder (``write(folder)`` returns its path: the kind's ``receive``,
         which checks it as a run will, ``ViewsError`` and the like leaving nothing), then queue it as ``submit``
-        does."""
+        does. ``kind``: the kind of input the job runs as when it is not the config's own (an image with a mesh),
+        recorded beside the upload for the worker (``DataFolder.record_kind``); its jobs batch only with jobs of that
+        kind that share what its ``batch_key`` says (the same mesh)."""
         job_id = new_id()
+        batch: dict[str, str] = {}
+
+        def write_all(folder: Path) -> Path:
+            written = write(folder)
+            if kind is not None:
+                batch.update(input_kind=kind.name, **kind.batch_key(folder))
+                self.data.record_kind(folder, kind.name)
+            return written
+
         try:
-            name = self.data.write_upload(job_id, write)
+            name = self.data.write_upload(job_id, write_all)
         except ImageError as err:  # in the client's words: the files it sent, not the server's folders
             err.args = (self.data.for_client(str(err)),)
             raise
-        return self._queue(job_id, name, settings)
+        return self._queue(job_id, name, settings, batch)
 
-    def _queue(self, job_id: str, name: str, settings: dict[str, Any]) -> JobRow:
+    def _queue(self, job_id: str, name: str, settings: dict[str, Any], batch: dict[str, str] | None = None) -> JobRow:
         try:
-            job = self.queue.submit(job_id, settings, plan_key(settings), name, queue_size=self.queue_size)
+            job = self.queue.submit(job_id, settings, plan_key(settings, batch), name, queue_size=self.queue_size)
         except QueueUnavailable:
             raise  # its row may have been committed before the answer was lost: retention removes the folder if not
         except BaseException:

@@ -11,6 +11,8 @@ Layout::
     DIR/jobs/<id>/input.<ext>     the uploaded image, byte for byte: written and flushed before the job's row is
     DIR/jobs/<id>/views/          a multi-view config's upload instead: the view images and their transforms.json
                                   (each kind of input writes its own: ``InputKind.receive``)
+    DIR/jobs/<id>/upload.json     the kind of input the job runs as, when it is not the config's own (an image with a
+                                  mesh on a single-view config: ``{"input_kind": "mesh"}``, the mesh in ``mesh/``)
     DIR/jobs/<id>/result.glb      a done job's GLB, run.json and memory trace
     DIR/work/<id>/<stage>.*       the job's stage records (``pipelines/work_dir.py``): whichever worker runs the job
                                   next resumes there
@@ -42,6 +44,8 @@ FILES_ONLY = "pixal3d-serve/1"
 """The format of a data folder whose jobs are files only (before the queue moved into a database)."""
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 RESULTS = ("result.glb", "run.json", "trace.jsonl")
+UPLOAD_RECORD = "upload.json"
+"""Beside a job's upload: the kind of input it runs as, when it is not the config's own (``DataFolder.input_kind``)."""
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -143,6 +147,16 @@ class DataFolder:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return name
+
+    def record_kind(self, folder: Path, kind: str) -> None:
+        """Record in a job's ``folder`` (while ``write_upload`` writes it) that the job runs as the kind of input
+        named ``kind``."""
+        write_json_atomic(folder / UPLOAD_RECORD, {"input_kind": kind})
+
+    def input_kind(self, job_id: str) -> str | None:
+        """The kind of input the job runs as, as its submission recorded it; None: the config's own."""
+        path = self.folder(job_id) / UPLOAD_RECORD
+        return json.loads(path.read_text())["input_kind"] if path.is_file() else None
 
     def file(self, job_id: str, name: str) -> Path | None:
         """One of the job's result files (``name`` from ``RESULTS``), when it exists."""

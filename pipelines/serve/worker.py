@@ -37,6 +37,7 @@ from pixal3d.config import CascadeConfig, load_config
 from pixal3d.files import atomic_path
 
 from ..errors import error_line
+from ..inputs import kind_named
 from ..job import Job
 from ..plan import RunPlan
 from ..session import Session
@@ -121,7 +122,7 @@ def run_group(session: Session, config: CascadeConfig, where: Where, jobs: list[
     the worker that took its lost lease."""
     store = where.data
     try:
-        asked = [Job.from_request(job["settings"], config) for job in jobs]
+        asked = [_asked(store, config, job) for job in jobs]
         group = dataclasses.replace(asked[0], work_dir=store.work.root, command=("pixal3d-serve",), images=tuple(
             one.image(str(store.folder(job["id"]) / job["input"]), job["id"]) for one, job in zip(asked, jobs)))
         plan = session.plan(group)
@@ -197,6 +198,15 @@ def _run(session: Session, group: Job, plan: RunPlan, where: Where, jobs: list[d
         send({"event": "released", "jobs": released})
     for job_id in ids:
         cancelled.pop(job_id, None)
+
+
+def _asked(store: DataFolder, config: CascadeConfig, job: dict[str, Any]) -> Job:
+    """A claimed job as it was asked for: its settings, as the kind of input its submission recorded (None: the
+    config's own), with the fields that kind's ``receive`` wrote beside its input (a mesh to texture: ``Job.mesh``;
+    a group's jobs share them, their plan says: ``plan_key``)."""
+    name = store.input_kind(job["id"])
+    kind = kind_named(config, name)
+    return Job.from_request(job["settings"], config, input_kind=name, **kind.received(store.folder(job["id"])))
 
 
 def _trace_file(store: DataFolder, first: str) -> Path:
