@@ -38,7 +38,8 @@ APP_FORM = """
     page = build_ui(Session("app", device="cpu"), load_config(sys.argv[1]), outputs=Path(sys.argv[4]))
     [on_run] = [f.fn for f in page.fns.values() if getattr(f.fn, "__name__", "") == "on_run"]
     from pipelines.job import SETTINGS
-    *_, last = on_run(sys.argv[2], form.pop("fov_auto"), lambda *a, **k: None, *(form.get(s.name) for s in SETTINGS))
+    *_, last = on_run(sys.argv[2], None, form.pop("fov_auto"), lambda *a, **k: None,  # the image, no mesh
+                      *(form.get(s.name) for s in SETTINGS))
     print(json.dumps(str(last[0])))
 """
 

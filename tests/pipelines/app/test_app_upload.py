@@ -79,7 +79,7 @@ def test_a_running_job_has_one_progress_text_and_the_status_line_says_only_the_o
         told = []
         form = {"seed": 1, "fov": 40.0, "memory_policy": "auto", "texture_size": 1024, "face_budget": 1000,
                 "memory_budget": ""}  # the page's fields, in the order of pipelines.job.SETTINGS
-        yields = list(on_run(str(EXAMPLE), True, lambda fraction, desc: told.append((fraction, desc)),
+        yields = list(on_run(str(EXAMPLE), None, True, lambda fraction, desc: told.append((fraction, desc)),
                              *(form.get(s.name) for s in SETTINGS)))
     finally:
         worker.close()
