@@ -88,7 +88,7 @@ class ImageInput(InputKind):
             return ("a number of views applies to a multi-view config (one with a views section, e.g. "
                     "1024_cascade_mv); this one takes images")
         if name == "mesh_pose":
-            return "a mesh pose goes with a mesh to texture (--mesh); drop it"
+            return "a mesh pose goes with a mesh to texture (--mesh, or an upload's mesh field); drop it"
         return super().refuse_setting(name)
 
     def refuse_other(self, config: Any, argument: str) -> str:
