@@ -130,12 +130,13 @@ def upload_fields(config: Any) -> tuple[UploadField, ...]:
 
 def upload_kind(names: Collection[str], kind: InputKind) -> InputKind | None:
     """The other kind whose upload a request with the fields ``names`` carries (one of its required fields that
-    ``kind``'s upload has not), or None."""
+    ``kind``'s upload has not; first a kind whose required fields it carries all: an image alone is an image's
+    upload, not a mesh's), or None."""
     ours = {field.name for field in kind.upload}
-    for other in KINDS:
-        if any(field.required and field.name in names and field.name not in ours for field in other.upload):
-            return other
-    return None
+    carried = [other for other in KINDS if any(field.required and field.name in names and field.name not in ours
+                                               for field in other.upload)]
+    whole = [other for other in carried if all(field.name in names for field in other.upload if field.required)]
+    return next(iter(whole or carried), None)
 
 
 def given_kind(given: Mapping[str, Sequence[Path]]) -> InputKind:

@@ -39,6 +39,9 @@ def test_the_kind_of_a_request_is_the_one_whose_upload_it_carries_among_those_it
     assert inputs.request_kind(tiny, {"mesh"}) is MESH  # then refused for its missing image, in the mesh's words
     assert inputs.request_kind(tiny, {"image", "settings"}) is IMAGE  # control: no mesh, an image job
     assert inputs.request_kind(views, {"image", "mesh"}) is VIEWS  # a multi-view config textures no mesh
+    # and refuses another kind's upload by the kind it is: an image alone an image's, with a mesh a mesh's
+    assert inputs.upload_kind({"image"}, VIEWS) is IMAGE and inputs.upload_kind({"image", "mesh"}, VIEWS) is MESH
+    assert inputs.upload_kind({"image", "mesh"}, MESH) is None and inputs.upload_kind({"views"}, MESH) is VIEWS
     # the form: the image's fields, then the mesh as an optional one (required only for a mesh job)
     assert [(f.name, f.required) for f in inputs.upload_fields(tiny)] == [("image", True), ("mesh", False)]
     assert [f.name for f in inputs.upload_fields(views)] == [f.name for f in VIEWS.upload]
