@@ -453,7 +453,7 @@ def check_shape_only(values: Mapping[str, Any], given: Mapping[str, Any]) -> Non
 def plan_key(settings: Mapping[str, Any], batch: Mapping[str, str] | None = None) -> str:
     """What jobs must share to run as one batch, from their ``Job.settings()``: every setting but the seed (each
     image has its own generator), and ``batch`` when given: a job of a kind other than the config's own, its kind
-    and what a batch of it shares (``{"input_kind": "mesh", "mesh": <its sha256>}``: ``InputKind.batch_key``)."""
+    and what a batch of it shares (``{"input_kind": "mesh", "mesh": <its sha256>, "mesh_name": ...}``: ``batch_key``)."""
     key = {k: v for k, v in settings.items() if k != "seed"}
     if batch:
         key["input"] = dict(batch)

@@ -173,8 +173,10 @@ class MeshInput(ImageInput):
         return {"mesh": found[0]}
 
     def batch_key(self, folder: Path) -> dict[str, str]:
-        """The mesh file's sha256: a batch textures one mesh, so only jobs with the same mesh share one."""
-        return {"mesh": hashlib.sha256(self.received(folder)["mesh"].read_bytes()).hexdigest()}
+        """The mesh file's sha256 and its name: a batch textures one mesh file (the first job's), so only jobs with
+        the same mesh share one (the name too: the run's records and messages name the file)."""
+        mesh = self.received(folder)["mesh"]
+        return {"mesh": hashlib.sha256(mesh.read_bytes()).hexdigest(), "mesh_name": mesh.name}
 
     def default_name(self, source: Any, index: int) -> str:
         return super().default_name(source.image if isinstance(source, MeshSource) else source, index)

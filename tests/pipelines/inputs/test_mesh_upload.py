@@ -65,11 +65,13 @@ def test_a_mesh_job_keeps_its_kind_through_the_queue_and_groups_only_with_the_sa
     ball = _submit(here, [IMAGE_PART, _mesh(BALL)], {"seed": 1, "mesh_pose": "aligned"})
     again = _submit(here, [IMAGE_PART, _mesh(BALL)], {"seed": 2, "mesh_pose": "aligned"})
     smaller = _submit(here, [IMAGE_PART, _mesh(SMALLER)], {"seed": 1, "mesh_pose": "aligned"})
+    renamed = _submit(here, [IMAGE_PART, _mesh(BALL, "b.glb")], {"seed": 1, "mesh_pose": "aligned"})
     image = _submit(here, [IMAGE_PART], {"seed": 1})
     rows = {name: here.jobs.queue.get(row.id) for name, row in
-            (("ball", ball), ("again", again), ("smaller", smaller), ("image", image))}
+            (("ball", ball), ("again", again), ("smaller", smaller), ("renamed", renamed), ("image", image))}
     # a batch textures one mesh: only jobs with its settings and its mesh share a plan; an image job never does
     assert rows["ball"].plan == rows["again"].plan != rows["smaller"].plan
+    assert rows["renamed"].plan not in (rows["ball"].plan, rows["smaller"].plan)  # its records name its own file
     assert rows["image"].plan not in (rows["ball"].plan, rows["smaller"].plan)
     assert rows["ball"].settings["mesh_pose"] == "aligned" and "mesh_pose" not in rows["image"].settings
     # the mesh job's folder: the image as sent, the mesh under its own name, and its kind; the image job's as before
