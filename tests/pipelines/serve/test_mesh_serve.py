@@ -41,6 +41,12 @@ def meshes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def expected(meshes, tiny_cache, tmp_path_factory):  # noqa: F811
+    """The command's GLB of the example textured onto the ball, seed 7."""
+    return _command(EXAMPLE, meshes / "ball.glb", tmp_path_factory.mktemp("command") / "ball.glb")
+
+
+@pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):  # noqa: F811
     server = Server.start(tmp_path_factory.mktemp("serve-mesh") / "data", "--config", str(TINY_CONFIG))
     yield server
@@ -62,8 +68,7 @@ def _done(server, response) -> tuple[dict, dict, bytes]:
     return view, server.get(f"/jobs/{job}/run.json").json(), server.get(f"/jobs/{job}/result.glb").content
 
 
-def test_an_image_with_a_mesh_gives_the_commands_glb_byte_for_byte(server, meshes, tmp_path):
-    expected = _command(EXAMPLE, meshes / "ball.glb", tmp_path / "ball.glb")
+def test_an_image_with_a_mesh_gives_the_commands_glb_byte_for_byte(server, meshes, expected):
     view, record, glb = _done(server, _post(server, "ball.glb", (meshes / "ball.glb").read_bytes()))
     assert glb == expected
     assert [s["stage"] for s in view["stages"]][3:] == ["mesh_encode", "texture", "mesh_decode", "mesh_export"]
@@ -102,3 +107,23 @@ def test_a_bad_mesh_upload_is_refused_at_submit_in_one_line_in_the_clients_words
     if case == "outside the cube":
         assert "mesh_pose estimate" in message  # the setting it can send, not the command's --mesh-pose
     assert sorted(p.name for p in (server.data / "jobs").iterdir()) == before  # nothing kept
+
+
+def test_queued_mesh_jobs_run_in_groups_of_the_same_mesh_each_as_the_command_runs_it(meshes, expected, tmp_path):
+    """Two jobs on the ball and one on the box wait behind a held job: the ball's two run as one group (a batch
+    textures one mesh), each with its own seed, the box's alone."""
+    server = Server.start(tmp_path / "data", "--config", str(TINY_CONFIG), hold=tmp_path / "hold")
+    ball, box = (meshes / "ball.glb").read_bytes(), (meshes / "box.ply").read_bytes()
+    try:
+        with server.held("preprocess"):
+            first = _post(server, "ball.glb", ball, {**SETTINGS, "seed": 3}).json()["id"]
+            server.wait(first, until=lambda view: view.get("stage") == "preprocess", timeout=120)
+            jobs = [_post(server, "ball.glb", ball, {**SETTINGS, "seed": seed}) for seed in (7, 8)]
+            jobs.append(_post(server, "box.ply", box))
+        views = [server.wait(r.json()["id"], timeout=600) for r in jobs]
+        assert [v["status"] for v in views] == ["done"] * 3, server.tail()
+        assert [v["group"] for v in views] == [2, 2, 1]
+        glbs = [server.get(f"/jobs/{r.json()['id']}/result.glb").content for r in jobs]
+        assert glbs[0] == expected and glbs[1] != expected and glbs[2] not in glbs[:2]  # seed 7 as the command's
+    finally:
+        server.stop()
