@@ -9,7 +9,12 @@ import pytest
 
 from pipelines import Pixal3D
 from tests.support.batch_fixtures import write_images
-from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache, torch_threads  # noqa: F401
+from tests.support.cascade_fixtures import (  # noqa: F401
+    EXAMPLE,
+    TINY_CONFIG,
+    tiny_cache,
+    torch_threads,
+)
 from tests.support.parallel_cascade_harness import data_worker
 from tests.support.parallel_harness import spawn
 
