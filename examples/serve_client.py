@@ -1,7 +1,8 @@
-"""A client of ``pixal3d-serve``: submit an image, follow the job, download its GLB and run.json.
+"""A client of ``pixal3d-serve``: submit an image (with a mesh to texture), follow the job, download the GLB.
 
     pixal3d-serve --config configs/tiny.yaml --data serve-data &          # the offline demo's server
     python examples/serve_client.py assets/example.png -o outputs/served.glb --settings '{"seed": 7}'
+    python examples/serve_client.py assets/example.png --mesh assets/example_mesh.ply -o outputs/textured.glb
 
 ``--url`` (default http://127.0.0.1:8000) names the server; a server that needs a token reads it from
 ``PIXAL3D_SERVE_TOKEN`` here too. Ctrl-C cancels the job (``DELETE /jobs/{id}``). Needs httpx (``pip install httpx``).
@@ -22,6 +23,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="Submit an image to pixal3d-serve and download the GLB.")
     parser.add_argument("image", type=Path)
     parser.add_argument("-o", "--output", type=Path, default=None, help="the GLB (default: outputs/<image>.glb)")
+    parser.add_argument("--mesh", type=Path, default=None,
+                        help="texture this mesh (GLB, OBJ, PLY) from the image; settings may add mesh_pose")
     parser.add_argument("--settings", default="{}", help='JSON, e.g. {"seed": 7, "texture_size": 1024}')
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     args = parser.parse_args()
@@ -30,8 +33,10 @@ def main() -> int:
     output = args.output or Path("outputs") / f"{args.image.stem}.glb"
     with httpx.Client(base_url=args.url, headers=headers, timeout=60) as client:
         # 1. submit: 202 and the job's id, or a 4xx with the reason on one line
-        response = client.post("/jobs", files={"image": (args.image.name, args.image.read_bytes())},
-                               data={"settings": args.settings})
+        files = {"image": (args.image.name, args.image.read_bytes())}
+        if args.mesh is not None:
+            files["mesh"] = (args.mesh.name, args.mesh.read_bytes())
+        response = client.post("/jobs", files=files, data={"settings": args.settings})
         if response.status_code != 202:
             print(f"refused ({response.status_code}): {response.json()['error']}", file=sys.stderr)
             return 1

@@ -127,3 +127,14 @@ def test_queued_mesh_jobs_run_in_groups_of_the_same_mesh_each_as_the_command_run
         assert glbs[0] == expected and glbs[1] != expected and glbs[2] not in glbs[:2]  # seed 7 as the command's
     finally:
         server.stop()
+
+
+def test_the_example_client_sends_a_mesh_and_downloads_the_commands_glb(server, meshes, expected, tmp_path):
+    out = tmp_path / "served.glb"
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "serve_client.py"), str(EXAMPLE), "--mesh",
+                           str(meshes / "ball.glb"), "-o", str(out), "--url", server.url, "--settings",
+                           json.dumps(SETTINGS)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == expected
+    assert json.loads(out.with_suffix(".run.json").read_text())["mesh"]["file"] == "ball.glb"
