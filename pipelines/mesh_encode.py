@@ -7,7 +7,7 @@ are kept (``mesh_voxels``): the texture decoder decodes back to exactly them.
 
 The pose: ``aligned`` takes the mesh's coordinates as they are (it is in the image's frame, as a shape-only output
 is); ``estimate`` registers MoGe-2's points of the image to it (``pixal3d.mesh.register``; the camera stage keeps
-them for this run). A mesh that a shape-only run of this project wrote, unchanged, carries the latent it was decoded
+them for this run); ``normalize`` centres and scales it into the cube as TRELLIS.2's ``preprocess_mesh`` does. A mesh that a shape-only run of this project wrote, unchanged, carries the latent it was decoded
 from and the run's generator state (``pixal3d.mesh.latent_note``): with ``aligned`` that latent is used instead of
 encoding the mesh again, so the texture is the full run's, bit for bit.
 """

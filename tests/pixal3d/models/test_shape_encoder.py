@@ -40,6 +40,9 @@ def test_the_released_encoder_builds_on_meta_with_trellis2s_layers():
     assert shapes["blocks.0.0.conv1.weight"] == (16, 3, 3, 3, 64)  # the first S2C: 64 -> 128/8 on the 1024 grid
     assert shapes["blocks.1.4.conv2.weight"] == (256, 3, 3, 3, 256)
     assert "blocks.0.0.norm2.weight" not in shapes  # norm2 has no affine parameters, as TRELLIS.2's
+    from pipelines.mesh_encode import HEAD_RADII
+
+    assert {k: model.head_radius(k) for k in HEAD_RADII} == HEAD_RADII  # what the plan sizes tiles with
     halves = {str(p.dtype) for name, p in model.named_parameters() if name.startswith("blocks.") and "norm" not in name}
     assert halves == {"torch.float16"} and model.input_layer.weight.dtype == torch.float32
 
