@@ -71,8 +71,8 @@ class CameraStage(CascadeStage):
         whole there)."""
         stage = copy.copy(self)
         stage.weight_bytes, stage.device = budget.model_bytes or budget.weight_bytes, budget.device
-        on_cpu = budget.device is not None and torch.device(budget.device).type == "cpu"
-        stage.band_rows = CAMERA_BAND_ROWS if budget.explicit and self.use_moge and on_cpu else None
+        checked = budget.device is not None and kind(budget.device).banded_convs  # the CPU's kernels
+        stage.band_rows = CAMERA_BAND_ROWS if budget.explicit and self.use_moge and checked else None
         return stage
 
     def working_set(self) -> int:

@@ -42,6 +42,8 @@ class Kind:
     live_context:   whether this process holds a live context of it, which a forked child cannot use (CUDA's)
     host_heap:      its tensors live in the process's heap (the CPU), whose freed pages glibc keeps until
                     ``release_freed_heap`` gives them back
+    banded_convs:   its convolutions were checked to give a row's bits over row bands (the CPU's): MoGe-2's conv
+                    neck and heads may run banded under a budget there; elsewhere (kernels chosen by size) whole
     """
 
     name: str
@@ -58,6 +60,7 @@ class Kind:
     threaded_waits: bool = True
     live_context: Callable[[], bool] = lambda: False
     host_heap: bool = False
+    banded_convs: bool = False
 
 
 KINDS: dict[str, Kind] = {
@@ -66,7 +69,7 @@ KINDS: dict[str, Kind] = {
                  threaded_waits=False, live_context=lambda: torch.cuda.is_available() and torch.cuda.is_initialized()),
     "mps": Kind("mps", lambda: torch.backends.mps.is_available(), "asks for Apple MPS, which is not available here; "
                 "use cpu", fp32_attention=True, array_bytes=MPSGRAPH_ARRAY_BYTES, memory_limit=True),
-    "cpu": Kind("cpu", lambda: True, half_default=False, host_heap=True),
+    "cpu": Kind("cpu", lambda: True, half_default=False, host_heap=True, banded_convs=True),
 }
 """The kinds of device a run may use, in the order a process prefers them (``default_device``)."""
 OTHER = Kind("other", lambda: False)

@@ -59,6 +59,7 @@ from .sparse_unet_vae import (
     SparseUnetVaeDecoder,
     _check_single_sample,
 )
+from .voxel_guides import guide_for, guide_to_voxels
 
 logger = logging.getLogger(__name__)
 
@@ -331,10 +332,8 @@ def decode_tiled(shape_decoder: FlexiDualGridVaeDecoder, latent: SparseTensor, p
 def decode_texture_to_voxels(tex_decoder: SparseUnetVaeDecoder, tex_latent: SparseTensor, voxels: torch.Tensor,
                              resolution: int, plan: TilePlan | None = None) -> PbrVoxels:
     """The texture decode of a ``--mesh`` run: ``decode_pbr`` guided to exactly ``voxels [M, 3]`` (a mesh's dual grid,
-    ``shape_encoder.guide_to_voxels``) — whole when ``plan`` is None, else over the plan's tiles, each tile's guide
+    ``voxel_guides.guide_to_voxels``) — whole when ``plan`` is None, else over the plan's tiles, each tile's guide
     computed from its own rows (so the same voxels, values and order as the whole decode)."""
-    from .shape_encoder import guide_for, guide_to_voxels
-
     _check_single_sample(tex_latent)
     last = tex_decoder.num_upsamplings
     if plan is None:

@@ -28,10 +28,11 @@ from torch import nn
 from ..mesh.fields import DualGridFields
 from ..nn.norms import LayerNorm32
 from ..nn.sparse_conv import SparseConv3d
-from ..nn.sparse_ops import SparseLinear, child_offsets, space_to_channel, subdivide
+from ..nn.sparse_ops import SparseLinear, space_to_channel, subdivide
 from ..nn.sparse_tensor import SparseTensor
 from .loading import register_model
 from .sparse_unet_vae import SparseConvNeXtBlock3d, _block_kwargs
+from .voxel_guides import guide_for, guide_to_voxels, linear_key  # noqa: F401  (guide_* re-exported)
 
 DOWN_BLOCK_TYPES = ("SparseResBlockS2C3d",)
 
@@ -109,44 +110,15 @@ class EncodedShape:
         return guides
 
 
-def guide_to_voxels(coords: torch.Tensor, voxels: torch.Tensor, levels: int) -> list[SparseTensor]:
-    """The texture decoder's ``guide_subs`` that take the latent's ``coords [N, 4]`` (``levels`` ×2 subdivisions
-    coarser) to exactly those of ``voxels [M, 3]`` (x, y, z) under them: per level, ``+1`` for a child with one of
-    ``voxels`` under it, else ``-1``, in the decoder's row order. On an encoder's own latent it is ``guide_logits``."""
-    guides = []
-    for level in range(levels):
-        guides.append(guide_for(coords, voxels, levels - level - 1))
-        coords, _ = subdivide(coords, guides[-1].feats > 0)
-    return guides
-
-
-def guide_for(coords: torch.Tensor, voxels: torch.Tensor, shift: int) -> SparseTensor:
-    """One C2S block's guide for parents ``coords [N, 4]``: ``+1`` for a child with one of ``voxels [M, 3]`` under
-    it (``shift`` more ×2 levels down: the children are the voxels shifted right by ``shift``), else ``-1``."""
-    fine = voxels.to(torch.int64)
-    children = torch.unique(torch.cat([torch.zeros_like(fine[:, :1]), fine >> shift], dim=1), dim=0)
-    key = _linear_key(children)
-    parent = coords.to(torch.int64)
-    candidates = (parent[:, None, 1:] * 2 + child_offsets(coords.device).to(torch.int64)[None]).reshape(-1, 3)
-    candidates = torch.cat([parent[:, :1].repeat_interleave(8, dim=0), candidates], dim=1)
-    probe = _linear_key(candidates)
-    at = torch.searchsorted(key, probe).clamp(max=max(len(key) - 1, 0))
-    kept = (key[at] == probe).reshape(-1, 8) if len(key) else torch.zeros(len(coords), 8, dtype=torch.bool)
-    return SparseTensor(torch.where(kept, 1.0, -1.0).to(torch.float32), coords)
-
-
 def _rows_of(coords: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The row of ``table [P, 4]`` (sorted by (b, x, y, z), unique) holding each of ``coords [N, 4]``."""
-    key = _linear_key(table)
-    rows = torch.searchsorted(key, _linear_key(coords))
-    if rows.numel() and (rows.max() >= key.numel() or not torch.equal(key[rows], _linear_key(coords))):
+    key = linear_key(table)
+    rows = torch.searchsorted(key, linear_key(coords))
+    if rows.numel() and (rows.max() >= key.numel() or not torch.equal(key[rows], linear_key(coords))):
         raise ValueError("the decoder's coordinates are not the encoder's parents (a latent of another mesh?)")
     return rows
 
 
-def _linear_key(coords: torch.Tensor) -> torch.Tensor:
-    c = coords.to(torch.int64)
-    return ((c[:, 0] * 4096 + c[:, 1]) * 4096 + c[:, 2]) * 4096 + c[:, 3]
 
 
 @register_model("FlexiDualGridVaeEncoder")
@@ -240,7 +212,7 @@ class FlexiDualGridVaeEncoder(nn.Module):
             coord_parts.append(h.coords[inside])
         del x
         coords = torch.cat(coord_parts)
-        order = torch.argsort(_linear_key(coords))
+        order = torch.argsort(linear_key(coords))
         h = SparseTensor(torch.cat(h_parts).index_select(0, order), coords.index_select(0, order))
         skip = torch.cat(skip_parts).index_select(0, order)
         del h_parts, skip_parts
