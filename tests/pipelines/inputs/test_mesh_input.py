@@ -12,8 +12,8 @@ import trimesh
 
 from pipelines import Pixal3D
 from pipelines.build import SHAPE_ONLY
-from pixal3d.memory_budget import GIB, PROCESS_BYTES
 from pipelines.inputs.mesh import read_run_mesh
+from pixal3d.memory_budget import GIB, PROCESS_BYTES
 from pixal3d.mesh.user_mesh import MeshError, read_mesh
 from tests.support.cascade_fixtures import EXAMPLE, TINY_CONFIG, tiny_cache  # noqa: F401
 from tests.support.cli import one_error_line, run_cli
@@ -235,14 +235,14 @@ def test_estimate_places_the_mesh_by_the_cameras_points_end_to_end(tiny_cache, t
     camera sees of the mesh in a known pose; mesh_encode recovers it (residual < 2 voxels) and textures the mesh."""
     from pipelines.camera import CameraStage
     from pixal3d.models.camera import camera_from_degrees
-    from tests.pixal3d.mesh.test_mesh_register import _lamp, _rotation, _scene
+    from tests.support.meshes import lamp, rotation, scene_points
 
-    mesh = _lamp()
+    mesh = lamp()
     mesh.apply_translation(-mesh.bounds.mean(axis=0))  # centred, as the preprocessed image centres the object
     mesh.export(tmp_path / "lamp.glb")
     given = read_mesh(tmp_path / "lamp.glb")  # the grid frame the stage sees
     camera = camera_from_degrees(49.1)
-    scene = _scene(trimesh.Trimesh(given.vertices, given.faces, process=False), _rotation(0.5, 0.2), 0.9,
+    scene = scene_points(trimesh.Trimesh(given.vertices, given.faces, process=False), rotation(0.5, 0.2), 0.9,
                    np.array([0.02, 0.0, -0.01]))
 
     class SeenCamera(CameraStage):

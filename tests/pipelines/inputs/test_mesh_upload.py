@@ -14,8 +14,8 @@ import trimesh
 from pipelines import inputs
 from pipelines.inputs import IMAGE, MESH, VIEWS
 from pixal3d.config import load_config
-from tests.pipelines.inputs.test_upload_table import _request, _served
 from tests.support.cascade_fixtures import EXAMPLE, tiny, tiny_cache  # noqa: F401
+from tests.support.uploads import request_of, served_app
 
 pytest.importorskip("fastapi")
 
@@ -53,14 +53,14 @@ def _submit(here, files, settings=None):
     from pipelines.serve import routes
 
     data = None if settings is None else {"settings": json.dumps(settings)}
-    parts, values = asyncio.run(routes.read_job(_request(files, data), here))
+    parts, values = asyncio.run(routes.read_job(request_of(files, data), here))
     return routes.submit(here, parts, values)
 
 
 def test_a_mesh_job_keeps_its_kind_through_the_queue_and_groups_only_with_the_same_mesh(tiny, tmp_path):  # noqa: F811
     from pipelines.serve.worker import _asked
 
-    here = _served(tiny, tmp_path / "data")
+    here = served_app(tiny, tmp_path / "data")
     store = here.jobs.data
     ball = _submit(here, [IMAGE_PART, _mesh(BALL)], {"seed": 1, "mesh_pose": "aligned"})
     again = _submit(here, [IMAGE_PART, _mesh(BALL)], {"seed": 2, "mesh_pose": "aligned"})
@@ -91,7 +91,7 @@ def test_a_mesh_job_keeps_its_kind_through_the_queue_and_groups_only_with_the_sa
 def test_a_mesh_pose_without_a_mesh_and_a_mesh_without_an_image_are_refused_in_the_uploads_words(tiny, tmp_path):  # noqa: F811
     from pipelines.serve import routes
 
-    here = _served(tiny, tmp_path / "data")
+    here = served_app(tiny, tmp_path / "data")
     with pytest.raises(routes.Refused) as refused:
         _submit(here, [IMAGE_PART], {"mesh_pose": "estimate"})
     assert refused.value.status == 422 and "settings.mesh_pose: a mesh pose goes with a mesh" in str(refused.value)
@@ -103,7 +103,7 @@ def test_a_mesh_pose_without_a_mesh_and_a_mesh_without_an_image_are_refused_in_t
         _submit(here, [IMAGE_PART, _mesh(BALL), _mesh(SMALLER, "b.glb")])
     assert refused.value.status == 400 and str(refused.value).startswith("several files were sent; ")
     with pytest.raises(routes.Refused) as refused:  # a mesh sent as text, not a file
-        asyncio.run(routes.read_job(_request([IMAGE_PART], {"mesh": "ball.glb"}), here))
+        asyncio.run(routes.read_job(request_of([IMAGE_PART], {"mesh": "ball.glb"}), here))
     assert (refused.value.status, str(refused.value)) == (400, "no mesh: send the mesh to texture (GLB, OBJ or PLY) "
                                                                + "in the multipart field 'mesh', with the image in 'image'")
     assert not list(here.jobs.data.jobs.iterdir())  # nothing kept

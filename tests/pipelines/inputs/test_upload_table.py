@@ -17,6 +17,7 @@ from pipelines import inputs
 from pipelines.inputs import KINDS, InputKind, UploadField
 from pipelines.inputs.kind import ANY_FILE, TEXT
 from tests.support.cascade_fixtures import EXAMPLE, REPO, tiny, tiny_cache  # noqa: F401
+from tests.support.uploads import request_of, served_app
 
 FRONT_ENDS = ("pipelines/app/ui.py", "pipelines/app/job.py", "pipelines/serve/routes.py",
               "pipelines/serve/service.py", "pipelines/serve/store.py")
@@ -183,41 +184,14 @@ def test_a_kind_put_in_the_table_gets_its_form_in_the_app_and_its_upload_reaches
     assert refused.error == "no mesh: upload the object's mesh"
 
 
-def _request(files: list, data: dict | None = None):
-    """A starlette request carrying the multipart body httpx makes of ``files`` and ``data``."""
-    import httpx
-    from starlette.requests import Request
-
-    built = httpx.Request("POST", "http://test/jobs", files=files, data=data)
-    body = built.read()
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/jobs", "query_string": b"",
-             "headers": [(b"content-type", built.headers["content-type"].encode())]}
-    return Request(scope, receive)
-
-
-def _served(config, root: Path):
-    from pipelines.serve.db import open_queue
-    from pipelines.serve.routes import Served
-    from pipelines.serve.service import Jobs
-    from pipelines.serve.store import DataFolder
-
-    data = DataFolder(root)
-    return Served(jobs=Jobs(open_queue(None, data.root), data, queue_size=8, keep_seconds=None), config=config,
-                  max_upload=1_000_000, max_pixels=10_000_000)
-
-
 def test_a_kind_put_in_the_table_is_taken_by_the_servers_parser_and_written_by_its_receive(toy, tiny, tmp_path):  # noqa: F811
     pytest.importorskip("fastapi")
     from pipelines.serve import routes
 
-    here = _served(toy, tmp_path / "data")
+    here = served_app(toy, tmp_path / "data")
     image = ("image", ("cup.png", EXAMPLE.read_bytes(), "image/png"))
     mesh = ("mesh", ("cup.ply", MESH, "application/octet-stream"))
-    parts, values = asyncio.run(routes.read_job(_request([image, mesh], {"note": "hello",
+    parts, values = asyncio.run(routes.read_job(request_of([image, mesh], {"note": "hello",
                                                                          "settings": '{"seed": 3}'}), here))
     assert parts["image"][0].suffix == ".png" and parts["mesh"][0].read() == MESH and parts["note"] == "hello"
     assert values["seed"] == 3
@@ -229,7 +203,7 @@ def test_a_kind_put_in_the_table_is_taken_by_the_servers_parser_and_written_by_i
 
     def refusal(config, files, data=None) -> tuple[int, str]:
         with pytest.raises(routes.Refused) as refused:
-            asyncio.run(routes.read_job(_request(files, data), _served(config, tmp_path / config.name)))
+            asyncio.run(routes.read_job(request_of(files, data), served_app(config, tmp_path / config.name)))
         return refused.value.status, str(refused.value)
 
     # its own refusals, from its fields: a required one missing; the image checked from its header as any image
@@ -241,7 +215,7 @@ def test_a_kind_put_in_the_table_is_taken_by_the_servers_parser_and_written_by_i
         "'image' and 'mesh'"))
     # on an image server an image with a mesh is the mesh kind's upload (issue 45: a kind that goes with the
     # config's), read by that kind's fields, where the toy kind's own field is unknown
-    parts, _ = asyncio.run(routes.read_job(_request([image, mesh]), _served(tiny, tmp_path / "tiny-mesh")))
+    parts, _ = asyncio.run(routes.read_job(request_of([image, mesh]), served_app(tiny, tmp_path / "tiny-mesh")))
     assert sorted(parts) == ["image", "mesh"] and parts["mesh"][0].read() == MESH
     status, message = refusal(tiny, [image, mesh], {"note": "hello"})
     assert status == 400 and "unknown form fields ['note']" in message
