@@ -8,18 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:
@@ -36,6 +28,10 @@ def main() -> None:
     from pixal3d.mesh.onto import export_onto
     from pixal3d.mesh.settings import ExportSettings
     from pixal3d.mesh.user_mesh import MeshPose, UserMesh
+    from scripts.bench_memory import _status
+    from scripts.bench_stream import (
+        AnonPeak,  # the anonymous-memory sampler the stream benchmarks use
+    )
 
     ball = trimesh.creation.icosphere(subdivisions=args.subdivisions, radius=0.4)
     points = trimesh.sample.sample_surface_even(ball, 4_000_000, seed=0)[0]
@@ -44,22 +40,13 @@ def main() -> None:
     pbr = PbrVoxels(torch.from_numpy(coords), torch.from_numpy(rng.random((len(coords), 6), dtype=np.float32)), 1024)
     mesh = UserMesh(np.asarray(ball.vertices), np.asarray(ball.faces), None, "ball")
     settings = ExportSettings(texture_size=args.texture_size)
-    peak, stop = [_anon()], threading.Event()
-
-    def sample():
-        while not stop.wait(0.005):
-            peak[0] = max(peak[0], _anon())
-
-    before = _anon()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
+    before = _status()["RssAnon"]
     t0 = time.perf_counter()
-    out = export_onto(mesh, MeshPose(), pbr, settings=settings, progress=False)
+    with AnonPeak() as peak:
+        out = export_onto(mesh, MeshPose(), pbr, settings=settings, progress=False)
     seconds = time.perf_counter() - t0
-    stop.set()
-    thread.join()
     print(json.dumps({"faces": len(ball.faces), "pbr_voxels": len(coords), "texture_size": args.texture_size,
-                      "seconds": round(seconds, 1), "work_gib": round((peak[0] - before) / 2**30, 3),
+                      "seconds": round(seconds, 1), "work_gib": round((peak.peak - before) / 2**30, 3),
                       "coverage": round(out.report.coverage, 3),
                       "steps": {s.name: round(s.seconds, 1) for s in out.report.steps}}))
 

@@ -15,18 +15,10 @@ import json
 import math
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def child(voxels: int, levels: int, tile_voxels: int, threads: int) -> dict:
@@ -36,6 +28,10 @@ def child(voxels: int, levels: int, tile_voxels: int, threads: int) -> dict:
     from pixal3d.mesh.fields import DualGridFields
     from pixal3d.models import build_model
     from pixal3d.models.shape_encoder import EncodeTiles
+    from scripts.bench_memory import _status
+    from scripts.bench_stream import (
+        AnonPeak,  # the anonymous-memory sampler the stream benchmarks use
+    )
     from tests.support.header_hub import SHAPE_ENCODER_RELEASED
 
     torch.set_num_threads(threads)
@@ -56,26 +52,16 @@ def child(voxels: int, levels: int, tile_voxels: int, threads: int) -> dict:
     fields = DualGridFields(coords, torch.rand(len(coords), 3, generator=g), torch.rand(len(coords), 3, generator=g)
                             > 0.5, torch.ones(len(coords)), 1024)
     del cube, d
-    peak, stop = [_anon()], threading.Event()
-
-    def sample():
-        while not stop.wait(0.005):
-            peak[0] = max(peak[0], _anon())
-
-    start_anon = _anon()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
+    start_anon = _status()["RssAnon"]
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with AnonPeak() as peak, torch.no_grad():
         latent = model.encode(fields).latent if levels == 0 else \
             model.encode_tiled(fields, EncodeTiles(levels=levels, tile_voxels=tile_voxels))
     seconds = time.perf_counter() - t0
-    stop.set()
-    thread.join()
     digest = hashlib.sha256(latent.feats.numpy().tobytes() + latent.coords.numpy().tobytes()).hexdigest()[:16]
     return {"voxels": len(coords), "tokens": len(latent.coords), "levels": levels, "tile_voxels": tile_voxels,
-            "seconds": round(seconds, 1), "peak_anon_gib": round(peak[0] / 2**30, 3),
-            "before_gib": round(start_anon / 2**30, 3), "work_gib": round((peak[0] - start_anon) / 2**30, 3),
+            "seconds": round(seconds, 1), "peak_anon_gib": round(peak.peak / 2**30, 3),
+            "before_gib": round(start_anon / 2**30, 3), "work_gib": round((peak.peak - start_anon) / 2**30, 3),
             "latent_sha": digest}
 
 
