@@ -82,10 +82,8 @@ def _flag(value: Any) -> bool:
 
 
 def _mesh_pose(pose: Any) -> str:
-    from .inputs.mesh import MESH_POSES
-
-    if pose not in MESH_POSES:
-        raise SettingError("mesh_pose", f"mesh pose {pose!r} is not one of {list(MESH_POSES)}")
+    if pose not in inputs.mesh.MESH_POSES:
+        raise SettingError("mesh_pose", f"mesh pose {pose!r} is not one of {list(inputs.mesh.MESH_POSES)}")
     return pose
 
 
@@ -208,7 +206,7 @@ SETTINGS: tuple[Setting, ...] = (
             "--mesh: how the mesh sits in the image's frame: aligned (as it lies, as --shape-only writes it; the "
             "default), estimate (registered to MoGe-2's points of the image; not with --fov) or normalize (centred and "
             "scaled into the cube, as TRELLIS.2 does: for a mesh that is not in the image's frame)",
-            choices=lambda: ("aligned", "estimate", "normalize"), check=_mesh_pose, per_kind=True),
+            choices=lambda: inputs.mesh.MESH_POSES, check=_mesh_pose, per_kind=True),
     Setting("shape_only", "flag", "--shape-only", "shape-only", "shape only (an untextured mesh)",
             "stop after the shape decode: an untextured GLB; with --work-dir, the same command without --shape-only "
             "resumes into the texture (docs/shape-first.md)", default=False, check=_flag, plans=True),

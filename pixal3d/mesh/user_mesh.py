@@ -18,6 +18,7 @@ stay where the image sees it.) ``MeshPose`` maps the user's (grid-frame) vertice
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from pixal3d.models.preprocess import ImageError
+
+from .glb import INTERNAL_TO_GLB
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +74,7 @@ class UserMesh:
 def to_grid(points: np.ndarray) -> np.ndarray:
     """The file's glTF frame -> the grid's: ``(x, y, z) -> (-x, y, -z)``, the inverse of the export's
     ``INTERNAL_TO_GLB`` (its own inverse: a half turn about +Y)."""
-    return np.stack([-points[:, 0], points[:, 1], -points[:, 2]], axis=1)
-
-
-from_grid = to_grid
-"""The grid's frame -> glTF (the export's ``INTERNAL_TO_GLB``)."""
+    return points @ INTERNAL_TO_GLB.T
 
 
 def read_mesh(path: str | Path) -> UserMesh:
@@ -88,16 +87,18 @@ def read_mesh(path: str | Path) -> UserMesh:
         raise MeshError(f"--mesh {name}: {'is a folder' if path.exists() else 'does not exist'}")
     import trimesh
 
+    glb = path.read_bytes() if path.suffix.lower() == ".glb" else None  # read once: the mesh and its note
     try:
-        loaded = trimesh.load(str(path), process=False, force=None)
+        loaded = trimesh.load(io.BytesIO(glb), file_type="glb", process=False, force=None) if glb is not None \
+            else trimesh.load(str(path), process=False, force=None)
     except Exception as err:  # noqa: BLE001 - trimesh raises many kinds for a broken file
         raise MeshError(f"--mesh {name}: cannot be read as a mesh ({type(err).__name__}: "
                         f"{str(err).splitlines()[0][:120] if str(err) else 'no detail'})") from None
     extras = {}
-    if path.suffix.lower() == ".glb":  # a shape-only output of this project carries its latent
+    if glb is not None:  # a shape-only output of this project carries its latent
         from .latent_note import read_note
 
-        note = read_note(path.read_bytes())
+        note = read_note(glb)
         if note is not None:
             extras["note"] = note
     if isinstance(loaded, trimesh.Scene):
