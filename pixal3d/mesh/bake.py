@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .distance import z_order
 from .fields import PBR_LAYOUT
 from .settings import PROJECTIONS
 from .sparse_index import SparseIndex
+from .workers import ordered_map
 
 log = logging.getLogger(__name__)
 
 _CANDIDATES_PER_CHUNK = 1 << 22
+TEXEL_CHUNK = 1 << 19  # texels baked per chunk (one thread's unit)
 
 
 def rasterize_uv(
@@ -118,7 +121,7 @@ class SurfaceProjector:
             cKDTree,  # 0.4 s to import: only when a mesh is exported
         )
 
-        self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False)
+        self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False, leafsize=32)
         if mode == "exact":
             self.incident = self._incident_faces(len(vertices), faces, max_valence)
         else:
@@ -301,10 +304,13 @@ def bake_textures(
     size: int,
     *,
     maps: SurfaceMaps | None = None,
-    chunk: int = 1 << 19,
+    chunk: int | None = None,
+    threads: int | None = None,
 ) -> BakedTextures:
     """Rasterize the atlas at ``size²``, place each texel on the reference surface, sample, fill gutters; with
-    ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``)."""
+    ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``).
+    Texel chunks run on ``threads`` threads (default ``workers.default_workers()``); every texel is written by one chunk,
+    so the images do not depend on how many."""
     import torch
 
     from .maps import encode_normals, interpolate
@@ -324,15 +330,21 @@ def bake_textures(
         uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
     voxel_normals = maps.voxel_normals.on(index) if want_normal else None  # on the PBR voxels' rows
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
-    for start in range(0, len(ys), chunk):
+    chunk = chunk or TEXEL_CHUNK
+
+    def bake_chunk(start: int) -> None:  # writes only its own texels: chunks run in any order, on any thread
         y, x = ys[start : start + chunk], xs[start : start + chunk]
         f = face_id[y, x]
         b = bary[y, x].astype(np.float64)
         tri = mesh_vertices[corners[f]].astype(np.float64)  # [n, 3, 3]
         p = tri[:, 0] * (1 - b[:, :1] - b[:, 1:]) + tri[:, 1] * b[:, :1] + tri[:, 2] * b[:, 1:]
+        # Texels in Z order of their surface point: the KD-tree, the voxel index and the attributes are then read
+        # in neighbouring runs instead of atlas order (a texel's value does not depend on its place in the chunk).
+        order = z_order(p)
+        y, x, f, b, p = y[order], x[order], f[order], b[order], p[order]
         if projector is not None:
             p = projector.project(p)
-        n_lo = None
+        n_lo = t_lo = None
         if maps is not None:  # the shading maps cover every rasterized texel, sampled or not
             ft, bt = torch.from_numpy(f.astype(np.int64)), torch.from_numpy(b.astype(np.float32))
             if want_normal:
@@ -350,8 +362,11 @@ def bake_textures(
         base[y, x, 3] = to_uint8(values[:, PBR_LAYOUT["alpha"]])[:, 0]
         mr[y, x, 1] = to_uint8(values[:, PBR_LAYOUT["roughness"]])[:, 0]
         mr[y, x, 2] = to_uint8(values[:, PBR_LAYOUT["metallic"]])[:, 0]
+
+    for _ in ordered_map(bake_chunk, range(0, len(ys), chunk), threads):
+        pass
     rasterized = face_id >= 0
-    del face_id, bary
+    face_id = bary = None  # freed before the gutter fill (the chunks are done with them)
     coverage = float(covered.mean())
     if not covered.any():
         log.warning("no texel found PBR voxels within one voxel of the surface; textures stay black")

@@ -10,10 +10,9 @@ KD-tree and numpy release the GIL); the result does not depend on how many.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
+
+from .workers import default_workers, ordered_map
 
 
 def point_triangle_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -73,6 +72,20 @@ def _edge_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) 
     return best
 
 
+def z_order(points: np.ndarray, bits: int = 10) -> np.ndarray:
+    """The permutation that sorts ``points [N, 3]`` along a Z-order (Morton) curve over their bounding box, at
+    ``2^bits`` cells per axis (stable: ties keep their order)."""
+    if len(points) < 2:
+        return np.arange(len(points))
+    lo, hi = points.min(0), points.max(0)
+    cells = np.clip(((points - lo) * ((1 << bits) / np.maximum(hi - lo, 1e-30))).astype(np.int64), 0, (1 << bits) - 1)
+    key = np.zeros(len(points), np.int64)
+    for b in range(bits):
+        for a in range(3):
+            key |= ((cells[:, a] >> b) & 1) << (3 * b + a)
+    return np.argsort(key, kind="stable")
+
+
 class SurfaceDistance:
     """Unsigned distance from query points to the surface ``(vertices, faces)``."""
 
@@ -85,13 +98,15 @@ class SurfaceDistance:
         self.vertices_t = np.ascontiguousarray(np.asarray(vertices, dtype=np.float32).T)  # [3, V] coordinate-major
         self.faces = faces = np.ascontiguousarray(faces, dtype=np.int32)
         self.neighbours = int(neighbours)
-        self.threads = threads if threads is not None else min(8, os.cpu_count() or 1)
+        self.threads = threads if threads is not None else default_workers()
         used = np.zeros(len(self.vertices), bool)
         used[faces.reshape(-1)] = True
         self.tree_ids = np.flatnonzero(used)  # vertices of no face stay out of the tree
         from scipy.spatial import cKDTree  # 0.4 s to import: only when a mesh is exported
 
-        self.tree = cKDTree(self.vertices[self.tree_ids], balanced_tree=False, compact_nodes=False)
+        # leafsize 32: a third fewer node visits per query than the default 16 on these dense meshes (1.1 s against
+        # 1.9 s per million near-surface queries in Z order, 3M vertices); the nearest vertex is the same
+        self.tree = cKDTree(self.vertices[self.tree_ids], balanced_tree=False, compact_nodes=False, leafsize=32)
         corner_owner = faces.reshape(-1)
         # [3F] the faces incident to each vertex, grouped by vertex (CSR with ``start``); the division in chunks,
         # not as a second int64 array of 3F (0.4 GB at 18M faces)
@@ -119,19 +134,16 @@ class SurfaceDistance:
         the vertex search stops at ``upper_bound`` plus the longest edge, which is much faster far away.
         """
         points = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+        order = z_order(points)  # neighbouring queries walk the same tree nodes and faces: 2-4x faster than random
+        points = points[order]
         out = np.empty(len(points))
         reach = upper_bound + self.longest_edge
-        starts = range(0, len(points), chunk)
 
         def one(s: int) -> None:
-            out[s : s + chunk] = self._distance(points[s : s + chunk], reach)
+            out[order[s : s + chunk]] = self._distance(points[s : s + chunk], reach)
 
-        if len(starts) > 1 and self.threads > 1:  # numpy and the KD-tree release the GIL
-            with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(one, starts))
-        else:
-            for s in starts:
-                one(s)
+        for _ in ordered_map(one, range(0, len(points), chunk), self.threads if len(points) > chunk else 1):
+            pass
         return out
 
     def _distance(self, p: np.ndarray, reach: float) -> np.ndarray:

@@ -17,6 +17,8 @@ import fast_simplification
 import numpy as np
 
 from .cleanup import remove_duplicate_faces, remove_unreferenced_vertices
+from .isolated import can_isolate
+from .workers import default_workers, ordered_map
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +60,43 @@ def quadric_simplify(
     return v, f
 
 
+def _simplify_tile(job: tuple[np.ndarray, np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
+    """One slab's QEM with its cut border frozen (a worker process's task: arguments and result are pickled)."""
+    vertices, faces, target = job
+    pv, pf = fast_simplification.simplify(vertices.astype(np.float64), faces, target_count=target,
+                                          preserve_border=True)
+    return pv.astype(np.float32), pf.astype(np.int32)
+
+
 def tiled_quadric_simplify(
-    vertices: np.ndarray, faces: np.ndarray, target: int, *, max_tile_faces: int
+    vertices: np.ndarray, faces: np.ndarray, target: int, *, max_tile_faces: int, workers: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """QEM slab by slab (cut borders frozen) so that no single QEM holds more than ``max_tile_faces``."""
-    n_tiles = -(-len(faces) // max_tile_faces)
+    """QEM slab by slab (cut borders frozen) so that no single QEM holds more than ``max_tile_faces``.
+
+    The slabs are independent: ``workers`` forked processes (default one per core, at most 4) simplify them at
+    once, each slab then ``max_tile_faces / workers`` faces so that the QEMs running together hold what one
+    did. The result depends on the number of slabs, not on which process ran one.
+    """
+    workers = min(default_workers() if workers is None else max(1, workers), -(-len(faces) // max_tile_faces))
+    if not can_isolate():
+        workers = 1
+    n_tiles = -(-len(faces) // max(1, max_tile_faces // workers))
     axis = int(np.argmax(vertices.max(0) - vertices.min(0)))
     centre = vertices[faces[:, 0], axis] + vertices[faces[:, 1], axis] + vertices[faces[:, 2], axis]
     cuts = np.quantile(centre, np.linspace(0, 1, n_tiles + 1)[1:-1])
     tile = np.searchsorted(cuts, centre)
     del centre
     ratio = target / len(faces)
+
+    def jobs():
+        for t in range(n_tiles):
+            ids = np.flatnonzero(tile == t)
+            verts, local = np.unique(faces[ids], return_inverse=True)
+            yield vertices[verts], local.reshape(-1, 3).astype(np.int32), max(4, int(len(ids) * ratio))
+
     out_v, out_f, offset = [], [], 0
-    for t in range(n_tiles):
-        ids = np.flatnonzero(tile == t)
-        verts, local = np.unique(faces[ids], return_inverse=True)
-        pv, pf = fast_simplification.simplify(
-            vertices[verts].astype(np.float64), local.reshape(-1, 3).astype(np.int32),
-            target_count=max(4, int(len(ids) * ratio)), preserve_border=True,
-        )
-        out_v.append(pv.astype(np.float32))
+    for pv, pf in ordered_map(_simplify_tile, jobs(), workers, processes=True):
+        out_v.append(pv)
         out_f.append(pf.astype(np.int64) + offset)
         offset += len(pv)
     # Border vertices were frozen, so each appears bit-identical in both slabs: merge by exact value.
