@@ -41,6 +41,7 @@ from .narrow_band import RemeshGrid
 from .quality import mesh_quality
 from .records import ExportedMesh, ExportReport, StepReport
 from .remesh import remesh
+from .remesh_slabs import remesh_presimplified
 from .rss import PeakRss
 from .settings import ExportSettings
 from .simplify import simplify_mesh
@@ -116,11 +117,16 @@ def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings, decode_resol
     if not settings.remesh:
         return (v, f), {"enabled": False}
     grid = _remesh_grid(settings, decode_resolution)
-    v, f = remesh(v, f, resolution=grid.resolution, band=grid.band, exterior_only=settings.exterior_only)
+    detail = {}
+    if settings.exterior_only:  # the exterior flood fill wants the whole band at once
+        v, f = remesh(v, f, resolution=grid.resolution, band=grid.band, exterior_only=True)
+    else:  # slab by slab, with the simplifier's pre-pass where the contour is large (remesh_slabs.py)
+        (v, f), detail = remesh_presimplified(v, f, resolution=grid.resolution, band=grid.band,
+                                              target=settings.decimation_target)
     if len(f) == 0:
         raise ValueError("the remesh found no surface: the decoded shape is empty or degenerate")
     return (v, f), {"vertices": len(v), "faces": len(f), "resolution": grid.resolution,
-                    "exterior_only": settings.exterior_only}
+                    "exterior_only": settings.exterior_only} | detail
 
 
 def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution: int):

@@ -115,11 +115,18 @@ class NarrowBand:
         """Parent planes per slab, so that a slab's dense corner index stays under ``SLAB_CELLS``."""
         return max(1, (SLAB_CELLS // self.grid.corner_side**2 - 1) // 2)
 
-    def slabs(self) -> Iterator[tuple[int, np.ndarray]]:
-        """``(a, parents with x in [a, a + h))`` for a = 0, h, 2h, … (empty slabs included)."""
+    def slabs(self, *, occupied: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+        """``(a, parents with x in [a, a + h))`` for a = 0, h, 2h, … (empty slabs included); with ``occupied``, only
+        from the first parent's slab to the last's (a remesh slab's band of a few planes then costs a few slabs,
+        not all R / 2h of them)."""
         h = self.slab_planes()
-        bounds = np.searchsorted(self.parents[:, 0], np.arange(0, self.grid.resolution // 2 + h, h))
-        for i, a in enumerate(range(0, self.grid.resolution // 2, h)):
+        if occupied and len(self.parents) == 0:
+            return
+        first = int(self.parents[0, 0]) // h * h if occupied else 0
+        last = int(self.parents[-1, 0]) + 1 if occupied else self.grid.resolution // 2
+        starts = np.arange(first, last, h)
+        bounds = np.searchsorted(self.parents[:, 0], np.r_[starts, starts[-1] + h])
+        for i, a in enumerate(starts.tolist()):
             yield a, self.parents[bounds[i] : bounds[i + 1]]
 
     def corner_index(self, a: int) -> np.ndarray:
@@ -146,6 +153,22 @@ def children(cells: np.ndarray) -> np.ndarray:
 
 def narrow_band(udf: SurfaceDistance, grid: RemeshGrid, *, keep_free: bool = False) -> NarrowBand:
     """Steps 2–3: the cells kept down to level R/2, then ``UDF − eps`` at every finest corner."""
+    parents, free = band_parents(udf, grid, keep_free=keep_free)
+    return band_of(udf, grid, parents, free)
+
+
+def band_of(udf: SurfaceDistance, grid: RemeshGrid, parents: np.ndarray,
+            free: list[tuple[int, np.ndarray]] | None = None) -> NarrowBand:
+    """Step 3 for ``parents`` (sorted x-major, any subset of the kept cells): their finest corners' ``UDF − eps``."""
+    band = NarrowBand(grid, parents, free or [], np.zeros(0, np.int64), np.zeros(0, np.float32))
+    band.corners = _band_corners(band)
+    band.values = _corner_values(udf, grid, band.corners)
+    return band
+
+
+def band_parents(udf: SurfaceDistance, grid: RemeshGrid, *,
+                 keep_free: bool = False) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+    """Step 2: the cells kept at level R/2 ``[P, 3]`` int32 sorted x-major, and (``keep_free``) the far cells."""
     levels = grid.levels()
     axis = np.arange(levels[0], dtype=np.int32)
     cells = np.stack(np.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
@@ -167,10 +190,7 @@ def narrow_band(udf: SurfaceDistance, grid: RemeshGrid, *, keep_free: bool = Fal
         if i + 1 < len(levels):
             cells = children(cells)
     order = np.lexsort((cells[:, 2], cells[:, 1], cells[:, 0]))
-    band = NarrowBand(grid, cells[order], free, np.zeros(0, np.int64), np.zeros(0, np.float32))
-    band.corners = _band_corners(band)
-    band.values = _corner_values(udf, grid, band.corners)
-    return band
+    return cells[order], free
 
 
 def _band_corners(band: NarrowBand) -> np.ndarray:
@@ -178,7 +198,7 @@ def _band_corners(band: NarrowBand) -> np.ndarray:
     grid, h = band.grid, band.slab_planes()
     n = grid.corner_side
     keys, carry, a = [], None, 0
-    for a, parents in band.slabs():
+    for a, parents in band.slabs(occupied=True):
         mark = np.zeros((2 * h + 1, n, n), bool)
         if carry is not None:
             mark[0] = carry
@@ -187,6 +207,8 @@ def _band_corners(band: NarrowBand) -> np.ndarray:
             mark[pts[:, 0] - 2 * a, pts[:, 1], pts[:, 2]] = True
         keys.append(np.flatnonzero(mark[: 2 * h]) + 2 * a * n * n)  # planes 2a … 2a + 2h − 1
         carry = mark[2 * h].copy()  # plane 2a + 2h: shared with the next slab
+    if not keys:
+        return np.zeros(0, np.int64)
     last_plane = 2 * (a + h)
     if carry is not None and carry.any() and last_plane <= grid.resolution:
         keys.append(np.flatnonzero(carry) + last_plane * n * n)

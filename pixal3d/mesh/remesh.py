@@ -57,7 +57,7 @@ class DualCells:
 def contour_cells(band: NarrowBand, values: np.ndarray) -> DualCells:
     """Step 4 per slab: the active finest cells, their mean-of-crossings vertex and owned-edge signs."""
     coords, offsets, signs = [], [], []
-    for a, parents in band.slabs():
+    for a, parents in band.slabs(occupied=True):
         if len(parents) == 0:
             continue
         index = band.corner_index(a)
@@ -102,16 +102,20 @@ def quads_to_triangles(vertices: np.ndarray, quads: np.ndarray, *, chunk: int = 
     return out
 
 
-def dual_mesh(cells: DualCells, grid: RemeshGrid, *, chunk: int = 1 << 21) -> tuple[np.ndarray, np.ndarray]:
+def dual_mesh(cells: DualCells, grid: RemeshGrid, *, chunk: int = 1 << 21,
+              owners: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quads through the 4 cells around every crossed owned edge (kept when all 4 exist), oriented by
-    the sign, triangulated; returns float32 vertices and int32 faces without unreferenced vertices."""
+    the sign, triangulated; returns float32 vertices and int32 faces without unreferenced vertices.
+    ``owners = (lo, hi)``: only the quads of edges owned by cells with x in ``[lo, hi)`` (a slab's; the cells of
+    plane ``hi`` are there for the quads that reach them)."""
     vertices = grid.to_world(cells.coords + cells.offsets).astype(np.float32)
     if len(cells.coords) == 0:
         return vertices, np.zeros((0, 3), np.int32)
     index = SparseIndex(cells.coords, grid.resolution)
+    owned = None if owners is None else (cells.coords[:, 0] >= owners[0]) & (cells.coords[:, 0] < owners[1])
     faces = []
     for axis in range(3):
-        rows = np.flatnonzero(cells.signs[:, axis])
+        rows = np.flatnonzero(cells.signs[:, axis] if owned is None else (cells.signs[:, axis] != 0) & owned)
         for s in range(0, len(rows), chunk):
             r = rows[s : s + chunk]
             base = cells.coords[r].astype(np.int64)
@@ -122,7 +126,7 @@ def dual_mesh(cells: DualCells, grid: RemeshGrid, *, chunk: int = 1 << 21) -> tu
             quad = np.where((sign > 0)[:, None], quad[:, [0, 3, 2, 1]], quad)
             faces.append(quads_to_triangles(vertices, quad))
     del index
-    faces = np.concatenate(faces)  # the chunks are freed as the name is rebound
+    faces = np.concatenate(faces) if faces else np.zeros((0, 3), np.int32)  # the chunks are freed as it is rebound
     if len(faces) and np.bincount(faces.reshape(-1), minlength=len(vertices)).all():
         return vertices, faces  # every dual vertex is used (the usual case): no copy
     v, f, _ = remove_unreferenced_vertices(vertices, faces)
