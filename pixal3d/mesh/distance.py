@@ -15,7 +15,7 @@ import numpy as np
 from .workers import default_workers, ordered_map
 
 
-def point_triangle_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+def point_triangle_distance2(p: np.ndarray | None, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Squared distance ``[n]`` from points ``p`` to triangles ``(a, b, c)``, all ``[3, n]`` (coordinate-major,
     so every product below runs over contiguous rows).
 
@@ -24,7 +24,8 @@ def point_triangle_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.
     (zero-area) triangles are measured against their three edges instead. numpy, single-threaded on
     purpose: on a busy 2-core machine torch's threaded elementwise ops were 30× slower here.
     """
-    ab, ac, ap = b - a, c - a, p - a
+    ab, ac = b - a, c - a
+    ap = -a if p is None else p - a  # None: the origin (the caller moved the triangles by -p)
 
     def dot(u: np.ndarray, v: np.ndarray) -> np.ndarray:
         return u[0] * v[0] + u[1] * v[1] + u[2] * v[2]
@@ -56,7 +57,8 @@ def point_triangle_distance2(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.
     out = dot(diff, diff)
     degenerate = abab * acac - abac * abac <= 1e-12 * abab * acac
     if degenerate.any():
-        out[degenerate] = _edge_distance2(p[:, degenerate], a[:, degenerate], b[:, degenerate], c[:, degenerate])
+        q = np.zeros_like(a[:, degenerate]) if p is None else p[:, degenerate]
+        out[degenerate] = _edge_distance2(q, a[:, degenerate], b[:, degenerate], c[:, degenerate])
     return out
 
 
@@ -127,20 +129,28 @@ class SurfaceDistance:
         """``[V, 3]`` float32 (a view of the coordinate-major copy)."""
         return self.vertices_t.T
 
-    def distance(self, points: np.ndarray, *, upper_bound: float = np.inf, chunk: int = 1 << 16) -> np.ndarray:
+    def distance(self, points: np.ndarray, *, upper_bound: float = np.inf, chunk: int = 1 << 16,
+                 coherent: bool = False) -> np.ndarray:
         """Unsigned distance ``[N]`` (float64) of ``points [N, 3]`` to the surface.
 
         With ``upper_bound``, points farther than it may come back as ``inf`` (never a wrong finite value):
         the vertex search stops at ``upper_bound`` plus the longest edge, which is much faster far away.
+        Scattered points are queried in Z order (neighbouring queries walk the same tree nodes and faces: 2-4x
+        faster than random order); ``coherent`` says they already come in runs of neighbours (a grid's rows, as
+        the remesh's), which are as fast as that, and skips the sort.
         """
         points = np.asarray(points, dtype=np.float64).reshape(-1, 3)
-        order = z_order(points)  # neighbouring queries walk the same tree nodes and faces: 2-4x faster than random
-        points = points[order]
+        order = None if coherent else z_order(points)
+        points = points if coherent else points[order]
         out = np.empty(len(points))
         reach = upper_bound + self.longest_edge
 
         def one(s: int) -> None:
-            out[order[s : s + chunk]] = self._distance(points[s : s + chunk], reach)
+            d = self._distance(points[s : s + chunk], reach)
+            if coherent:
+                out[s : s + chunk] = d
+            else:
+                out[order[s : s + chunk]] = d
 
         for _ in ordered_map(one, range(0, len(points), chunk), self.threads if len(points) > chunk else 1):
             pass
@@ -163,7 +173,7 @@ class SurfaceDistance:
         # Relative to the query point: small numbers, so float32 keeps ~1e-5 voxel of precision.
         query = np.ascontiguousarray(p.T.astype(np.float32))[:, owner]  # [3, pairs]
         a, b, c = (self.vertices_t[:, corners[k]] - query for k in range(3))
-        d2 = point_triangle_distance2(np.zeros_like(a), a, b, c)
+        d2 = point_triangle_distance2(None, a, b, c)
         group = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])  # pairs are grouped by query
         out[found] = np.sqrt(np.minimum.reduceat(d2, group).astype(np.float64))
         return out

@@ -178,7 +178,7 @@ def band_parents(udf: SurfaceDistance, grid: RemeshGrid, *,
         step = grid.resolution // n
         reach = grid.eps + 0.87 * size
         d = np.concatenate([
-            udf.distance(grid.to_world((cells[s : s + (1 << 20)] + 0.5) * step), upper_bound=reach)
+            udf.distance(grid.to_world((cells[s : s + (1 << 20)] + 0.5) * step), upper_bound=reach, coherent=True)
             for s in range(0, len(cells), 1 << 20)
         ]) if len(cells) else np.zeros(0)
         keep = np.abs(d - grid.eps) < 0.87 * size
@@ -221,6 +221,7 @@ def _corner_values(udf: SurfaceDistance, grid: RemeshGrid, keys: np.ndarray, chu
     reach = grid.eps + 2 * grid.cell
     out = np.empty(len(keys), np.float32)
     for s in range(0, len(keys), chunk):
-        d = udf.distance(grid.to_world(grid.corner_coords(keys[s : s + chunk])), upper_bound=reach)
+        d = udf.distance(grid.to_world(grid.corner_coords(keys[s : s + chunk])), upper_bound=reach,
+                         coherent=True)  # sorted keys: rows of z
         out[s : s + chunk] = np.minimum(d, reach) - grid.eps
     return out
