@@ -16,12 +16,12 @@ from .distance import z_order
 from .fields import PBR_LAYOUT
 from .settings import PROJECTIONS
 from .sparse_index import SparseIndex
-from .workers import ordered_map
+from .workers import default_workers, ordered_map
 
 log = logging.getLogger(__name__)
 
 _CANDIDATES_PER_CHUNK = 1 << 22
-TEXEL_CHUNK = 1 << 19  # texels baked per chunk (one thread's unit)
+TEXEL_CHUNK = 1 << 19  # texels baked at once, shared out among the threads' chunks
 
 
 def rasterize_uv(
@@ -316,7 +316,7 @@ def bake_textures(
     from .maps import encode_normals, interpolate
 
     face_id, bary = rasterize_uv(uvs, uv_faces, size, size)
-    ys, xs = np.nonzero(face_id >= 0)
+    ys, xs = (i.astype(np.int32) for i in np.nonzero(face_id >= 0))  # int32: half of int64's 8 B per texel
     base = np.zeros((size, size, 4), np.uint8)
     mr = np.zeros((size, size, 3), np.uint8)
     covered = np.zeros((size, size), bool)
@@ -330,7 +330,9 @@ def bake_textures(
         uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
     voxel_normals = maps.voxel_normals.on(index) if want_normal else None  # on the PBR voxels' rows
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
-    chunk = chunk or TEXEL_CHUNK
+    threads = default_workers() if threads is None else max(1, threads)
+    # The chunks in flight together hold what one serial chunk did (~0.4 KB of temporaries per texel).
+    chunk = chunk or max(1 << 12, TEXEL_CHUNK // threads)
 
     def bake_chunk(start: int) -> None:  # writes only its own texels: chunks run in any order, on any thread
         y, x = ys[start : start + chunk], xs[start : start + chunk]

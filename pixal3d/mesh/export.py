@@ -13,6 +13,7 @@ and 3MF for a printable mesh). ``export_shape``: a shape-only run's steps 1-5, n
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -282,6 +283,8 @@ def export_mesh(
     normals, uv = steps.run("uv", _unwrap, v, f, settings)
     maps = steps.run("maps", _maps, v, normals, uv, ref_v, ref_f, voxel_of_vertex, fields, settings)
     tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, maps, settings)
+    if maps is not None:  # the decoded surface's normal field (~24 B per voxel) is the bake's alone
+        maps = dataclasses.replace(maps, voxel_normals=None)
     quality = steps.run("quality", _quality, v, f, uv, ref_v, ref_f, fields.resolution, settings)
     del ref_v, ref_f, voxel_of_vertex
     mesh, data, extras = steps.run("glb", _glb, v, f, normals, uv, tex, maps, settings)
