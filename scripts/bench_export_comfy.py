@@ -359,7 +359,8 @@ def main() -> None:
     from scripts.bench_export import load_or_make
 
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/bench_export_comfy.py", *sys.argv[1:]])
-    comfy_path(Path(args.comfy), Path(tempfile.mkdtemp()))  # fail early when the files are missing
+    with tempfile.TemporaryDirectory() as scratch:  # fail early when the files are missing
+        comfy_path(Path(args.comfy), Path(scratch))
     fields = load_or_make(args)
     start = time.perf_counter()
     (v, f), _ = _extract(fields)
