@@ -324,9 +324,12 @@ COMFY_CALL = ("`remesh_narrow_band_dc(v, f, resolution=R, band=1.0, project_back
 
 NOTES = [
     ("Not the same output by design: ours keeps both sheets of the thickened shell (`ExportSettings.exterior_only` "
-     "False, the release setting, as the reference's CuMesh call), ComfyUI's `drop_enclosed_components=True` default "
-     "drops the inner one, so its contour has about half the faces and the same face target goes to one sheet "
-     "(the components column). Neither side runs the export's later cleanup (ours: `remove_face_pairs`)."),
+     "False, the release setting), ComfyUI's `drop_enclosed_components=True` default drops the inner one, so the "
+     "same face target goes to one sheet there and to two here (the components column). Neither side runs the "
+     "export's later cleanup (ours: `remove_face_pairs`)."),
+    ("Remesh faces are not comparable either: our remesh step includes the simplifier's pre-pass, slab by slab, to "
+     "about 3 × target where the contour is large (`remesh_presimplified`, as the export runs it), so it hands the "
+     "simplify step fewer faces; ComfyUI's remesh hands over its whole contour."),
     ("Not compared: ComfyUI's UV unwrap and bake (`comfy_extras/mesh3d/uv_unwrap/*`) are not in the code index this "
      "benchmark was built from, so only the remesh and the decimation run side by side."),
 ]
