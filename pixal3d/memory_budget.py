@@ -89,6 +89,8 @@ DECODE_COSTS = DecodeCosts()
 # CPU exporter, fields + PBR voxels in: 9.0M voxels -> 1M faces, 4096², remesh (the release setting), measured
 # 3.41 GiB process peak above a 0.23 GiB interpreter with the simplifier in a child process (benchmarks/stream.md);
 # 360 B before that (its retained buffers under the bake)
+# Since the slab remesh (remesh_slabs.py, its workers forked): the group's anonymous memory peaked at 3.31 GiB in a
+# 3800 MiB cgroup, the exporting process at 3.19 GiB in the bake (benchmarks/export_speed.md): still under this line.
 EXPORT_BYTES_PER_VOXEL = 320
 EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
