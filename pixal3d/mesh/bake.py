@@ -16,7 +16,7 @@ from .distance import z_order
 from .fields import PBR_LAYOUT
 from .settings import PROJECTIONS
 from .sparse_index import SparseIndex
-from .workers import default_workers, ordered_map
+from .workers import ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def bake_textures(
 ) -> BakedTextures:
     """Rasterize the atlas at ``size²``, place each texel on the reference surface, sample, fill gutters; with
     ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``).
-    Texel chunks run on ``threads`` threads (default ``workers.default_workers()``); every texel is written by one chunk,
+    Texel chunks run on ``threads`` threads (default ``workers.resolve_workers()``); every texel is written by one chunk,
     so the images do not depend on how many."""
     import torch
 
@@ -330,7 +330,7 @@ def bake_textures(
         uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
     voxel_normals = maps.voxel_normals.on(index) if want_normal else None  # on the PBR voxels' rows
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
-    threads = default_workers() if threads is None else max(1, threads)
+    threads = resolve_workers(threads)
     # The chunks in flight together hold what one serial chunk did (~0.4 KB of temporaries per texel).
     chunk = chunk or max(1 << 12, TEXEL_CHUNK // threads)
 

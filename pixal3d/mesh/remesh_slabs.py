@@ -22,7 +22,8 @@ import numpy as np
 from .distance import SurfaceDistance
 from .narrow_band import RemeshGrid, band_of, band_parents
 from .remesh import contour_cells, dual_mesh
-from .workers import default_workers, ordered_map
+from .simplify import simplify_slab, stitch_slabs
+from .workers import ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,7 @@ def _slab_job(job: tuple[tuple[int, int], float | None, bool]) -> tuple[np.ndarr
     v, f = slab_mesh(udf, grid, parents, bounds)
     if ratio is None or len(f) == 0:
         return v, f
-    import fast_simplification
-
-    pv, pf = fast_simplification.simplify(v.astype(np.float64), f, target_count=max(4, int(len(f) * ratio)),
-                                          preserve_border=True)
-    return pv.astype(np.float32), pf.astype(np.int32)
+    return simplify_slab((v, f, max(4, int(len(f) * ratio))))
 
 
 def remesh_presimplified(
@@ -88,7 +85,7 @@ def remesh_presimplified(
     udf = SurfaceDistance(vertices, faces)
     parents, _ = band_parents(udf, grid)
     estimate = FACES_PER_PARENT * len(parents)
-    workers = default_workers() if workers is None else max(1, workers)
+    workers = resolve_workers(workers, processes=True)  # 1 where this process cannot fork: one slab at a time here
     large = estimate > max(prepass_above * target, max_tile_faces)
     slabs = max(workers, int(np.ceil(estimate / max(1, max_tile_faces // workers)))) if large else 1
     bounds = slab_bounds(parents, slabs)
@@ -106,10 +103,6 @@ def remesh_presimplified(
     if len(parts) == 1:
         return parts[0], detail
     # Each slab's cut border was frozen (or never simplified): a vertex on a cut is bit-identical in both slabs.
-    v = np.concatenate([p[0] for p in parts])
-    offsets = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])
-    f = np.concatenate([p[1].astype(np.int64) + o for p, o in zip(parts, offsets, strict=True)])
-    del parts
-    merged, inverse = np.unique(v, axis=0, return_inverse=True)
+    v, f = stitch_slabs(parts)
     log.info("remesh in %d slabs: %d parents, %d faces after the pre-pass", len(bounds), len(parents), len(f))
-    return (merged, inverse.reshape(-1)[f].astype(np.int32)), detail
+    return (v, f), detail

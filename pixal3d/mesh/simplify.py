@@ -17,8 +17,7 @@ import fast_simplification
 import numpy as np
 
 from .cleanup import remove_duplicate_faces, remove_unreferenced_vertices
-from .isolated import can_isolate
-from .workers import default_workers, ordered_map
+from .workers import ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +59,23 @@ def quadric_simplify(
     return v, f
 
 
-def _simplify_tile(job: tuple[np.ndarray, np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
-    """One slab's QEM with its cut border frozen (a worker process's task: arguments and result are pickled)."""
+def simplify_slab(job: tuple[np.ndarray, np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
+    """One slab's QEM ``(vertices, faces, target)`` with its cut border frozen, so that ``stitch_slabs`` can join it
+    to its neighbours (a worker process's task: arguments and result are pickled)."""
     vertices, faces, target = job
     pv, pf = fast_simplification.simplify(vertices.astype(np.float64), faces, target_count=target,
                                           preserve_border=True)
     return pv.astype(np.float32), pf.astype(np.int32)
+
+
+def stitch_slabs(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Join slab meshes whose shared border vertices are bit-identical in both slabs (frozen, or never simplified)
+    by exact vertex value: float32 vertices (sorted), int32 faces."""
+    v = np.concatenate([p[0] for p in parts])
+    offsets = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])
+    f = np.concatenate([p[1].astype(np.int64) + o for p, o in zip(parts, offsets, strict=True)])
+    merged, inverse = np.unique(v, axis=0, return_inverse=True)
+    return merged, inverse.reshape(-1)[f].astype(np.int32)
 
 
 def tiled_quadric_simplify(
@@ -77,9 +87,7 @@ def tiled_quadric_simplify(
     once, each slab then ``max_tile_faces / workers`` faces so that the QEMs running together hold what one
     did. The result depends on the number of slabs, not on which process ran one.
     """
-    workers = min(default_workers() if workers is None else max(1, workers), -(-len(faces) // max_tile_faces))
-    if not can_isolate():
-        workers = 1
+    workers = min(resolve_workers(workers, processes=True), -(-len(faces) // max_tile_faces))
     n_tiles = -(-len(faces) // max(1, max_tile_faces // workers))
     axis = int(np.argmax(vertices.max(0) - vertices.min(0)))
     centre = vertices[faces[:, 0], axis] + vertices[faces[:, 1], axis] + vertices[faces[:, 2], axis]
@@ -94,16 +102,7 @@ def tiled_quadric_simplify(
             verts, local = np.unique(faces[ids], return_inverse=True)
             yield vertices[verts], local.reshape(-1, 3).astype(np.int32), max(4, int(len(ids) * ratio))
 
-    out_v, out_f, offset = [], [], 0
-    for pv, pf in ordered_map(_simplify_tile, jobs(), workers, processes=True):
-        out_v.append(pv)
-        out_f.append(pf.astype(np.int64) + offset)
-        offset += len(pv)
-    # Border vertices were frozen, so each appears bit-identical in both slabs: merge by exact value.
-    v = np.concatenate(out_v)
-    merged, inverse = np.unique(v, axis=0, return_inverse=True)
-    f = inverse.reshape(-1)[np.concatenate(out_f)].astype(np.int32)
-    return merged, f
+    return stitch_slabs(list(ordered_map(simplify_slab, jobs(), workers, processes=True)))
 
 
 PREPASSES = ("tiles", "cluster")

@@ -27,15 +27,22 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
-def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, *,
-                processes: bool = False) -> Iterator[R]:
-    """``fn(item)`` for each item, in order, on up to ``workers`` threads (or forked processes)."""
+def resolve_workers(workers: int | None = None, *, processes: bool = False) -> int:
+    """How many ``ordered_map`` runs at once: ``workers`` (default ``default_workers()``), 1 for processes where
+    this process cannot fork. Callers that size their chunks by the workers running together ask here."""
     workers = default_workers() if workers is None else max(1, int(workers))
     if processes:
         from .isolated import can_isolate
 
         if not can_isolate():
-            workers = 1
+            return 1
+    return workers
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, *,
+                processes: bool = False) -> Iterator[R]:
+    """``fn(item)`` for each item, in order, on up to ``workers`` threads (or forked processes)."""
+    workers = resolve_workers(workers, processes=processes)
     if workers == 1:
         for item in items:
             yield fn(item)
