@@ -1,0 +1,152 @@
+"""The export's lighter steps (issue 48, item 3) give what their whole-array forms gave, with less memory.
+
+Each rewritten helper is checked against the whole-array rule it replaces (restated here) on meshes with
+duplicate faces, both windings and boundaries, at chunk sizes that split faces' corners across chunks; and its
+peak allocation (numpy reports its buffers to ``tracemalloc``) against that rule's.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from pixal3d.mesh.cleanup import (
+    EdgeTable,
+    boundary_half_edges,
+    fill_small_holes,
+    remove_duplicate_faces,
+)
+from pixal3d.mesh.distance import SurfaceDistance, incident_faces
+from pixal3d.mesh.rss import release_free_heap
+
+
+def _soup(vertices: int, faces: int, seed: int) -> np.ndarray:
+    """Random faces plus re-wound and rotated copies of some of them (duplicates either way)."""
+    rng = np.random.default_rng(seed)
+    f = rng.integers(0, vertices, (faces, 3)).astype(np.int32)
+    f = f[(f[:, 0] != f[:, 1]) & (f[:, 1] != f[:, 2]) & (f[:, 2] != f[:, 0])]
+    return np.concatenate([f, f[: len(f) // 5][:, [1, 2, 0]], f[: len(f) // 7][:, [0, 2, 1]]])
+
+
+def _grid_mesh(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """An n×n grid of quads (two triangles each) with one quad in 16 left out: boundaries inside and around."""
+    y, x = np.mgrid[0 : n + 1, 0 : n + 1]
+    v = np.stack([x.ravel(), y.ravel(), np.zeros(x.size)], 1).astype(np.float32) / n
+    row, col = np.mgrid[0:n, 0:n]
+    i = (row * (n + 1) + col)[(row % 4 != 1) | (col % 4 != 1)]  # holes one quad wide, none touching another
+    f = np.concatenate([np.stack([i, i + 1, i + n + 2], 1), np.stack([i, i + n + 2, i + n + 1], 1)])
+    return v, f.astype(np.int32)
+
+
+def _table_boundary(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    table = EdgeTable.build(faces)
+    h = table.half_edges_of(1)[:, 0]
+    return table.u[h].astype(np.int64), table.v[h].astype(np.int64)
+
+
+def _whole_duplicates(faces: np.ndarray) -> np.ndarray:
+    s = np.sort(faces, axis=1)
+    order = np.lexsort((s[:, 2], s[:, 1], s[:, 0]))
+    s = s[order]
+    dup = np.zeros(len(faces), bool)
+    dup[order[1:]] = np.all(s[1:] == s[:-1], axis=1)
+    return faces[~dup]
+
+
+def _peak(fn, *args, **kwargs) -> int:
+    tracemalloc.start()
+    try:
+        fn(*args, **kwargs)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(("vertices", "faces", "chunk"), [(30, 200, 21), (400, 3000, 3 << 21), (2000, 500, 9)])
+def test_boundary_half_edges_are_the_edge_tables_single_edges_in_its_order(vertices, faces, chunk):
+    f = _soup(vertices, faces, seed=vertices)
+    u, v = boundary_half_edges(f, chunk=chunk)
+    want_u, want_v = _table_boundary(f)
+    assert len(u) > 0 and len(u) < 3 * len(f)  # control: neither none nor every half-edge
+    np.testing.assert_array_equal(u, want_u)
+    np.testing.assert_array_equal(v, want_v)
+
+
+def test_boundary_half_edges_of_a_closed_mesh_are_none():
+    _, f = _grid_mesh(4)
+    closed = np.concatenate([f, f[:, [0, 2, 1]]])  # both sides: every edge used twice or more
+    assert len(boundary_half_edges(closed)[0]) == 0
+    assert len(boundary_half_edges(f)[0]) == len(_table_boundary(f)[0]) > 0
+
+
+def test_hole_filling_is_unchanged_and_its_edge_search_holds_less_memory():
+    v, f = _grid_mesh(300)
+    _, filled_f = fill_small_holes(v, f, max_perimeter=0.05)
+    assert len(filled_f) > len(f)  # the missing quads were closed
+    # the same fans as through the edge table: the boundary half-edges come in the same order
+    u, w = boundary_half_edges(f)
+    np.testing.assert_array_equal(np.stack([u, w]), np.stack(_table_boundary(f)))
+    assert _peak(boundary_half_edges, f, chunk=3 << 12) < 0.5 * _peak(EdgeTable.build, f)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 1 << 20])
+def test_duplicate_removal_in_chunks_is_the_whole_array_rule(chunk):
+    f = _soup(300, 4000, seed=chunk)
+    kept = remove_duplicate_faces(f, chunk=chunk)
+    assert len(kept) < len(f)  # control: the soup has duplicates
+    np.testing.assert_array_equal(kept, _whole_duplicates(f))
+
+
+def test_duplicate_removal_holds_less_than_the_whole_array_rule():
+    f = _soup(100_000, 600_000, seed=3)
+    assert _peak(remove_duplicate_faces, f, chunk=1 << 16) < 0.9 * _peak(_whole_duplicates, f)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 22])
+def test_incident_faces_are_the_stable_argsort_of_the_corners(chunk):
+    f = _soup(500, 3000, seed=chunk)
+    owner = f.reshape(-1)
+    start = np.zeros(501, np.int64)
+    np.cumsum(np.bincount(owner, minlength=500), out=start[1:])
+    want = (np.argsort(owner, kind="stable") // 3).astype(np.int32)
+    np.testing.assert_array_equal(incident_faces(owner, start, chunk=chunk), want)
+    shuffled = incident_faces(owner[::-1].copy(), start, chunk=chunk)
+    assert not np.array_equal(shuffled, want)  # control: the order of the corners matters
+
+
+def test_surface_distance_builds_its_incidence_without_a_corner_permutation():
+    v, f = _grid_mesh(300)
+    owner = f.reshape(-1)
+
+    def argsort_incidence():  # the rule it replaces: a stable argsort of every corner, divided in chunks
+        order = np.argsort(owner, kind="stable")
+        out = np.empty(len(order), np.int32)
+        for s in range(0, len(order), 1 << 14):
+            out[s : s + (1 << 14)] = order[s : s + (1 << 14)] // 3
+        return out
+
+    dist = SurfaceDistance(v, f)
+    np.testing.assert_array_equal(dist.incident, argsort_incidence())
+    assert _peak(incident_faces, owner, dist.start, chunk=1 << 14) < 0.6 * _peak(argsort_incidence)
+
+
+def test_voxel_normals_take_gives_on_and_releases_the_field():
+    from pixal3d.mesh.maps import VoxelNormals
+    from pixal3d.mesh.sparse_index import SparseIndex
+
+    v, f = _grid_mesh(8)
+    coords = np.stack([np.arange(len(v)) % 9, np.arange(len(v)) // 9, np.zeros(len(v), int)], 1).astype(np.int32)
+    field = VoxelNormals(v, f, coords, resolution=16)
+    index = SparseIndex(coords[::-1].copy(), 16)
+    want = field.on(index)
+    np.testing.assert_array_equal(field.take(index), want)
+    assert field.normals is None and field.coords is None
+    with pytest.raises(TypeError):
+        field.on(index)
+
+
+def test_release_free_heap_runs_on_glibc():
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's; elsewhere release_free_heap does nothing and says so")
+    assert release_free_heap() is True
