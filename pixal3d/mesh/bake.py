@@ -21,7 +21,7 @@ from .workers import ordered_map, resolve_workers
 log = logging.getLogger(__name__)
 
 _CANDIDATES_PER_CHUNK = 1 << 22
-TEXEL_CHUNK = 1 << 19  # texels baked at once, shared out among the threads' chunks
+TEXEL_CHUNK = 1 << 18  # texels baked at once, shared out among the threads' chunks (~0.4 KB of temporaries each)
 
 
 def rasterize_uv(
@@ -116,7 +116,7 @@ class SurfaceProjector:
         self.mode = mode
         self.max_shift = max_shift
         self.vertices = vertices.astype(np.float32, copy=False)
-        self.faces = faces
+        self.faces = faces if mode == "exact" else None  # "tangent" needs only the vertex normals built below
         from scipy.spatial import (
             cKDTree,  # 0.4 s to import: only when a mesh is exported
         )
@@ -292,7 +292,7 @@ def fill_gutters(image: np.ndarray, covered: np.ndarray,
     return image[nearest[0], nearest[1]]
 
 
-def bake_textures(
+def bake_texels(
     mesh_vertices: np.ndarray,
     uv_faces: np.ndarray,
     uvs: np.ndarray,
@@ -306,17 +306,21 @@ def bake_textures(
     maps: SurfaceMaps | None = None,
     chunk: int | None = None,
     threads: int | None = None,
-) -> BakedTextures:
-    """Rasterize the atlas at ``size²``, place each texel on the reference surface, sample, fill gutters; with
+) -> BakedTexels:
+    """Rasterize the atlas at ``size²``, place each texel on the reference surface and sample it; with
     ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``).
     Texel chunks run on ``threads`` threads (default ``workers.resolve_workers()``); every texel is written by one chunk,
-    so the images do not depend on how many."""
+    so the images do not depend on how many. The gutters are ``finish_textures``'s."""
     import torch
 
     from .maps import encode_normals, interpolate
 
     face_id, bary = rasterize_uv(uvs, uv_faces, size, size)
-    ys, xs = (i.astype(np.int32) for i in np.nonzero(face_id >= 0))  # int32: half of int64's 8 B per texel
+    rasterized = face_id >= 0
+    ys, xs = (i.astype(np.int32) for i in np.nonzero(rasterized))  # int32: half of int64's 8 B per texel
+    # the rasterized texels' faces and barycentrics in that order: the atlas-sized images (12 B per texel, 0.2 GB at
+    # 4096²) go before the chunks start
+    face_id, bary = face_id[ys, xs], bary[ys, xs]
     base = np.zeros((size, size, 4), np.uint8)
     mr = np.zeros((size, size, 3), np.uint8)
     covered = np.zeros((size, size), bool)
@@ -328,7 +332,7 @@ def bake_textures(
         uv_n = torch.from_numpy(np.ascontiguousarray(maps.normals, np.float32))
         uv_t = torch.from_numpy(np.ascontiguousarray(maps.tangents, np.float32))
         uv_ao = torch.from_numpy(np.ascontiguousarray(maps.occlusion, np.float32))[:, None] if want_occlusion else None
-    voxel_normals = maps.voxel_normals.on(index) if want_normal else None  # on the PBR voxels' rows
+    voxel_normals = maps.voxel_normals.take(index) if want_normal else None  # on the PBR voxels' rows, the field freed
     corners = vertex_map[uv_faces]  # [F, 3] indices into mesh_vertices
     threads = resolve_workers(threads)
     # The chunks in flight together hold what one serial chunk did (~0.4 KB of temporaries per texel).
@@ -336,8 +340,8 @@ def bake_textures(
 
     def bake_chunk(start: int) -> None:  # writes only its own texels: chunks run in any order, on any thread
         y, x = ys[start : start + chunk], xs[start : start + chunk]
-        f = face_id[y, x]
-        b = bary[y, x].astype(np.float64)
+        f = face_id[start : start + chunk]
+        b = bary[start : start + chunk].astype(np.float64)
         tri = mesh_vertices[corners[f]].astype(np.float64)  # [n, 3, 3]
         p = tri[:, 0] * (1 - b[:, :1] - b[:, 1:]) + tri[:, 1] * b[:, :1] + tri[:, 2] * b[:, 1:]
         # Texels in Z order of their surface point: the KD-tree, the voxel index and the attributes are then read
@@ -367,8 +371,27 @@ def bake_textures(
 
     for _ in ordered_map(bake_chunk, range(0, len(ys), chunk), threads):
         pass
-    rasterized = face_id >= 0
-    face_id = bary = None  # freed before the gutter fill (the chunks are done with them)
+    return BakedTexels(base, mr, covered, rasterized, normal_map, want_occlusion)
+
+
+@dataclass
+class BakedTexels:
+    """What ``bake_texels`` writes: the images at the rasterized texels (uint8), which texels were sampled
+    (``covered``) and which lie in a chart (``rasterized``); ``finish_textures`` fills the gutters."""
+
+    base: np.ndarray
+    mr: np.ndarray
+    covered: np.ndarray
+    rasterized: np.ndarray
+    normal: np.ndarray | None
+    occlusion: bool
+
+
+def finish_textures(texels: BakedTexels) -> BakedTextures:
+    """Fill every image's gutters from the nearest sampled texel (the rasterized texels of the normal map keep their
+    own normal) and report coverage. Takes the images over: ``texels`` is emptied."""
+    base, mr, covered, rasterized, normal_map = texels.base, texels.mr, texels.covered, texels.rasterized, texels.normal
+    texels.base = texels.mr = texels.covered = texels.rasterized = texels.normal = None
     coverage = float(covered.mean())
     if not covered.any():
         log.warning("no texel found PBR voxels within one voxel of the surface; textures stay black")
@@ -379,4 +402,11 @@ def bake_textures(
         if normal_map is not None:  # its rasterized texels keep their own normal, the rest the nearest covered one's
             normal_map = np.where(rasterized[..., None], normal_map, fill_gutters(normal_map, covered, nearest))
     del nearest
-    return BakedTextures(base, mr, coverage, normal_map, want_occlusion)
+    return BakedTextures(base, mr, coverage, normal_map, texels.occlusion)
+
+
+def bake_textures(*args, **kwargs) -> BakedTextures:
+    """``bake_texels`` then ``finish_textures`` (same arguments as ``bake_texels``). A caller that can let go of the
+    projector, the voxel index and the attributes between the two (the export does) holds less memory in the
+    gutter fill."""
+    return finish_textures(bake_texels(*args, **kwargs))

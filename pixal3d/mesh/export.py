@@ -6,9 +6,10 @@ mesh; 2. reference surface (degenerate and duplicate faces out, small holes fill
 texel is projected onto; 3. optional remesh (narrow-band UDF dual contouring, the reference's release
 setting); 4. simplify to the face budget (in a child process where it can: ``isolated.py``); 5. cleanup
 (+ outward orientation without remesh; the remesh is oriented already; a printable mesh is checked closed);
-6. normals + UV atlas; 7. the shading maps' inputs (tangent frames, per-vertex occlusion, the decoded surface's
-normal field: ``maps.py``); 8. bake; 9. quality metrics against the reference surface; 10. GLB encoding (+ STL
-and 3MF for a printable mesh). ``export_shape``: a shape-only run's steps 1-5, normals and an untextured GLB
+6. normals + UV atlas; 7. quality metrics against the reference surface; 8. the shading maps' inputs (tangent
+frames, per-vertex occlusion, the decoded surface's normal field: ``maps.py``); 9. bake; 10. GLB encoding (+ STL
+and 3MF for a printable mesh). The metrics run before the maps and the bake, and the bake takes the reference
+surface over, so that the largest structures of those steps never coexist (benchmarks/export_speed.md#memory). ``export_shape``: a shape-only run's steps 1-5, normals and an untextured GLB
 (``SHAPE_STEPS``), the same mesh as ``export_mesh`` makes before its atlas.
 """
 from __future__ import annotations
@@ -24,7 +25,13 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .bake import BakedTextures, SurfaceMaps, SurfaceProjector, bake_textures
+from .bake import (
+    BakedTextures,
+    SurfaceMaps,
+    SurfaceProjector,
+    bake_texels,
+    finish_textures,
+)
 from .cleanup import (
     clean_mesh,
     fill_small_holes,
@@ -43,7 +50,7 @@ from .quality import mesh_quality
 from .records import ExportedMesh, ExportReport, StepReport
 from .remesh import remesh
 from .remesh_slabs import remesh_presimplified
-from .rss import PeakRss
+from .rss import PeakRss, release_free_heap
 from .settings import ExportSettings
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
@@ -51,7 +58,7 @@ from .uv import UvMesh, uv_unwrap
 
 log = logging.getLogger(__name__)
 
-STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "maps", "bake", "quality", "glb")
+STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "uv", "quality", "maps", "bake", "glb")
 SHAPE_STEPS = ("extract", "reference", "remesh", "simplify", "cleanup", "normals", "glb")
 
 
@@ -71,6 +78,7 @@ class _Steps:
             self.on_step(name)
         self.bar.set_postfix_str(name)
         gc.collect()
+        release_free_heap()
         start = time.perf_counter()
         with PeakRss(exact=self.exact_rss) as rss:
             result, detail = fn(*args)
@@ -101,7 +109,8 @@ def _extract(fields: DualGridFields):
     return (v, f), {"vertices": len(v), "faces": len(f)}
 
 
-def _reference(v: np.ndarray, f: np.ndarray, settings: ExportSettings):
+def _reference(raw: list, settings: ExportSettings):
+    v, f = raw.pop()  # handed over: the raw mesh lives only until its cleaned copy replaces it (0.3 GB at 9M voxels)
     voxels = len(v)  # the raw mesh has one vertex per decoded voxel, in the voxels' order
     f = remove_duplicate_faces(remove_degenerate_faces(v, f))
     v, f = fill_small_holes(v, f, settings.max_hole_perimeter)
@@ -194,17 +203,22 @@ def _maps(v: np.ndarray, normals: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref
     return SurfaceMaps(uv_normals, tangents, voxel_normals, occlusion), detail
 
 
-def _bake(v: np.ndarray, uv: UvMesh, ref_v: np.ndarray, ref_f: np.ndarray, pbr: PbrVoxels,
-          maps: SurfaceMaps | None, settings: ExportSettings):
+def _bake(v: np.ndarray, uv: UvMesh, reference: list, pbr: PbrVoxels, maps: SurfaceMaps | None,
+          settings: ExportSettings):
+    ref_v, ref_f = reference  # handed over: once the projector is built, nothing needs the reference surface
+    reference.clear()
     projector = None
     if settings.projection is not None:
         # The remesh sits remesh_band cells off the reference surface: let the projection cover that too.
         offset = _remesh_grid(settings, pbr.resolution).eps if settings.remesh else 0.0
         projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution + offset)
+    del ref_v, ref_f  # the projector keeps what it needs (the vertices; in "exact" mode the faces too)
     index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
-    tex = bake_textures(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
-                        settings.texture_size, maps=maps)
+    texels = bake_texels(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
+                         settings.texture_size, maps=maps)
+    del projector, index, attrs  # the gutter fill needs none of them (~0.6 GB at 9M voxels)
+    tex = finish_textures(texels)
     return tex, {"coverage": round(tex.coverage, 3)}
 
 
@@ -273,20 +287,23 @@ def export_mesh(
     _check_inputs(fields, pbr)
     steps = _Steps(on_step, progress, exact_peak_rss)
     # 1-2. raw dual-grid mesh → the reference surface that texels are projected onto
-    ref_v, ref_f = steps.run("extract", _extract, fields)
-    ref_v, ref_f, voxel_of_vertex = steps.run("reference", _reference, ref_v, ref_f, settings)
+    raw = [steps.run("extract", _extract, fields)]
+    ref_v, ref_f, voxel_of_vertex = steps.run("reference", _reference, raw, settings)
     # 3-5. the output mesh
     v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings, fields.resolution)
     v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)
     v, f = steps.run("cleanup", _cleanup, v, f, settings)
-    # 6-9. atlas, textures, metrics, file
+    # 6-10. atlas, metrics, textures, file. The metrics come before the maps and the bake so that neither their
+    # textures nor the decoded surface's normal field are held beside the metrics' distance index; the bake takes
+    # the reference surface over (its faces go once its projector is built).
     normals, uv = steps.run("uv", _unwrap, v, f, settings)
+    quality = steps.run("quality", _quality, v, f, uv, ref_v, ref_f, fields.resolution, settings)
     maps = steps.run("maps", _maps, v, normals, uv, ref_v, ref_f, voxel_of_vertex, fields, settings)
-    tex = steps.run("bake", _bake, v, uv, ref_v, ref_f, pbr, maps, settings)
+    reference = [ref_v, ref_f]
+    del ref_v, ref_f, voxel_of_vertex
+    tex = steps.run("bake", _bake, v, uv, reference, pbr, maps, settings)
     if maps is not None:  # the decoded surface's normal field (~24 B per voxel) is the bake's alone
         maps = dataclasses.replace(maps, voxel_normals=None)
-    quality = steps.run("quality", _quality, v, f, uv, ref_v, ref_f, fields.resolution, settings)
-    del ref_v, ref_f, voxel_of_vertex
     mesh, data, extras = steps.run("glb", _glb, v, f, normals, uv, tex, maps, settings)
     steps.bar.close()
     report = ExportReport(steps=steps.reports, vertices=len(uv.uvs), faces=len(uv.faces),
@@ -309,8 +326,8 @@ def export_shape(
     _check_fields(fields)
     steps = _Steps(on_step, progress, exact_peak_rss, SHAPE_STEPS)
     # 1-5. as export_mesh: raw dual-grid mesh, reference surface, remesh, simplify, cleanup
-    ref_v, ref_f = steps.run("extract", _extract, fields)
-    ref_v, ref_f, _ = steps.run("reference", _reference, ref_v, ref_f, settings)
+    raw = [steps.run("extract", _extract, fields)]
+    ref_v, ref_f, _ = steps.run("reference", _reference, raw, settings)
     v, f = steps.run("remesh", _remesh, ref_v, ref_f, settings, fields.resolution)
     del ref_v, ref_f
     v, f = steps.run("simplify", _simplify, v, f, settings, fields.resolution)

@@ -103,7 +103,9 @@ class VoxelNormals:
                 sign = torch.where((fn * ref[ff[:, k]]).sum(-1, keepdim=True) < 0, -1.0, 1.0)
                 normal.index_add_(0, ff[:, k], sign * fn)
         del ref
-        self.normals = _unit(normal[:n_voxels]).cpu().numpy()  # the dual vertices come first, one per voxel
+        normal = normal[:n_voxels]  # the dual vertices come first, one per voxel
+        normal /= normal.norm(dim=-1, keepdim=True).clamp_min(1e-20)  # _unit's values, in place (no second field)
+        self.normals = normal.cpu().numpy()
         self.coords = np.asarray(coords)
 
     def on(self, index: SparseIndex) -> np.ndarray:
@@ -112,6 +114,13 @@ class VoxelNormals:
         rows = index.lookup(self.coords)
         out = np.zeros((int(index.table.max(initial=-1)) + 1, 3), np.float32)
         out[rows[rows >= 0]] = self.normals[rows >= 0]
+        return out
+
+    def take(self, index: SparseIndex) -> np.ndarray:
+        """``on(index)``, releasing this field's own arrays (two per voxel) before the caller's work goes on:
+        the bake's, which needs only the normals on the PBR voxels' rows. Reading the field again is an error."""
+        out = self.on(index)
+        self.normals = self.coords = None
         return out
 
 
@@ -145,13 +154,14 @@ def hemisphere_directions(count: int) -> torch.Tensor:
 
 
 def occupancy_grid(coords: np.ndarray, resolution: int, *, device: torch.device | str = "cpu",
-                   cells: int = OCCUPANCY_CELLS) -> tuple[torch.Tensor, int]:
+                   cells: int = OCCUPANCY_CELLS, chunk: int = 1 << 20) -> tuple[torch.Tensor, int]:
     """A dense bool grid ``[G, G, G]`` (G ≤ ``cells``) marking cells holding a decoded voxel, and its G."""
     factor = max(1, -(-resolution // cells))
     size = -(-resolution // factor)
-    c = as_tensor(coords, device).long() // factor
     grid = torch.zeros((size, size, size), dtype=torch.bool, device=device)
-    grid[c[:, 0], c[:, 1], c[:, 2]] = True
+    for s in range(0, len(coords), chunk):  # int64 indices a chunk at a time (all at once: 0.4 GB at 9M voxels)
+        c = as_tensor(coords[s : s + chunk], device).long() // factor
+        grid[c[:, 0], c[:, 1], c[:, 2]] = True
     return grid, size
 
 
