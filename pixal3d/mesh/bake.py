@@ -20,7 +20,7 @@ from .workers import ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
-_CANDIDATES_PER_CHUNK = 1 << 22
+_CANDIDATES_PER_CHUNK = 1 << 20  # ~70 B of temporaries each
 TEXEL_CHUNK = 1 << 18  # texels baked at once, shared out among the threads' chunks (~0.4 KB of temporaries each)
 
 
@@ -31,7 +31,7 @@ def rasterize_uv(
     weights of the face's vertices 1 and 2), sampled at texel centres.
 
     Triangles are binned by the power-of-two side of their texel bounding box and tested in chunks of
-    at most 2²² candidate texels, so one large triangle never inflates the work of the others.
+    at most 2²⁰ candidate texels, so one large triangle never inflates the work of the others.
     """
     face_id = np.full((height, width), -1, np.int32)
     bary = np.zeros((height, width, 2), np.float32)
@@ -121,11 +121,13 @@ class SurfaceProjector:
             cKDTree,  # 0.4 s to import: only when a mesh is exported
         )
 
-        self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False, leafsize=32)
+        # the per-vertex structures before the tree: their build's temporaries (~45 B per vertex) and the tree's
+        # (its float64 copy of the vertices) are then never held together
         if mode == "exact":
             self.incident = self._incident_faces(len(vertices), faces, max_valence)
         else:
             self.normals = self._aligned_normals(self.vertices, faces)
+        self.tree = cKDTree(self.vertices, balanced_tree=False, compact_nodes=False, leafsize=32)
 
     @staticmethod
     def _incident_faces(nv: int, faces: np.ndarray, max_valence: int) -> np.ndarray:
@@ -292,6 +294,27 @@ def fill_gutters(image: np.ndarray, covered: np.ndarray,
     return image[nearest[0], nearest[1]]
 
 
+@dataclass(frozen=True)
+class AtlasRaster:
+    """The atlas's rasterized texels, row-major: their rows and columns (int32), faces (int32) and barycentrics
+    (``[n, 2]`` float32, ``rasterize_uv``'s), and the ``[H, W]`` mask of them."""
+
+    ys: np.ndarray
+    xs: np.ndarray
+    face_id: np.ndarray
+    bary: np.ndarray
+    rasterized: np.ndarray
+
+
+def rasterize_atlas(uvs: np.ndarray, uv_faces: np.ndarray, size: int) -> AtlasRaster:
+    """``rasterize_uv`` at ``size²`` kept for the covered texels only: 21 B per rasterized texel and a bool per texel
+    against the images' 12 B per texel (0.2 GB at 4096²)."""
+    face_id, bary = rasterize_uv(uvs, uv_faces, size, size)
+    rasterized = face_id >= 0
+    ys, xs = (i.astype(np.int32) for i in np.nonzero(rasterized))  # int32: half of int64's 8 B per texel
+    return AtlasRaster(ys, xs, face_id[ys, xs], bary[ys, xs], rasterized)
+
+
 def bake_texels(
     mesh_vertices: np.ndarray,
     uv_faces: np.ndarray,
@@ -306,21 +329,20 @@ def bake_texels(
     maps: SurfaceMaps | None = None,
     chunk: int | None = None,
     threads: int | None = None,
+    raster: AtlasRaster | None = None,
 ) -> BakedTexels:
     """Rasterize the atlas at ``size²``, place each texel on the reference surface and sample it; with
     ``maps``, also the normal map (where ``maps.voxel_normals``) and occlusion (where ``maps.occlusion``).
     Texel chunks run on ``threads`` threads (default ``workers.resolve_workers()``); every texel is written by one chunk,
-    so the images do not depend on how many. The gutters are ``finish_textures``'s."""
+    so the images do not depend on how many. The gutters are ``finish_textures``'s. ``raster``: the atlas's
+    ``rasterize_atlas`` at ``size`` when the caller made it first (the export does, before its larger structures)."""
     import torch
 
     from .maps import encode_normals, interpolate
 
-    face_id, bary = rasterize_uv(uvs, uv_faces, size, size)
-    rasterized = face_id >= 0
-    ys, xs = (i.astype(np.int32) for i in np.nonzero(rasterized))  # int32: half of int64's 8 B per texel
-    # the rasterized texels' faces and barycentrics in that order: the atlas-sized images (12 B per texel, 0.2 GB at
-    # 4096²) go before the chunks start
-    face_id, bary = face_id[ys, xs], bary[ys, xs]
+    raster = raster if raster is not None else rasterize_atlas(uvs, uv_faces, size)
+    ys, xs, face_id, bary, rasterized = raster.ys, raster.xs, raster.face_id, raster.bary, raster.rasterized
+    del raster
     base = np.zeros((size, size, 4), np.uint8)
     mr = np.zeros((size, size, 3), np.uint8)
     covered = np.zeros((size, size), bool)

@@ -111,9 +111,11 @@ class VoxelNormals:
     def on(self, index: SparseIndex) -> np.ndarray:
         """``[M, 3]`` float32: the normal of each voxel of ``index`` (the PBR voxels' rows: the bake samples
         both with the same corner lookups), zero where the decoded surface has no vertex in that voxel."""
-        rows = index.lookup(self.coords)
         out = np.zeros((int(index.table.max(initial=-1)) + 1, 3), np.float32)
-        out[rows[rows >= 0]] = self.normals[rows >= 0]
+        chunk = 1 << 20  # the lookup's int64 temporaries a chunk at a time (whole: ~0.7 GB at 9M voxels)
+        for s in range(0, len(self.coords), chunk):
+            rows = index.lookup(self.coords[s : s + chunk])
+            out[rows[rows >= 0]] = self.normals[s : s + chunk][rows >= 0]
         return out
 
     def take(self, index: SparseIndex) -> np.ndarray:

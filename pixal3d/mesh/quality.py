@@ -63,8 +63,8 @@ def count_uv_charts(uv_faces: np.ndarray, n_uv_vertices: int) -> int:
 
 def sample_surface(vertices: np.ndarray, faces: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
     """``count`` points ``[count, 3]`` (float64) uniform by area on the mesh."""
-    area = face_areas(vertices, faces)
-    cdf = np.cumsum(area)
+    cdf = face_areas(vertices, faces)
+    np.cumsum(cdf, out=cdf)  # in place: one face-sized float64 array, not two (0.15 GB at 18M faces)
     face = np.minimum(np.searchsorted(cdf, rng.uniform(0, cdf[-1], count)), len(faces) - 1)
     u, v = rng.uniform(size=(2, count))
     flip = u + v > 1
