@@ -91,6 +91,10 @@ DECODE_COSTS = DecodeCosts()
 # 360 B before that (its retained buffers under the bake)
 # Since the slab remesh (remesh_slabs.py, its workers forked): the group's anonymous memory peaked at 3.31 GiB in a
 # 3800 MiB cgroup, the exporting process at 3.19 GiB in the bake (benchmarks/export_speed.md): still under this line.
+# Since the export's steps were lightened (3c4a8a7+) the exporting process peaks at 2.42 GiB at 9M voxels, but this
+# line stays: the slab remesh's two forked workers add their own memory to the process group, which was killed for
+# memory in the remesh in 2600, 2734 and 3400 MiB cgroups (total_rss sampled at 2.43, 2.65 and 3.25 GiB;
+# benchmarks/export_speed.md, "Memory at 9M voxels"). Bounding the workers is what lowers it next.
 EXPORT_BYTES_PER_VOXEL = 320
 EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
