@@ -23,11 +23,14 @@ from .distance import SurfaceDistance
 from .narrow_band import RemeshGrid, band_of, band_parents
 from .remesh import contour_cells, dual_mesh
 from .simplify import simplify_slab, stitch_slabs
-from .workers import ordered_map, resolve_workers
+from .workers import MAX_WORKERS, ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
 FACES_PER_PARENT = 8.7  # contour faces per kept R/2 cell: 8.65 at 3M and 9M voxels (blobby shape), 2 sheets
+# Contour faces per slab: max_tile_faces // SLAB_SHARE. A constant, not the worker count, so that the cuts (and with
+# them the pre-pass's mesh) are the same on every machine; 2 is what a 2-core machine used when it was the workers.
+SLAB_SHARE = 2
 
 # The forked workers' view of the band: set before the workers fork, read there (not pickled per slab).
 _BAND: tuple[SurfaceDistance, RemeshGrid, np.ndarray] | None = None
@@ -87,7 +90,8 @@ def remesh_presimplified(
     estimate = FACES_PER_PARENT * len(parents)
     workers = resolve_workers(workers, processes=True)  # 1 where this process cannot fork: one slab at a time here
     large = estimate > max(prepass_above * target, max_tile_faces)
-    slabs = max(workers, int(np.ceil(estimate / max(1, max_tile_faces // workers)))) if large else 1
+    # at least MAX_WORKERS slabs, each about max_tile_faces // SLAB_SHARE faces: neither depends on this machine
+    slabs = max(MAX_WORKERS, int(np.ceil(estimate / max(1, max_tile_faces // SLAB_SHARE)))) if large else 1
     bounds = slab_bounds(parents, slabs)
     ratio = prepass_above * target / estimate if large else None
     _BAND = (udf, grid, parents)

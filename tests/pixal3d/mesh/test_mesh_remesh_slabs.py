@@ -68,3 +68,23 @@ def test_presimplified_slabs_stay_closed_near_the_prepass_budget(blob, workers):
     assert stats["boundary"] == 0 and stats["non_manifold"] <= edge_statistics(rf)["non_manifold"]
     d = SurfaceDistance(rv, rf).distance(sv)
     assert d.max() < 1.5 / RES  # the pre-pass keeps to the contour
+
+
+@pytest.mark.skipif(not can_isolate(), reason="the slabs run in forked processes only where forking is safe (Linux)")
+def test_presimplified_mesh_does_not_depend_on_how_many_workers_run(blob):
+    """The slab cuts come from the contour's size alone (SLAB_SHARE, not the worker count): 1, 2 and 3 workers give
+    the same mesh bit for bit, as a 1-, 2- or 4-core machine would."""
+    v, f, (_, rf) = blob
+    target, tile = len(rf) // 12, len(rf) // 3
+
+    def run(workers, max_tile_faces=tile):
+        return remesh_presimplified(v, f, resolution=RES, target=target, max_tile_faces=max_tile_faces,
+                                    workers=workers)
+
+    (v1, f1), d1 = run(1)
+    for workers in (2, 3):
+        (vw, fw), dw = run(workers)
+        assert dw["slabs"] == d1["slabs"] and np.array_equal(vw, v1) and np.array_equal(fw, f1), workers
+    # control: other cuts (smaller slabs) give another pre-pass mesh, so the comparison can fail
+    (vc, fc), dc = run(1, max_tile_faces=tile // 3)
+    assert dc["slabs"] != d1["slabs"] and not (len(fc) == len(f1) and np.array_equal(fc, f1) and np.array_equal(vc, v1))
