@@ -342,7 +342,6 @@ def bake_texels(
 
     raster = raster if raster is not None else rasterize_atlas(uvs, uv_faces, size)
     ys, xs, face_id, bary, rasterized = raster.ys, raster.xs, raster.face_id, raster.bary, raster.rasterized
-    del raster
     base = np.zeros((size, size, 4), np.uint8)
     mr = np.zeros((size, size, 3), np.uint8)
     covered = np.zeros((size, size), bool)

@@ -169,16 +169,14 @@ def boundary_half_edges(faces: np.ndarray, *, chunk: int = 3 << 19) -> tuple[np.
     singles = key[alone]
     del key, alone, differs
     flat = faces.reshape(-1)
-    found = [np.zeros(0, np.int64)]
+    h = np.empty(len(singles), np.int64)  # each single key's one half-edge, at the key's place in sorted order
     if len(singles):
         for s in range(0, len(flat), chunk):  # chunk is a multiple of 3: whole faces
             k = _edge_keys(faces[s // 3 : (s + chunk) // 3], n)
             pos = np.minimum(np.searchsorted(singles, k), len(singles) - 1)
-            found.append(np.flatnonzero(singles[pos] == k) + s)
-    h = np.concatenate(found)
-    u, v = flat[h].astype(np.int64), _next(faces, h).astype(np.int64)
-    order = np.argsort(np.minimum(u, v) * n + np.maximum(u, v), kind="stable")
-    return u[order], v[order]
+            hit = np.flatnonzero(singles[pos] == k)
+            h[pos[hit]] = hit + s
+    return flat[h].astype(np.int64), _next(faces, h).astype(np.int64)
 
 
 def _next(faces: np.ndarray, h: np.ndarray) -> np.ndarray:

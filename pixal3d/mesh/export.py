@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from pixal3d.staging.stream import release_freed_heap
+
 from .bake import (
     BakedTextures,
     SurfaceMaps,
@@ -51,7 +53,7 @@ from .quality import mesh_quality
 from .records import ExportedMesh, ExportReport, StepReport
 from .remesh import remesh
 from .remesh_slabs import remesh_presimplified
-from .rss import PeakRss, release_free_heap
+from .rss import PeakRss
 from .settings import ExportSettings
 from .simplify import simplify_mesh
 from .sparse_index import SparseIndex
@@ -79,7 +81,7 @@ class _Steps:
             self.on_step(name)
         self.bar.set_postfix_str(name)
         gc.collect()
-        release_free_heap()
+        release_freed_heap()  # what the last step freed leaves this step's RSS (glibc malloc_trim)
         start = time.perf_counter()
         with PeakRss(exact=self.exact_rss) as rss:
             result, detail = fn(*args)
@@ -219,8 +221,7 @@ def _bake(v: np.ndarray, uv: UvMesh, reference: list, pbr: PbrVoxels, maps: Surf
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
     texels = bake_texels(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
                          settings.texture_size, maps=maps, raster=raster)
-    del raster
-    del projector, index, attrs  # the gutter fill needs none of them (~0.6 GB at 9M voxels)
+    del raster, projector, index, attrs  # the gutter fill needs none of them (~0.6 GB at 9M voxels)
     tex = finish_textures(texels)
     return tex, {"coverage": round(tex.coverage, 3)}
 

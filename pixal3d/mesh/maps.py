@@ -115,7 +115,8 @@ class VoxelNormals:
         chunk = 1 << 20  # the lookup's int64 temporaries a chunk at a time (whole: ~0.7 GB at 9M voxels)
         for s in range(0, len(self.coords), chunk):
             rows = index.lookup(self.coords[s : s + chunk])
-            out[rows[rows >= 0]] = self.normals[s : s + chunk][rows >= 0]
+            found = rows >= 0
+            out[rows[found]] = self.normals[s : s + chunk][found]
         return out
 
     def take(self, index: SparseIndex) -> np.ndarray:

@@ -56,24 +56,3 @@ class PeakRss:
                 self._thread.join()
             self.peak = max(self.peak, psutil.Process().memory_info().rss)
 
-
-def release_free_heap() -> bool:
-    """Give the allocator's free heap back to the system (glibc ``malloc_trim(0)``), so that what one step freed
-    does not stay in the next step's RSS. glibc raises its mmap threshold after freeing large blocks (up to 32 MB),
-    after which numpy's chunk-sized arrays live on the heap and their freed pages stay resident until trimmed.
-    False where there is no glibc (macOS, musl: nothing to do)."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM is False:
-        return False
-    _MALLOC_TRIM(0)
-    return True
-
-
-_MALLOC_TRIM = None

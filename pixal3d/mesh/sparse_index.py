@@ -36,9 +36,10 @@ class SparseIndex:
         occupied = np.zeros(nb**3, dtype=bool)
         for s in range(0, len(coords), chunk):
             occupied[self._brick_key(coords[s : s + chunk].astype(np.int64))] = True
+        n_bricks = int(occupied.sum())
         self.brick_map = np.full(nb**3, -1, dtype=np.int32)
-        self.brick_map[occupied] = np.arange(int(occupied.sum()), dtype=np.int32)
-        self.table = np.full((int(occupied.sum()), brick**3), -1, dtype=np.int32)
+        self.brick_map[occupied] = np.arange(n_bricks, dtype=np.int32)
+        self.table = np.full((n_bricks, brick**3), -1, dtype=np.int32)
         del occupied
         for s in range(0, len(coords), chunk):
             c = coords[s : s + chunk].astype(np.int64)
