@@ -59,6 +59,11 @@ def quadric_simplify(
     return v, f
 
 
+# Faces per slab of a tiled QEM: max_tile_faces // SLAB_SHARE. A constant, not the worker count, so that the cuts (and
+# with them the pre-pass's mesh) are the same on every machine; 2 is what a 2-core machine used when it was the workers.
+SLAB_SHARE = 2
+
+
 def simplify_slab(job: tuple[np.ndarray, np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
     """One slab's QEM ``(vertices, faces, target)`` with its cut border frozen, so that ``stitch_slabs`` can join it
     to its neighbours (a worker process's task: arguments and result are pickled)."""
@@ -83,12 +88,13 @@ def tiled_quadric_simplify(
 ) -> tuple[np.ndarray, np.ndarray]:
     """QEM slab by slab (cut borders frozen) so that no single QEM holds more than ``max_tile_faces``.
 
-    The slabs are independent: ``workers`` forked processes (default one per core, at most 4) simplify them at
-    once, each slab then ``max_tile_faces / workers`` faces so that the QEMs running together hold what one
-    did. The result depends on the number of slabs, not on which process ran one.
+    Slabs of about ``max_tile_faces // SLAB_SHARE`` faces, a count that depends on the mesh alone (so the result is
+    the same on every machine); ``workers`` forked processes (default one per core, at most 4) simplify them at
+    once, and one worker simplifies them one at a time here. The result depends on the number of slabs, not on
+    which process ran one.
     """
-    workers = min(resolve_workers(workers, processes=True), -(-len(faces) // max_tile_faces))
-    n_tiles = -(-len(faces) // max(1, max_tile_faces // workers))
+    n_tiles = -(-len(faces) // max(1, max_tile_faces // SLAB_SHARE))
+    workers = min(resolve_workers(workers, processes=True), n_tiles)
     axis = int(np.argmax(vertices.max(0) - vertices.min(0)))
     centre = vertices[faces[:, 0], axis] + vertices[faces[:, 1], axis] + vertices[faces[:, 2], axis]
     cuts = np.quantile(centre, np.linspace(0, 1, n_tiles + 1)[1:-1])
@@ -117,16 +123,18 @@ def simplify_mesh(
     prepass: str = "tiles",
     prepass_above: float = 3.0,
     max_tile_faces: int = 2_000_000,
+    workers: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Reduce to ``target`` faces; when F > ``prepass_above``·target, first run the bounded pre-pass
-    (``"tiles"``: to ``prepass_above``·target, only if F exceeds ``max_tile_faces``; ``"cluster"``)."""
+    (``"tiles"``: to ``prepass_above``·target, only if F exceeds ``max_tile_faces``, its slabs on ``workers``
+    forked processes; ``"cluster"``)."""
     if target <= 0:
         raise ValueError(f"decimation target must be a positive face count, got {target}")
     if prepass not in PREPASSES:
         raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
     if prepass == "tiles" and len(faces) > max(prepass_above * target, max_tile_faces):
         vertices, faces = tiled_quadric_simplify(
-            vertices, faces, int(prepass_above * target) // 2 * 2, max_tile_faces=max_tile_faces
+            vertices, faces, int(prepass_above * target) // 2 * 2, max_tile_faces=max_tile_faces, workers=workers
         )
         log.info("tiled QEM pre-pass → %d faces", len(faces))
     elif prepass == "cluster" and len(faces) > prepass_above * target:
