@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_export.glb")
     parser.add_argument("--cache", default=None, help="npz to reuse the generated fields across runs")
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="the remesh's and simplifier's forked workers (default: one per core, at most 4)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -94,7 +96,8 @@ def main() -> None:
     print(f"synthetic fields: {len(fields.coords):,} voxels at R={fields.resolution} "
           f"in {time.perf_counter() - start:.1f} s (not timed below); RSS {psutil.Process().memory_info().rss / 2**30:.2f} GiB")
     settings = ExportSettings(decimation_target=args.target, texture_size=args.texture_size,
-                              texture_format=args.format, projection=args.projection, remesh=args.remesh)
+                              texture_format=args.format, projection=args.projection, remesh=args.remesh,
+                              workers=args.workers)
     report = export_glb(fields, pbr, args.out, settings=settings, progress=False, exact_peak_rss=True)
     print(report.table())
     print(f"output: {report.faces:,} faces, {report.vertices:,} vertices, coverage {report.coverage:.1%}, "

@@ -133,9 +133,12 @@ def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings, decode_resol
     detail = {}
     if settings.exterior_only:  # the exterior flood fill wants the whole band at once
         v, f = remesh(v, f, resolution=grid.resolution, band=grid.band, exterior_only=True)
-    else:  # slab by slab, with the simplifier's pre-pass where the contour is large (remesh_slabs.py)
-        (v, f), detail = remesh_presimplified(v, f, resolution=grid.resolution, band=grid.band,
-                                              target=settings.decimation_target)
+    else:  # slab by slab, with the simplifier's pre-pass where the contour is large (remesh_slabs.py); in a child
+        # process where it can: its distance index and slabs (~1.5 GB at 9M voxels with one worker) leave this
+        # process's heap fragmented for the later steps (+0.3 GiB in each, measured) when they run here
+        (v, f), detail = run_isolated(functools.partial(
+            remesh_presimplified, resolution=grid.resolution, band=grid.band, target=settings.decimation_target,
+            workers=settings.workers), v, f)
     if len(f) == 0:
         raise ValueError("the remesh found no surface: the decoded shape is empty or degenerate")
     return (v, f), {"vertices": len(v), "faces": len(f), "resolution": grid.resolution,
@@ -144,7 +147,7 @@ def _remesh(v: np.ndarray, f: np.ndarray, settings: ExportSettings, decode_resol
 
 def _simplify(v: np.ndarray, f: np.ndarray, settings: ExportSettings, resolution: int):
     # in a child process: the quadric simplifier keeps ~1 GB of buffers at 20-40M faces until its process exits
-    v, f = run_isolated(functools.partial(simplify_mesh, voxel_size=1.0 / resolution), v, f,
+    v, f = run_isolated(functools.partial(simplify_mesh, voxel_size=1.0 / resolution, workers=settings.workers), v, f,
                         settings.decimation_target)
     return (v, f), {"faces": len(f)}
 

@@ -19,18 +19,18 @@ import logging
 
 import numpy as np
 
+from pixal3d.staging.stream import release_freed_heap
+
 from .distance import SurfaceDistance
+from .isolated import can_isolate, run_isolated
 from .narrow_band import RemeshGrid, band_of, band_parents
 from .remesh import contour_cells, dual_mesh
-from .simplify import simplify_slab, stitch_slabs
+from .simplify import SLAB_SHARE, simplify_slab, stitch_slabs
 from .workers import MAX_WORKERS, ordered_map, resolve_workers
 
 log = logging.getLogger(__name__)
 
 FACES_PER_PARENT = 8.7  # contour faces per kept R/2 cell: 8.65 at 3M and 9M voxels (blobby shape), 2 sheets
-# Contour faces per slab: max_tile_faces // SLAB_SHARE. A constant, not the worker count, so that the cuts (and with
-# them the pre-pass's mesh) are the same on every machine; 2 is what a 2-core machine used when it was the workers.
-SLAB_SHARE = 2
 
 # The forked workers' view of the band: set before the workers fork, read there (not pickled per slab).
 _BAND: tuple[SurfaceDistance, RemeshGrid, np.ndarray] | None = None
@@ -87,6 +87,7 @@ def remesh_presimplified(
     grid = RemeshGrid(resolution, band)
     udf = SurfaceDistance(vertices, faces)
     parents, _ = band_parents(udf, grid)
+    release_freed_heap()  # the search's levels (~0.3 GB at 9M voxels) back to the system, not under every slab
     estimate = FACES_PER_PARENT * len(parents)
     workers = resolve_workers(workers, processes=True)  # 1 where this process cannot fork: one slab at a time here
     large = estimate > max(prepass_above * target, max_tile_faces)
@@ -97,7 +98,12 @@ def remesh_presimplified(
     _BAND = (udf, grid, parents)
     try:
         jobs = [(b, ratio, large and workers > 1) for b in bounds]
-        parts = list(ordered_map(_slab_job, jobs, workers if large else 1, processes=True))
+        if large and workers == 1 and can_isolate():
+            # one slab at a time, each in a fresh child: the quadric simplifier keeps its buffers (~0.3 GB per slab)
+            # until its process exits, and they would sit under every later slab's contour here
+            parts = [run_isolated(_slab_job, job) for job in jobs]
+        else:
+            parts = list(ordered_map(_slab_job, jobs, workers if large else 1, processes=True))
     finally:
         _BAND = None
     del udf

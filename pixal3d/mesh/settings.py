@@ -34,6 +34,9 @@ class ExportSettings:
     it as STL and 3MF (``ExportedMesh.extras``).
     compression: None, or ``"meshopt"``: the GLB's geometry compressed with meshoptimizer
     (``EXT_meshopt_compression``, required by the file; three.js, Babylon.js and gltf-transform read it).
+    workers: forked processes for the slab remesh and the tiled simplifier (None: one per core, at most 4; 1: the
+    slabs one at a time in this process, as the plan sets where the workers' memory does not fit the budget). The
+    mesh is the same whatever it is.
     """
 
     decimation_target: int = 1_000_000
@@ -56,6 +59,7 @@ class ExportSettings:
     occlusion_distance: float = 0.05
     printable: bool = False
     compression: str | None = None
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.decimation_target < 4:
@@ -90,6 +94,9 @@ class ExportSettings:
         if self.printable and not (self.remesh and self.exterior_only):
             raise ValueError("printable=True needs remesh=True and exterior_only=True (one closed outer sheet); "
                              "use the print preset, which sets them")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers must be a process count >= 1 or None (one per core), got {self.workers!r}")
         if self.compression not in (*COMPRESSIONS, None):
             raise ValueError(f"compression must be one of {COMPRESSIONS} or None, got {self.compression!r}")
 

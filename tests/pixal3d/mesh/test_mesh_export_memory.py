@@ -142,3 +142,26 @@ def test_voxel_normals_take_gives_on_and_releases_the_field():
     with pytest.raises(TypeError):
         field.on(index)
 
+
+
+def test_vertices_of_no_face_stay_out_of_the_distance_index():
+    """Where every vertex has a face the index keeps no vertex list (the tree's rows are the vertices); where some
+    have none (here placed nearer the queries than the surface), they are left out of the tree, and the distances
+    are those of the mesh without them."""
+    from pixal3d.mesh.cleanup import clean_mesh
+    from pixal3d.mesh.distance import SurfaceDistance
+    from pixal3d.mesh.dual_grid import dual_grid_to_mesh
+    from pixal3d.mesh.synthetic import sdf_dual_grid, sphere_sdf
+
+    v, f = clean_mesh(*dual_grid_to_mesh(sdf_dual_grid(sphere_sdf((0, 0, 0), 0.3), 48)), max_hole_perimeter=3e-2,
+                      min_component_area=1e-5)
+    points = np.random.default_rng(2).uniform(-0.45, 0.45, (5000, 3))
+    whole = SurfaceDistance(v, f)
+    assert whole.tree_ids is None and whole.start.dtype == np.int32
+    stray = points[:300].astype(np.float32) * 0.999  # no face: must not be found as anyone's nearest vertex
+    with_stray = SurfaceDistance(np.concatenate([stray, v]), f + len(stray))
+    assert len(with_stray.tree_ids) == len(v)
+    assert np.array_equal(with_stray.distance(points), whole.distance(points))
+    # control: a face on the stray vertices changes the distances near them, so the comparison can fail
+    touched = SurfaceDistance(np.concatenate([stray, v]), np.r_[f + len(stray), [[0, 1, 2]]])
+    assert not np.array_equal(touched.distance(points), whole.distance(points))

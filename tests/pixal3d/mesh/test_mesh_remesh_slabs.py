@@ -1,5 +1,7 @@
 """The remesh slab by slab (remesh_slabs.py): one slab is the whole remesh, bit for bit; cut slabs stitch back into
 exactly its triangles; with the pre-pass, the closed contour stays closed and lands near its face budget."""
+import os
+import sys
 from itertools import pairwise
 
 import numpy as np
@@ -88,3 +90,39 @@ def test_presimplified_mesh_does_not_depend_on_how_many_workers_run(blob):
     # control: other cuts (smaller slabs) give another pre-pass mesh, so the comparison can fail
     (vc, fc), dc = run(1, max_tile_faces=tile // 3)
     assert dc["slabs"] != d1["slabs"] and not (len(fc) == len(f1) and np.array_equal(fc, f1) and np.array_equal(vc, v1))
+
+
+_PID_LOG: list = []  # [path, the real slab job] while the test below runs (read in the forked children)
+
+
+def _logged_slab_job(item):
+    path, job = _PID_LOG
+    with open(path, "a") as out:
+        out.write(f"{os.getpid()}\n")
+    return job(item)
+
+
+@pytest.mark.skipif(not can_isolate(), reason="the slabs run in forked processes only where forking is safe (Linux)")
+def test_with_one_worker_each_slab_runs_in_a_child_of_its_own(blob, tmp_path, monkeypatch):
+    """One worker (what the plan sets under a tight budget): each slab in a fresh forked child, so the quadric
+    simplifier's buffers, which it keeps until its process exits, and the slab's heap go when the slab ends; the
+    process pool of several workers reuses its processes (the control: the pids tell the two apart)."""
+    from pixal3d.mesh import remesh_slabs
+
+    v, f, (_, rf) = blob
+    log = tmp_path / "pids"
+    monkeypatch.setattr(sys.modules[__name__], "_PID_LOG", [log, remesh_slabs._slab_job])
+    monkeypatch.setattr(remesh_slabs, "_slab_job", _logged_slab_job)
+
+    def pids(workers):
+        log.write_text("")
+        (_, _), detail = remesh_presimplified(v, f, resolution=RES, target=len(rf) // 12,
+                                              max_tile_faces=len(rf) // 3, workers=workers)
+        seen = [int(p) for p in log.read_text().split()]
+        assert len(seen) == detail["slabs"] >= 4
+        return seen
+
+    one = pids(1)
+    assert len(set(one)) == len(one) and os.getpid() not in one
+    two = pids(2)
+    assert len(set(two)) <= 2 < len(two) and os.getpid() not in two
