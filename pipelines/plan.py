@@ -378,6 +378,9 @@ def describe_fit(stages: Sequence[Any], budget: int | None, machine: Machine | N
                            f"(exact)")
         if "chunks" in choices:
             reasons.append(f"{stage.name}: attention and NAF in smaller chunks to stay within the budget")
+        if choices.get("workers") == 1:
+            reasons.append(f"{stage.name}: the remesh's slabs one at a time, not on forked workers (their memory does "
+                           f"not fit; the same mesh, ~1.6x the remesh's time)")
         if "conv_band_rows" in choices:
             reasons.append(f"{stage.name}: MoGe-2's conv neck and heads in bands of {choices['conv_band_rows']} rows "
                            f"(exact)")

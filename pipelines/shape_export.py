@@ -23,7 +23,7 @@ class ShapeExportStage(ExportStage):
     def working_set(self) -> int:
         # the export's estimate without its texture images (texture_size 0, no maps): the mesh steps' share
         return export_bytes(self.hr_resolution, self.upsample_times, self.settings.decimation_target, 0,
-                            normal_map=False, occlusion_map=False)
+                            normal_map=False, occlusion_map=False, forked=self.settings.workers != 1)
 
     def run(self, state: RunState, models: Mapping[str, nn.Module]) -> None:
         from pixal3d.mesh.export import export_shape  # the mesh code: only when it runs

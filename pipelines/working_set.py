@@ -88,11 +88,12 @@ def decode_bytes(hr_resolution: int, times: int) -> int:
 
 
 def export_bytes(hr_resolution: int, times: int, decimation_target: int, texture_size: int, *,
-                 normal_map: bool = False, occlusion_map: bool = False) -> int:
+                 normal_map: bool = False, occlusion_map: bool = False, forked: bool = True) -> int:
     """Mesh extraction, simplification and the baked textures, with the shading maps asked for
-    (``memory_budget.export_estimate``: the larger of the simplifier's measured line and the bake with its maps)."""
+    (``memory_budget.export_estimate``: the larger of the export's measured line, with the slab remesh's
+    workers ``forked`` or its slabs one at a time, and the bake with its maps)."""
     return export_estimate(decoded_voxels(hr_tokens(hr_resolution), times), decimation_target, texture_size,
-                           normal_map=normal_map, occlusion_map=occlusion_map)
+                           normal_map=normal_map, occlusion_map=occlusion_map, forked=forked)
 
 
 def attention_route_bytes(route: str, tokens: int, score_elements: int) -> int:

@@ -94,8 +94,14 @@ DECODE_COSTS = DecodeCosts()
 # Since the export's steps were lightened (3c4a8a7+) the exporting process peaks at 2.42 GiB at 9M voxels, but this
 # line stays: the slab remesh's two forked workers add their own memory to the process group, which was killed for
 # memory in the remesh in 2600, 2734 and 3400 MiB cgroups (total_rss sampled at 2.43, 2.65 and 3.25 GiB;
-# benchmarks/export_speed.md, "Memory at 9M voxels"). Bounding the workers is what lowers it next.
+# benchmarks/export_speed.md, "Memory at 9M voxels"). Where it does not fit, the plan bounds the workers (below).
 EXPORT_BYTES_PER_VOXEL = 320
+# With the slab remesh's slabs one at a time (``ExportSettings.workers = 1``, what the plan sets when the line above
+# does not fit: the remesh in a child process, each slab in a child of its own), the group's anonymous memory peaked
+# at 2.47 GiB in the remesh (2.21 in the metrics, 2.28 in the bake), 2.19 above the bench's 0.28 GiB interpreter, at
+# 9.0M voxels -> 1M faces, 4096² (scripts/bench_export_cgroup.py --workers 1; benchmarks/export_speed.md): 179 B per
+# voxel beside the face and texel terms, 185 counted.
+EXPORT_SERIAL_BYTES_PER_VOXEL = 185
 EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
 # The bake step's own peak with the shading maps (issue 46), counted from its structures (not yet measured at 9M
@@ -110,10 +116,13 @@ EXPORT_MAPS_BYTES_PER_TEXEL = 11
 EXPORT_OCCLUSION_BYTES = 256**3
 
 
-def export_estimate(voxels: float, faces: int, texture_size: int, *, normal_map: bool, occlusion_map: bool) -> int:
-    """The export's working set: the larger of the measured simplifier line and the bake step with its maps."""
+def export_estimate(voxels: float, faces: int, texture_size: int, *, normal_map: bool, occlusion_map: bool,
+                    forked: bool = True) -> int:
+    """The export's working set: the larger of its measured line (the slab remesh's workers ``forked``, or its slabs
+    one at a time) and the bake step with its maps."""
     texels = texture_size ** 2
-    whole = voxels * EXPORT_BYTES_PER_VOXEL + faces * EXPORT_BYTES_PER_FACE + texels * EXPORT_BYTES_PER_TEXEL
+    per_voxel = EXPORT_BYTES_PER_VOXEL if forked else EXPORT_SERIAL_BYTES_PER_VOXEL
+    whole = voxels * per_voxel + faces * EXPORT_BYTES_PER_FACE + texels * EXPORT_BYTES_PER_TEXEL
     bake = (voxels * (EXPORT_BAKE_BYTES_PER_VOXEL + (EXPORT_MAPS_BYTES_PER_VOXEL if normal_map else 0))
             + faces * EXPORT_BYTES_PER_FACE + texels * (EXPORT_BYTES_PER_TEXEL + (EXPORT_MAPS_BYTES_PER_TEXEL
                                                                                   if normal_map else 0))

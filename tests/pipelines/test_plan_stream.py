@@ -89,7 +89,7 @@ def test_two_and_a_half_gib_plans_camera_to_decode_with_the_backbones_streamed_a
     interpreter, MoGe-2 (the camera) and DINOv3 (the features) streamed by their 24 ViT blocks, the camera's
     working set MoGe-2's float32 one on the CPU with its conv neck and heads in row bands, NAF ``full`` in all three flow stages (where the whole encoder,
     3.8 GiB, gave ``frugal`` even at 4 GiB), and names the smallest budget. The whole cascade at 2.5 GiB is refused
-    by the export (3.36 GiB of work at 9M voxels), no longer by the camera."""
+    by the export (2.23 GiB of work at 9M voxels with its slabs one at a time), no longer by the camera."""
     plan = Pixal3D.plan(REAL, device="cpu", memory_budget="2.5G", until="decode")
     assert {"moge", "dinov3"} <= set(plan.memory.streamed)
     rows = {r.name: r for r in plan.memory.stages}
