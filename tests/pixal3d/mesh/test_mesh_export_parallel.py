@@ -49,10 +49,12 @@ def test_distances_do_not_depend_on_the_order_of_the_queries(sphere):
     v, f = sphere
     dist = SurfaceDistance(v, f, threads=2)
     rng = np.random.default_rng(1)
-    points = rng.uniform(-0.4, 0.4, (70_000, 3))  # two chunks of queries, on two threads
+    points = rng.uniform(-0.4, 0.4, (70_000, 3))  # three chunks of queries, on two threads
     perm = rng.permutation(len(points))
     d = dist.distance(points)
     assert np.array_equal(dist.distance(points[perm]), d[perm])
+    for chunk in (1 << 16, 1 << 12):  # nor on the chunk size
+        assert np.array_equal(dist.distance(points, chunk=chunk), d)
     # control: the values differ point to point, so a scatter to the wrong rows would show
     radius = np.abs(np.linalg.norm(points, axis=1) - 0.3)
     assert np.abs(d - radius).max() < 1.0 / RES and np.std(d) > 0.05
