@@ -214,13 +214,17 @@ def _bake(v: np.ndarray, uv: UvMesh, reference: list, pbr: PbrVoxels, maps: Surf
     ref_v, ref_f = reference  # handed over: once the projector is built, nothing needs the reference surface
     reference.clear()
     raster = rasterize_atlas(uv.uvs, uv.faces, settings.texture_size)  # first: its temporaries before the rest
+    release_freed_heap()  # and those temporaries (the atlas-sized images, 0.2 GB at 4096²) given back, not kept
     projector = None
     if settings.projection is not None:
         # The remesh sits remesh_band cells off the reference surface: let the projection cover that too.
         offset = _remesh_grid(settings, pbr.resolution).eps if settings.remesh else 0.0
         projector = SurfaceProjector(ref_v, ref_f, mode=settings.projection, max_shift=2.0 / pbr.resolution + offset)
     del ref_v, ref_f  # the projector keeps what it needs (the vertices; in "exact" mode the faces too)
-    index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
+    release_freed_heap()  # the normals' sums and the tree's build temporaries
+    # bricks of 4³: at 9M voxels 201 MiB against 8³'s 282 (a shell fills small bricks better), and faster to build
+    # and read; the same rows
+    index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution, brick=4)
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
     texels = bake_texels(v, uv.faces, uv.uvs, uv.vertex_map, projector, index, attrs, pbr.resolution,
                          settings.texture_size, maps=maps, raster=raster)

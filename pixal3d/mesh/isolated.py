@@ -12,6 +12,7 @@ without exec), not where a CUDA context is live. Elsewhere, or with ``isolate=Fa
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -43,7 +44,16 @@ def run_isolated(step: Callable[..., T], *args: Any, isolate: bool = True) -> T:
     if not (isolate and can_isolate()):
         return step(*args)
     read, write = os.pipe()
-    pid = os.fork()
+    # the objects so far out of the collector's sight while forking: a collection in the child then writes to none
+    # of their gc headers, so their pages stay shared with this process instead of being copied into the child
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:  # the child: run, send (ok, value) back, exit without running the parent's cleanup
         os.close(read)
         code = 0

@@ -53,7 +53,7 @@ def _uvs(mesh: UserMesh, settings: ExportSettings):
 def _bake(placed: np.ndarray, uv: UvMesh, pbr: PbrVoxels, settings: ExportSettings):
     from .bake import bake_textures
 
-    index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution)
+    index = SparseIndex(pbr.coords.detach().cpu().numpy(), pbr.resolution, brick=4)  # as the export's bake
     attrs = pbr.attrs.detach().cpu().numpy().astype(np.float32, copy=False)
     tex = bake_textures(placed, uv.faces, uv.uvs, uv.vertex_map, None, index, attrs, pbr.resolution,
                         settings.texture_size)

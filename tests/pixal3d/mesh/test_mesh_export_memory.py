@@ -165,3 +165,110 @@ def test_vertices_of_no_face_stay_out_of_the_distance_index():
     # control: a face on the stray vertices changes the distances near them, so the comparison can fail
     touched = SurfaceDistance(np.concatenate([stray, v]), np.r_[f + len(stray), [[0, 1, 2]]])
     assert not np.array_equal(touched.distance(points), whole.distance(points))
+
+
+def _bumpy_mesh(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """A random mesh over a jittered grid, with zero-area faces (a repeated vertex) among its faces."""
+    rng = np.random.default_rng(seed)
+    v, f = _grid_mesh(24)
+    v = v + rng.normal(0, 0.01, v.shape).astype(np.float32)
+    f = f.copy()
+    f[::37, 2] = f[::37, 1]  # degenerate: zero area, a flat run in the CDF
+    return v, f
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_surface_samples_walk_the_area_cdf_in_chunks_as_the_whole_cdf(chunk):
+    from pixal3d.mesh.cleanup import face_areas
+    from pixal3d.mesh.quality import sample_surface
+
+    v, f = _bumpy_mesh()
+
+    def whole(vertices, faces, count, rng):  # the rule it replaces: one face-sized CDF, searchsorted over it
+        cdf = np.cumsum(face_areas(vertices, faces))
+        face = np.minimum(np.searchsorted(cdf, rng.uniform(0, cdf[-1], count)), len(faces) - 1)
+        u, w = rng.uniform(size=(2, count))
+        flip = u + w > 1
+        u, w = np.where(flip, 1 - u, u), np.where(flip, 1 - w, w)
+        a, b, c = (vertices[faces[face, k]].astype(np.float64) for k in range(3))
+        return a + u[:, None] * (b - a) + w[:, None] * (c - a)
+
+    got = sample_surface(v, f, 5000, np.random.default_rng(0), chunk=chunk)
+    assert np.array_equal(got, whole(v, f, 5000, np.random.default_rng(0)))
+    # control: other faces (the same ones in another order) give other points, so the comparison can fail
+    assert not np.array_equal(got, whole(v, f[::-1], 5000, np.random.default_rng(0)))
+
+
+def test_the_projectors_vertex_normals_are_normalised_in_chunks_as_whole():
+    from pixal3d.mesh.bake import SurfaceProjector
+
+    v, f = _bumpy_mesh()
+    f = np.concatenate([f, f[:50, [0, 2, 1]]])  # some faces both ways: the sign alignment matters
+    got = SurfaceProjector._aligned_normals(v, f, chunk=100)
+    whole = SurfaceProjector._aligned_normals(v, f, chunk=1 << 20)
+    assert got.dtype == np.float32 and np.array_equal(got, whole)
+    # the rule it replaces, on the sums: the quotient of every row at once, then float32
+    sums = np.zeros((len(v), 3))
+    ref = np.zeros(len(v), np.int64)
+    ref[f.reshape(-1)] = np.repeat(np.arange(len(f)), 3)
+    ref_normal = np.cross(v[f[ref, 1]] - v[f[ref, 0]], v[f[ref, 2]] - v[f[ref, 0]])
+    n = np.cross(v[f[:, 1]] - v[f[:, 0]], v[f[:, 2]] - v[f[:, 0]])
+    for k in range(3):
+        sign = np.where(np.einsum("ij,ij->i", n, ref_normal[f[:, k]]) < 0, -1.0, 1.0)
+        for c in range(3):
+            sums[:, c] += np.bincount(f[:, k], weights=sign * n[:, c], minlength=len(v))
+    rule = (sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-30)).astype(np.float32)
+    assert np.array_equal(got, rule)
+    # control: without the sign alignment the normals differ, so the comparison can fail
+    plain = np.zeros((len(v), 3))
+    for k in range(3):
+        for c in range(3):
+            plain[:, c] += np.bincount(f[:, k], weights=n[:, c], minlength=len(v))
+    plain = (plain / np.maximum(np.linalg.norm(plain, axis=1, keepdims=True), 1e-30)).astype(np.float32)
+    assert not np.array_equal(got, plain)
+
+
+def test_the_bakes_brick_size_does_not_change_a_lookup():
+    from pixal3d.mesh.sparse_index import SparseIndex
+
+    rng = np.random.default_rng(4)
+    coords = np.unique(rng.integers(0, 64, (20_000, 3)), axis=0)
+    query = rng.integers(-2, 66, (50_000, 3))
+    small, large = SparseIndex(coords, 64, brick=4), SparseIndex(coords, 64, brick=8)
+    found = small.lookup(query)
+    assert np.array_equal(found, large.lookup(query)) and (found >= 0).any() and (found < 0).any()
+    assert np.array_equal(coords[found[found >= 0]], query[found >= 0])
+
+
+@pytest.mark.parametrize("chunk", [64, 1 << 20])
+def test_the_band_search_measures_each_levels_children_a_chunk_at_a_time_as_whole(chunk):
+    from pixal3d.mesh.dual_grid import dual_grid_to_mesh
+    from pixal3d.mesh.narrow_band import RemeshGrid, band_parents, children
+    from pixal3d.mesh.synthetic import blobby_sdf, sdf_dual_grid
+
+    v, f = dual_grid_to_mesh(sdf_dual_grid(blobby_sdf(1.0, 0), 64, project=False))
+    udf, grid = SurfaceDistance(v, f), RemeshGrid(64)
+
+    def whole():  # the rule it replaces: every candidate of a level and its distance at once
+        axis = np.arange(grid.levels()[0], dtype=np.int32)
+        cells = np.stack(np.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+        free = []
+        for i, n in enumerate(grid.levels()):
+            size, step = grid.scale / n, grid.resolution // n
+            d = udf.distance(grid.to_world((cells + 0.5) * step), upper_bound=grid.eps + 0.87 * size, coherent=True)
+            keep = np.abs(d - grid.eps) < 0.87 * size
+            far = cells[~keep & (d > grid.eps)].astype(np.int64)
+            free.append((n, np.sort((far[:, 0] * n + far[:, 1]) * n + far[:, 2])))
+            cells = cells[keep]
+            if i + 1 < len(grid.levels()):
+                cells = children(cells)
+        return cells[np.lexsort((cells[:, 2], cells[:, 1], cells[:, 0]))], free
+
+    parents, free = band_parents(udf, grid, keep_free=True, chunk=chunk)
+    want, want_free = whole()
+    assert len(parents) > 1000 and np.array_equal(parents, want)
+    assert [n for n, _ in free] == [n for n, _ in want_free]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(free, want_free, strict=True))
+    assert np.array_equal(band_parents(udf, grid, chunk=chunk)[0], want)  # and without the free cells
+    # control: a narrower band keeps fewer cells, so the comparison can fail
+    assert len(band_parents(udf, RemeshGrid(64, 0.5), chunk=chunk)[0]) != len(want)
