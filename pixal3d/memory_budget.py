@@ -97,11 +97,12 @@ DECODE_COSTS = DecodeCosts()
 # benchmarks/export_speed.md, "Memory at 9M voxels"). Where it does not fit, the plan bounds the workers (below).
 EXPORT_BYTES_PER_VOXEL = 320
 # With the slab remesh's slabs one at a time (``ExportSettings.workers = 1``, what the plan sets when the line above
-# does not fit: the remesh in a child process, each slab in a child of its own), the group's anonymous memory peaked
-# at 2.47 GiB in the remesh (2.21 in the metrics, 2.28 in the bake), 2.19 above the bench's 0.28 GiB interpreter, at
-# 9.0M voxels -> 1M faces, 4096² (scripts/bench_export_cgroup.py --workers 1; benchmarks/export_speed.md): 179 B per
-# voxel beside the face and texel terms, 185 counted.
-EXPORT_SERIAL_BYTES_PER_VOXEL = 185
+# does not fit: the remesh in a child process, each slab in a child of its own), at 9.0M voxels -> 1M faces, 4096²,
+# the group's anonymous memory peaked at 2.29 GiB in the remesh (the bake 2.19, the metrics 1.97), 2.01 above the
+# bench's 0.28 GiB interpreter (scripts/bench_export_cgroup.py --workers 1; benchmarks/export_speed.md): 158 B per
+# voxel beside the face and texel terms, 160 counted. With PROCESS_BYTES (0.44 GiB, the bench's interpreter is 0.28)
+# the plan's row is 2.47 GiB against the 2.29 measured.
+EXPORT_SERIAL_BYTES_PER_VOXEL = 160
 EXPORT_BYTES_PER_FACE = 200
 EXPORT_BYTES_PER_TEXEL = 32
 # The bake step's own peak with the shading maps (issue 46), counted from its structures (not yet measured at 9M

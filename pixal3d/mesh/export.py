@@ -4,7 +4,7 @@
 report); ``export_glb`` also writes the file. Steps (each timed, with its peak RSS): 1. dual grid → raw
 mesh; 2. reference surface (degenerate and duplicate faces out, small holes filled) — the surface every
 texel is projected onto; 3. optional remesh (narrow-band UDF dual contouring, the reference's release
-setting); 4. simplify to the face budget (in a child process where it can: ``isolated.py``); 5. cleanup
+setting; slab by slab in a child process, ``settings.workers`` of them at once); 4. simplify to the face budget (in a child process where it can: ``isolated.py``); 5. cleanup
 (+ outward orientation without remesh; the remesh is oriented already; a printable mesh is checked closed);
 6. normals + UV atlas; 7. quality metrics against the reference surface; 8. the shading maps' inputs (tangent
 frames, per-vertex occlusion, the decoded surface's normal field: ``maps.py``); 9. bake; 10. GLB encoding (+ STL

@@ -5,7 +5,8 @@ capacity is never given back: after simplifying a decoded surface of tens of mil
 process would keep about 1 GB of them, beside every later step (the bake's and the metrics' peaks), until it
 exits. A forked child runs the step and exits; its inputs are shared with this process copy-on-write (nothing
 is copied), its result (the simplified mesh, megabytes) comes back through a pipe. The step computes the same
-thing either way: the same code on the same arrays.
+thing either way: the same code on the same arrays. The slab remesh runs in one too (its distance index and slabs
+would leave this process's heap fragmented for the later steps), and with one worker each of its slabs in another.
 
 Only on Linux, and only where forking is safe: not on macOS (frameworks such as Metal do not survive a fork
 without exec), not where a CUDA context is live. Elsewhere, or with ``isolate=False``, the step runs here.
