@@ -94,8 +94,11 @@ DECODE_COSTS = DecodeCosts()
 # Since the export's steps were lightened (3c4a8a7+) the exporting process peaks at 2.42 GiB at 9M voxels, but this
 # line stays: the slab remesh's two forked workers add their own memory to the process group, which was killed for
 # memory in the remesh in 2600, 2734 and 3400 MiB cgroups (total_rss sampled at 2.43, 2.65 and 3.25 GiB;
-# benchmarks/export_speed.md, "Memory at 9M voxels"). Where it does not fit, the plan bounds the workers (below).
-EXPORT_BYTES_PER_VOXEL = 320
+# benchmarks/export_speed.md, "Memory at 9M voxels"). Since the remesh runs in a child and its steps were lightened
+# (1210c11..76c1b67) the group peaks at 2.65 GiB with two forked workers (the remesh; 2.37 above the bench's 0.28 GiB
+# interpreter, 201 B per voxel beside the face and texel terms): 210 counted (two slabs in flight vary more than one).
+# Where it does not fit, the plan runs the slabs one at a time (below).
+EXPORT_BYTES_PER_VOXEL = 210
 # With the slab remesh's slabs one at a time (``ExportSettings.workers = 1``, what the plan sets when the line above
 # does not fit: the remesh in a child process, each slab in a child of its own), at 9.0M voxels -> 1M faces, 4096²,
 # the group's anonymous memory peaked at 2.29 GiB in the remesh (the bake 2.19, the metrics 1.97), 2.01 above the

@@ -35,11 +35,12 @@ def test_reference_counts_match_the_measured_figures():
     est = estimates(load_config(REFERENCE))
     assert est["shape_1024"] == 20_000 * mb.FLOW_BYTES_PER_TOKEN + mb.FLOW_FIXED_BYTES  # frugal-NAF line, auto
     # benchmarks/full_work.md (measured working sets): shape_1024 1.53 GiB, upsample 1.23, decode 8.61 + outputs;
-    # benchmarks/stream.md: the export 3.41 GiB at its peak, 3.19 above the interpreter
+    # the export with two forked slab workers: its process group 2.65 GiB at 9M voxels, 2.37 above the bench's
+    # interpreter (benchmarks/export_speed.md)
     assert est["shape_1024"] / GiB == pytest.approx(1.53, abs=0.01)
     assert est["upsample"] / GiB == pytest.approx(1.23, rel=0.05)
     assert est["decode"] / GiB == pytest.approx(9.94, abs=0.02)
-    assert est["export"] / GiB == pytest.approx(3.36, abs=0.01)
+    assert est["export"] / GiB == pytest.approx(2.44, abs=0.01) and est["export"] > 2.37 * GiB
     # the slabs one at a time (what the plan picks where the forked workers do not fit): the 9M-voxel export's group
     # peaked at 2.29 GiB in a cgroup, 2.01 above the bench's interpreter (benchmarks/export_speed.md)
     serial = stage("export").fitted(StageBudget(0, 0)).working_set()
