@@ -5,7 +5,8 @@ and the tiled QEM pre-pass then cut it into slabs anyway. Here the band's kept p
 search over the whole domain) are cut into x-slabs of about equal size; each slab is contoured on its own (its
 corners' UDF, its cells, the quads of the edges its cells own, reaching one parent plane into the next slab) and
 simplified at once to its share of ``prepass_above · target`` with its cut border frozen, in forked workers
-(``workers.ordered_map``). The slabs meet at the cut: a dual vertex there is computed from the same corner values
+(``workers.ordered_map``) or, with one worker, each slab in a forked child of its own (``isolated.run_isolated``:
+the quadric simplifier's buffers leave with the child, not under the next slab). The slabs meet at the cut: a dual vertex there is computed from the same corner values
 in both, bit for bit, and frozen in both, so the slabs are stitched by exact vertex value, as the tiled pre-pass
 stitches its tiles. What remains is ``simplify``'s final QEM.
 

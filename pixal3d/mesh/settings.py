@@ -35,8 +35,8 @@ class ExportSettings:
     compression: None, or ``"meshopt"``: the GLB's geometry compressed with meshoptimizer
     (``EXT_meshopt_compression``, required by the file; three.js, Babylon.js and gltf-transform read it).
     workers: forked processes for the slab remesh and the tiled simplifier (None: one per core, at most 4; 1: the
-    slabs one at a time in this process, as the plan sets where the workers' memory does not fit the budget). The
-    mesh is the same whatever it is.
+    remesh's slabs one at a time, each in a forked child of its own that exits with its buffers, as the plan sets
+    where two workers' memory does not fit the budget). The mesh is the same whatever it is.
     """
 
     decimation_target: int = 1_000_000
