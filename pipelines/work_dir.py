@@ -194,12 +194,18 @@ def why_stale(stored: Mapping[str, Any], expected: StageKey) -> str:
 
 
 # -- the directory --------------------------------------------------------------------------------
-def foreign_entries(folder: Path, ours: Sequence[str] = ()) -> list[str]:
-    """The entries of ``folder`` that neither this kind of folder's making leaves (``ours``: its subfolders) nor a
-    temporary file of ours is (``.NAME.<random>.tmp``): a folder holding only those is one that another process,
-    started at the same moment, is making right now (a fleet started at once), not somebody else's folder."""
-    return [entry.name for entry in folder.iterdir()
-            if entry.name not in ours and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))]
+def somebody_elses(folder: Path, marker: str, ours: Sequence[str] = ()) -> bool:
+    """Whether ``folder`` holds files and is not this kind of folder: no ``marker`` in it, and entries that neither
+    its making leaves (``ours``: its subfolders) nor a temporary file of ours is (``.NAME.<random>.tmp``). A folder
+    holding only those is one that another process, started at the same moment, is making right now (a fleet
+    started at once). The entries are listed before the marker is looked for: a process making the folder writes
+    its marker before anything else of its own, so whatever of its making the listing saw, the look after it sees
+    the marker too (looked for first, the marker written in between made the folder look like somebody else's)."""
+    if not folder.is_dir():
+        return False
+    entries = [entry.name for entry in folder.iterdir()
+               if entry.name not in ours and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))]
+    return bool(entries) and not (folder / marker).exists()
 
 
 class WorkDir:
@@ -210,7 +216,7 @@ class WorkDir:
         self._tokens: dict[str, str] = {}  # image -> the token this run wrote to its .owner when it opened it
         marker = self.root / MARKER
         try:
-            if self.root.is_dir() and not marker.exists() and foreign_entries(self.root):
+            if somebody_elses(self.root, MARKER):
                 raise WorkDirError(f"work directory {self.root} already holds files and is not a pixal3d work "
                                    f"directory (no {MARKER}); choose an empty or new folder")
             self.root.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pixal3d.files import sync_folder, write_bytes_atomic, write_json_atomic
 
-from ..work_dir import WorkDir, foreign_entries
+from ..work_dir import WorkDir, somebody_elses
 
 MARKER = "pixal3d-serve.json"
 FORMAT = "pixal3d-serve/2"
@@ -78,7 +78,7 @@ class DataFolder:
         self.root = Path(root)
         marker = self.root / MARKER
         try:
-            if self.root.is_dir() and not marker.exists() and foreign_entries(self.root, SUBFOLDERS):
+            if somebody_elses(self.root, MARKER, SUBFOLDERS):
                 raise DataDirError(f"--data {self.root} already holds files and is not a pixal3d-serve data folder "
                                    f"(no {MARKER}); choose an empty or new folder")
             self.jobs.mkdir(parents=True, exist_ok=True)

@@ -99,3 +99,30 @@ def test_a_data_folder_another_process_is_making_is_taken_and_somebody_elses_is_
         (tmp_path / refused / "notes.txt").write_text("mine")
         with pytest.raises(error, match="already holds files"):
             maker(tmp_path / refused)
+
+
+@pytest.mark.parametrize("kind", ["data", "work"])
+def test_a_folder_whose_marker_another_process_writes_while_it_is_looked_at_is_taken(kind, tmp_path, monkeypatch):
+    """CI at 1eddfd8, round 0 of the fleet test above: the second API looked for the work directory's marker (not
+    yet there), the first API then wrote it, and the listing that followed saw the marker itself as somebody
+    else's file. Here the other process writes its marker and then a folder of its own while this one lists the
+    folder: taken (under the old order, marker first and listing second, this raised "already holds files")."""
+    from pathlib import Path
+
+    from pipelines.serve import store
+    from pipelines.work_dir import MARKER, WorkDir
+
+    maker, marker = (store.DataFolder, store.MARKER) if kind == "data" else (WorkDir, MARKER)
+    folder = tmp_path / kind
+    folder.mkdir()
+    real_iterdir = Path.iterdir
+
+    def other_process_meanwhile(path):
+        if path == folder and not (folder / marker).exists():
+            (folder / marker).write_text('{"format": 1}')
+            (folder / "an_image").mkdir()
+        return real_iterdir(path)
+
+    monkeypatch.setattr(Path, "iterdir", other_process_meanwhile)
+    maker(folder)
+    assert (folder / marker).exists()
