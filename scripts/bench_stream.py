@@ -23,9 +23,11 @@ in ``--cache``):
   the same way.
 - ``cascade``: the whole cascade at real widths on reduced work (see ``CascadeWork``), one run, its fingerprints;
   ``cgroup`` runs it inside a new memory cgroup (v2 ``memory.max`` where mounted, else v1
-  ``memory.limit_in_bytes``; root) with ``--memory-budget`` and without it (the control), and outside it a
-  resident run of the budget's stage choices (NAF mode, decode tiles, chunks; whole models kept loaded, no budget)
-  for the fingerprints.
+  ``memory.limit_in_bytes``; root): with ``--memory-budget`` (``budgeted``), the control with whole models and no
+  budget (``control``: policy ``staged``, what a run without streaming or tiles holds), ``auto`` without a budget
+  (the policy reads the cgroup's limit), and outside it a resident run of the budget's stage choices (NAF mode,
+  decode tiles, chunks; whole models kept loaded, no budget) for the fingerprints (``resident``); ``--runs``
+  picks some of them, keeping the others from the ``--out`` report of an earlier run.
 
     python scripts/bench_stream.py plan --budget 4G
     python scripts/bench_stream.py stages --budget 4G --out benchmarks/stream_stages.json
@@ -598,6 +600,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=("flow", "moge", "dinov3"), default="flow", help="ratio: what to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", default="4G", help="cgroup memory limit")
+    parser.add_argument("--runs", nargs="*", default=[*CGROUP_RUNS, "resident"],
+                        choices=[*CGROUP_RUNS, "resident"], help="cgroup: which runs (default: all)")
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -642,28 +646,54 @@ def main(argv: list[str] | None = None) -> None:
                                                  "copied": True}, args.timeout))
         _save(args.out, data)
     elif args.mode == "cgroup":
-        limit = parse_budget(args.limit)
-        runs = [("budgeted", {"policy": "auto", "budget": args.budget}), ("control", {"policy": "auto"})]
-        for label, extra in runs:
-            params = {"cache": cache, "copied": True, **extra}
-            command_line = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(["cascade", params])]
-            report = run_in_cgroup(command_line, limit, f"pixal3d-bench-{label}", args.timeout)
-            report["label"] = label
-            data["results"].append(report)
-            logger.info("%s: rc %s (%s), cgroup %s", label, report["returncode"], report["signal"], report["cgroup"])
-            _save(args.out, data)
-        # the budget's stage choices (NAF mode, decode tiles, chunks) with whole models kept loaded and no budget
-        # (a resident plan within 4G is refused), outside the cgroup: the streamed run's fingerprints must be these
-        resident = child("cascade", {"cache": cache, "policy": "resident", "choices_of": args.budget, "copied": False},
-                         args.timeout)
-        data["resident"] = resident
-        budgeted = data["results"][0].get("result") or {}
-        data["choices_equal"] = budgeted.get("choices") == resident["choices"]
-        data["fingerprints_equal"] = budgeted.get("fingerprints") == resident["fingerprints"]
-        _save(args.out, data)
-        logger.info("fingerprints of the budgeted (streamed) run equal the resident run's: %s",
-                    data["fingerprints_equal"])
+        cgroup_mode(args, data, cache)
 
+
+CGROUP_RUNS = {
+    "budgeted": {"policy": "auto", "budget": None},  # the budget: --budget
+    "control": {"policy": "staged"},  # whole models per stage, no budget: the run without streaming or tiles
+    "auto": {"policy": "auto"},  # no budget: auto reads the cgroup's limit as the machine's memory
+}
+
+
+def cgroup_mode(args: argparse.Namespace, data: dict[str, Any], cache: str) -> None:
+    """The runs of ``--runs`` inside a ``--limit`` cgroup, then (``resident`` in them) the comparison outside it.
+    With ``--out`` naming an earlier report of this mode, the runs not asked for again are kept from it (one
+    report of every run, the ones measured earlier marked with their command)."""
+    from pixal3d.memory_budget import parse_budget
+
+    limit = parse_budget(args.limit)
+    earlier = json.loads(args.out.read_text()) if args.out is not None and args.out.exists() else {}
+    kept = [r for r in earlier.get("results", []) if r.get("label") not in args.runs]
+    for report in kept:
+        report.setdefault("command", earlier.get("command"))
+    data["results"] = kept
+    for label in (name for name in CGROUP_RUNS if name in args.runs):
+        extra = dict(CGROUP_RUNS[label], **({"budget": args.budget} if label == "budgeted" else {}))
+        params = {"cache": cache, "copied": True, **extra}
+        command_line = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(["cascade", params])]
+        report = run_in_cgroup(command_line, limit, f"pixal3d-bench-{label}", args.timeout)
+        report["label"] = label
+        data["results"].append(report)
+        logger.info("%s: rc %s (%s), cgroup %s", label, report["returncode"], report["signal"], report["cgroup"])
+        _save(args.out, data)
+    if "resident" not in args.runs:
+        for key in ("resident", "choices_equal", "fingerprints_equal"):
+            if key in earlier:
+                data[key] = earlier[key]
+        _save(args.out, data)
+        return
+    # the budget's stage choices (NAF mode, decode tiles, chunks) with whole models kept loaded and no budget
+    # (a resident plan within the budget is refused), outside the cgroup: the streamed run's fingerprints must be these
+    resident = child("cascade", {"cache": cache, "policy": "resident", "choices_of": args.budget, "copied": False},
+                     args.timeout)
+    data["resident"] = resident
+    budgeted = next((r.get("result") or {} for r in data["results"] if r["label"] == "budgeted"), {})
+    data["choices_equal"] = budgeted.get("choices") == resident["choices"]
+    data["fingerprints_equal"] = budgeted.get("fingerprints") == resident["fingerprints"]
+    _save(args.out, data)
+    logger.info("fingerprints of the budgeted (streamed) run equal the resident run's: %s",
+                data["fingerprints_equal"])
 
 if __name__ == "__main__":
     main()
