@@ -23,9 +23,10 @@ in ``--cache``):
   the same way.
 - ``cascade``: the whole cascade at real widths on reduced work (see ``CascadeWork``), one run, its fingerprints;
   ``cgroup`` runs it inside a new memory cgroup (v2 ``memory.max`` where mounted, else v1
-  ``memory.limit_in_bytes``; root): with ``--memory-budget`` (``budgeted``), the control with whole models and no
-  budget (``control``: policy ``staged``, what a run without streaming or tiles holds), ``auto`` without a budget
-  (the policy reads the cgroup's limit), and outside it a resident run of the budget's stage choices (NAF mode,
+  ``memory.limit_in_bytes``; root): with ``--memory-budget`` (``budgeted``), ``auto`` without a budget (the
+  policy reads the cgroup's limit), whole models per stage without a budget (``staged``: the plan refuses it when
+  a stage's weights exceed what the group has free) and the same with that refusal turned off (``control``: what
+  a run without streaming or tiles holds, for the kernel to stop), and outside it a resident run of the budget's stage choices (NAF mode,
   decode tiles, chunks; whole models kept loaded, no budget) for the fingerprints (``resident``); ``--runs``
   picks some of them, keeping the others from the ``--out`` report of an earlier run.
 
@@ -482,6 +483,10 @@ def cascade_child(params: dict[str, Any]) -> dict[str, Any]:
     work = CascadeWork(**params.get("work", {}))
     config = bench_config(Path(params["cache"]), steps=work.steps, guidance=False, copied=params["copied"])
     stages = cascade_stages(config, work)
+    if params.get("unchecked"):  # the control of the cgroup runs: no refusal from the plan, the kernel's verdict
+        import pipelines.plan
+
+        pipelines.plan.check_memory = lambda *args, **kwargs: None
     if params.get("choices_of"):  # the stages as that budget fits them (NAF mode, tiles, chunks), planned without it
         fitted = Pixal3D.plan(config, device="cpu", memory_budget=params["choices_of"], replace=stages)
         stages = {s.name: s for s in fitted.stages}
@@ -651,8 +656,10 @@ def main(argv: list[str] | None = None) -> None:
 
 CGROUP_RUNS = {
     "budgeted": {"policy": "auto", "budget": None},  # the budget: --budget
-    "control": {"policy": "staged"},  # whole models per stage, no budget: the run without streaming or tiles
     "auto": {"policy": "auto"},  # no budget: auto reads the cgroup's limit as the machine's memory
+    "staged": {"policy": "staged"},  # whole models per stage, no budget: the plan refuses what cannot load
+    # the control: the same with the plan's refusal turned off, so that the models load and the kernel decides
+    "control": {"policy": "staged", "unchecked": True},
 }
 
 
